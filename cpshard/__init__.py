@@ -1,0 +1,22 @@
+"""cpshard: exact context parallelism for transformers models, with a JAX-style functional API."""
+
+from cpshard.forward import CPOutput, make_cp_forward, params_of
+from cpshard.grad import value_and_grad
+from cpshard.layout import Layout
+from cpshard.mesh import make_mesh
+from cpshard.processes import LocalRanks, RankError, launch
+from cpshard.spec import Spec, SpecError
+
+__all__ = [
+    "CPOutput",
+    "Layout",
+    "LocalRanks",
+    "RankError",
+    "Spec",
+    "SpecError",
+    "launch",
+    "make_cp_forward",
+    "make_mesh",
+    "params_of",
+    "value_and_grad",
+]

@@ -1,0 +1,148 @@
+"""The batch: checks, a fingerprint to compare across ranks, and padding to a multiple of cp.
+
+Labels are shifted over the whole sequence before it is cut, so the label of each rank's last
+token comes from the next rank's first; padding sits at the end of every row, after all real
+tokens, where a causal model never looks, so no mask of our own is ever added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+INPUT_KEYS = ("input_ids", "inputs_embeds")
+TOKEN_KEYS = ("labels", "shift_labels", "attention_mask", "position_ids")
+BATCH_KEYS = INPUT_KEYS + TOKEN_KEYS
+_FINGERPRINT_DIMS = 3
+
+
+class BatchError(ValueError):
+    """A batch that cpshard cannot run, with what to change."""
+
+
+def fingerprint(batch) -> torch.Tensor:
+    """A small float64 vector that differs when keys, shapes or values differ; safe on any input."""
+    entries = []
+    keys = sorted(batch) if isinstance(batch, Mapping) else []
+    entries.append(float(len(keys)))
+    for key in BATCH_KEYS:
+        value = batch.get(key) if isinstance(batch, Mapping) else None
+        if not isinstance(value, torch.Tensor):
+            entries.extend([0.0] * (_FINGERPRINT_DIMS + 3))
+            continue
+        shape = list(value.shape[:_FINGERPRINT_DIMS]) + [0] * (_FINGERPRINT_DIMS - value.dim())
+        flat = value.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(flat.numel(), dtype=torch.float64) % 997 + 1
+        entries.extend([1.0, float(value.dim()), *map(float, shape), float((flat * weights.to(flat.device)).sum())])
+    return torch.tensor(entries, dtype=torch.float64)
+
+
+def _require_2d(batch: Mapping, key: str, shape: tuple[int, int]) -> None:
+    value = batch[key]
+    if not isinstance(value, torch.Tensor):
+        raise BatchError(f"batch[{key!r}] must be a tensor, got {type(value).__name__}")
+    if value.dim() != 2:
+        hint = " (a 2-D padding mask: 1 for real tokens, 0 for padding; cpshard builds the 4-D mask)" if key == "attention_mask" else ""
+        raise BatchError(f"batch[{key!r}] must be 2-D [B, L] = {list(shape)}, got shape {list(value.shape)}{hint}")
+    batch_ok = value.shape[0] == shape[0] or (key == "position_ids" and value.shape[0] == 1)
+    if not batch_ok or value.shape[1] != shape[1]:
+        raise BatchError(
+            f"batch[{key!r}] has shape {list(value.shape)} but the inputs are [B, L] = {list(shape)}; "
+            "every per-token field must match"
+        )
+
+
+def validate(batch) -> tuple[int, int]:
+    """Raise a :class:`BatchError` naming what is wrong; return ``(B, L)``."""
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"the batch must be a dict of tensors, got {type(batch).__name__}")
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    if unknown:
+        raise BatchError(f"unknown batch keys {unknown}; allowed: {', '.join(BATCH_KEYS)}")
+    given = [key for key in INPUT_KEYS if batch.get(key) is not None]
+    if len(given) != 1:
+        raise BatchError(f"the batch needs exactly one of input_ids or inputs_embeds, got {given or 'neither'}")
+    inputs = batch[given[0]]
+    want_dim = 2 if given[0] == "input_ids" else 3
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != want_dim:
+        shape = list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        raise BatchError(f"batch[{given[0]!r}] must be a {want_dim}-D tensor, got {shape}")
+    if given[0] == "input_ids" and inputs.is_floating_point():
+        raise BatchError("batch['input_ids'] must hold integer token ids; pass embeddings as inputs_embeds")
+    shape = (inputs.shape[0], inputs.shape[1])
+    if shape[0] < 1 or shape[1] < 1:
+        raise BatchError(f"the batch must have at least one row and one token, got [B, L] = {list(shape)}")
+    for key in TOKEN_KEYS:
+        if batch.get(key) is not None:
+            _require_2d(batch, key, shape)
+    return shape
+
+
+def padded_length(length: int, cp: int) -> int:
+    """The smallest multiple of ``cp`` that holds ``length`` tokens."""
+    return -(-length // cp) * cp
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token labels over the whole row: position i holds labels[i + 1], the last ignored."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def continued_positions(position_ids: torch.Tensor, extra: int) -> torch.Tensor:
+    """``extra`` more positions per row, continuing the last document (so no new one starts)."""
+    steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
+    return torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+
+
+def _pad_tokens(x: torch.Tensor, extra: int, value) -> torch.Tensor:
+    """Pad dim 1 (tokens) at the end."""
+    pad = [0, 0] * (x.dim() - 2) + [0, extra]
+    return torch.nn.functional.pad(x, pad, value=value)
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """The batch laid out for cp: model inputs and shifted labels padded to ``padded_length``."""
+
+    model_inputs: dict
+    shift_labels: torch.Tensor | None
+    length: int
+    padded_length: int
+
+
+def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None) -> PaddedBatch:
+    """Pad every per-token field to a multiple of ``cp`` and shift the labels (batch already validated)."""
+    length = next(batch[key] for key in INPUT_KEYS if batch.get(key) is not None).shape[1]
+    extra = padded_length(length, cp) - length
+    inputs = {}
+    if batch.get("input_ids") is not None:
+        inputs["input_ids"] = _pad_tokens(batch["input_ids"], extra, pad_token_id or 0)
+    else:
+        inputs["inputs_embeds"] = _pad_tokens(batch["inputs_embeds"], extra, 0.0)
+    if batch.get("attention_mask") is not None:
+        inputs["attention_mask"] = _pad_tokens(batch["attention_mask"], extra, 0)
+    if batch.get("position_ids") is not None:
+        inputs["position_ids"] = continued_positions(batch["position_ids"], extra)
+    labels = batch.get("shift_labels")
+    if labels is None and batch.get("labels") is not None:
+        labels = shifted_labels(batch["labels"])
+    if labels is not None:
+        labels = _pad_tokens(labels, extra, IGNORE_INDEX)
+    return PaddedBatch(inputs, labels, length, length + extra)
+
+
+def check_same_batch(batch, group) -> None:
+    """Raise on every rank when the ranks of ``group`` hold different batches (before any other collective)."""
+    from cpshard.collectives import all_gather_rows
+
+    every = all_gather_rows(fingerprint(batch), group, name="batch fingerprint")
+    differing = [rank for rank in range(every.shape[0]) if not torch.equal(every[rank], every[0])]
+    if differing:
+        raise BatchError(
+            f"the batch differs across the cp group: ranks {differing} hold other keys, shapes or values than "
+            "rank 0. Every rank of a cp group takes the same whole sequences (cpshard cuts them itself); "
+            "give different batches to different dp ranks only"
+        )

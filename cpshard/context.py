@@ -1,0 +1,45 @@
+"""The one piece of dynamic state: which cp call, if any, is running now.
+
+Hooks and the attention function are installed once at setup and consult this: outside a
+``cp_forward`` call they step aside, so the model gives its ordinary results.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from cpshard.layout import Layout
+
+
+@dataclass(frozen=True)
+class CPCall:
+    """What the hooks of one ``cp_forward`` call need: the mesh, its cp size and the layout."""
+
+    mesh: object
+    cp_size: int
+    layout: Layout
+    #: module path by ``id(module)``, so every collective can name the module it ran in
+    module_names: dict
+
+    def name_of(self, module) -> str:
+        return self.module_names.get(id(module), type(module).__name__)
+
+
+_ACTIVE: ContextVar[CPCall | None] = ContextVar("cpshard_active_call", default=None)
+
+
+def active_call() -> CPCall | None:
+    """The running cp call, or None outside ``cp_forward`` (or when cp is 1: nothing to split)."""
+    call = _ACTIVE.get()
+    return call if call is not None and call.cp_size > 1 else None
+
+
+@contextmanager
+def running(call: CPCall):
+    token = _ACTIVE.set(call)
+    try:
+        yield call
+    finally:
+        _ACTIVE.reset(token)

@@ -1,0 +1,70 @@
+"""Meshes: the root mesh with named dimensions, and the groups the forward reduces over."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp_replicate", "fsdp", "cp", "tp")
+#: the dimensions whose ranks hold different tokens: losses, token counts and gradients sum over them
+TOKEN_DIMS = ("dp_replicate", "fsdp", "cp")
+
+
+def _init_default_group(device_type: str) -> None:
+    """Initialize the default group from the launcher's environment (torchrun), unless one exists."""
+    if dist.is_initialized():
+        return
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"no process group is initialized and {', '.join(missing)} are not set: start under torchrun, "
+            "use cpshard.launch, or call torch.distributed.init_process_group first"
+        )
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+
+
+def make_mesh(*, cp: int, dp_replicate: int = 1, fsdp: int = 1, tp: int = 1, ep: int = 1, device_type=None) -> DeviceMesh:
+    """The root mesh ``dp_replicate x fsdp x cp x tp`` over every rank of the default group."""
+    sizes = {"dp_replicate": dp_replicate, "fsdp": fsdp, "cp": cp, "tp": tp}
+    for name, size in {**sizes, "ep": ep}.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
+    if (fsdp * cp * tp) % ep:
+        raise ValueError(f"make_mesh: ep={ep} must divide fsdp * cp * tp = {fsdp} * {cp} * {tp} = {fsdp * cp * tp}")
+    if ep > 1:
+        raise NotImplementedError("make_mesh: expert parallelism (ep > 1) is not available yet")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    _init_default_group(device_type)
+    world = dist.get_world_size()
+    product = dp_replicate * fsdp * cp * tp
+    if world != product:
+        raise ValueError(
+            f"world size {world} != dp_replicate={dp_replicate} * fsdp={fsdp} * cp={cp} * tp={tp}"
+            f" (= {product}); choose sizes whose product is the number of ranks"
+        )
+    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=MESH_DIMS)
+
+
+def cp_size(mesh: DeviceMesh) -> int:
+    """The size of the mesh's ``cp`` dimension; a clear error when it has none."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names:
+        raise ValueError(
+            f"the mesh has no 'cp' dimension (its dimensions: {', '.join(names) or 'unnamed'}); "
+            "build it with cpshard.make_mesh(cp=N)"
+        )
+    return mesh.size(names.index("cp"))
+
+
+def group_over(mesh: DeviceMesh, dims: tuple[str, ...]):
+    """The process group of the ranks that differ only along ``dims`` (None when that is this rank alone)."""
+    names = mesh.mesh_dim_names or ()
+    wide = tuple(d for d in dims if d in names and mesh.size(names.index(d)) > 1)
+    if not wide:
+        return None
+    if len(wide) == 1:
+        return mesh.get_group(wide[0])
+    return mesh[wide]._flatten("_".join(wide)).get_group()

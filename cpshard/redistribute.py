@@ -1,0 +1,65 @@
+"""Moves between specs: which collective each needs, and running it.
+
+The choice is a pure function of the two specs (:func:`plan`): a dimension split over an
+axis moving to another dimension is one all-to-all; replicated to split is a local slice
+with no communication; an unchanged axis is nothing at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpshard.collectives import all_to_all
+from cpshard.spec import Spec, SpecError
+
+
+@dataclass(frozen=True)
+class Move:
+    """What one mesh axis needs to go from one spec to another."""
+
+    axis: str
+    kind: str  # "slice" or "all_to_all"
+    src_dim: int | None
+    dst_dim: int
+
+
+def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
+    """The moves, one per mesh axis whose placement differs between ``src`` and ``dst``."""
+    src, dst = Spec(src), Spec(dst)
+    if src.names != dst.names:
+        raise SpecError(f"cannot move {src} to {dst}: the dimensions differ ({src.names} vs {dst.names})")
+    moves = []
+    for axis in dict.fromkeys(src.axes + dst.axes):
+        before, after = src.sharded_dim(axis), dst.sharded_dim(axis)
+        if before == after:
+            continue
+        if after is None:
+            raise SpecError(
+                f"cannot move {src} to {dst}: un-splitting {src.names[before]!r} over {axis!r} would gather the "
+                "whole tensor on every rank, which the hot path never does"
+            )
+        moves.append(Move(axis, "slice" if before is None else "all_to_all", before, after))
+    return tuple(moves)
+
+
+def moved_bytes(local_shape, dtype: torch.dtype, src: Spec | str, dst: Spec | str) -> int:
+    """Bytes this rank sends into collectives for the move (the input size of each all-to-all)."""
+    numel = 1
+    for size in local_shape:
+        numel *= size
+    per_tensor = numel * torch.empty((), dtype=dtype).element_size()
+    return sum(per_tensor for move in plan(src, dst) if move.kind == "all_to_all")
+
+
+def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: str = "") -> torch.Tensor:
+    """``x``, the local part of a tensor placed as ``src`` on ``mesh``, placed as ``dst``. Differentiable."""
+    for move in plan(src, dst):
+        group = mesh.get_group(move.axis)
+        if move.kind == "slice":
+            width = x.shape[move.dst_dim] // mesh[move.axis].size()
+            x = x.narrow(move.dst_dim, mesh.get_local_rank(move.axis) * width, width)
+        else:
+            x = all_to_all(x, scatter_dim=move.dst_dim, gather_dim=move.src_dim, group=group, name=name)
+    return x
