@@ -13,6 +13,7 @@ import math
 import sys
 from functools import lru_cache
 
+import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -30,6 +31,13 @@ def kv_replication(num_heads: int, num_kv_heads: int, cp: int) -> int:
             f"cp sizes that work: {', '.join(str(c) for c in range(1, num_heads + 1) if num_heads % c == 0)}"
         )
     return cp // math.gcd(num_kv_heads, cp)
+
+
+def without_padding_keys(key, value, attention_mask, length: int):
+    """Drop the cp padding from the keys. Real queries never see it, but a row that sees no key at
+    all (left padding) gets what the model's function gives over all keys (eager: their mean), which
+    must be over the real sequence's keys only."""
+    return key[:, :, :length], value[:, :, :length], attention_mask[..., :length]
 
 
 class _GroupedAs:
@@ -70,6 +78,8 @@ def _ulysses(inner: str):
             redistribute(x, seq_split, head_split, call.mesh, name=f"{path} {part}")
             for part, x in (("q", query), ("k", key), ("v", value))
         )
+        if isinstance(attention_mask, torch.Tensor):
+            key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
         output, weights = function(module, query, key, value, attention_mask, **kwargs)
         output = redistribute(output, *call.layout.attn_output, call.mesh, name=f"{path} out")
         return output, weights

@@ -20,6 +20,8 @@ class CPCall:
     mesh: object
     cp_size: int
     layout: Layout
+    #: the real sequence length; tokens past it are cp padding
+    length: int
     #: module path by ``id(module)``, so every collective can name the module it ran in
     module_names: dict
 

@@ -85,7 +85,7 @@ class CPForward:
             check_same_batch(batch, mesh.get_group("cp"))
         validate(batch)
         padded = pad_batch(batch, cp, getattr(self.model.config, "pad_token_id", None))
-        call = CPCall(mesh, cp, self.layout, self.module_names)
+        call = CPCall(mesh, cp, self.layout, padded.length, self.module_names)
         with running(call), ExplicitRedistributionContext(enable=self.strict, strict=True):
             output = torch.func.functional_call(
                 self.model, params, (), {**padded.model_inputs, "use_cache": False}, strict=False, tie_weights=True

@@ -26,10 +26,14 @@ def tensor_group(name: str) -> str:
 def reference(model, params: dict, batch: dict):
     """Loss, logits and gradients of the plain model on this process alone."""
     leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
-    output = torch.func.functional_call(model, leaves, (), {**batch, "use_cache": False}, strict=False)
-    grads = torch.autograd.grad(output.loss, list(leaves.values()), allow_unused=True)
+    inputs = {key: value for key, value in batch.items() if key != "shift_labels"}
+    output = torch.func.functional_call(model, leaves, (), {**inputs, "use_cache": False}, strict=False)
+    loss = output.loss
+    if "shift_labels" in batch:  # transformers takes shift_labels in its loss only, not in forward
+        loss = model.loss_function(output.logits, None, model.config.vocab_size, shift_labels=batch["shift_labels"])
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(leaves.items(), grads)}
-    return output.loss.detach(), output.logits.detach(), grads
+    return loss.detach(), output.logits.detach(), grads
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ that rank's traceback; a rank that dies or stalls past the timeout ends the whol
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -49,6 +50,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _dumps(value) -> bytes:
+    """Pickle now, as a queue would later in its feeder thread, where an error would be lost.
+
+    Plain pickle, tensors by value: torch's shared-memory passing of tensors between these
+    processes was seen to stall the result queue."""
+    return pickle.dumps(value)
+
+
 def _worker(rank: int, nprocs: int, port: int, timeout: float, tasks, results) -> None:
     import torch
     import torch.distributed as dist
@@ -59,11 +68,12 @@ def _worker(rank: int, nprocs: int, port: int, timeout: float, tasks, results) -
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     dist.init_process_group("gloo", rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout))
     while (task := tasks.get()) is not None:
-        fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            fn, args, kwargs = pickle.loads(task)
+            results.put((rank, True, _dumps(fn(*args, **kwargs))))
         except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller
-            results.put((rank, False, RankFailure(rank, type(error).__name__, str(error), traceback.format_exc())))
+            failure = RankFailure(rank, type(error).__name__, str(error), traceback.format_exc())
+            results.put((rank, False, _dumps(failure)))
     dist.destroy_process_group()
 
 
@@ -101,8 +111,15 @@ class LocalRanks:
         """``fn(*args, **kwargs)`` on every rank; the return values in rank order."""
         if not self.alive:
             raise RuntimeError("these local ranks are closed (a rank failed or close() was called); start new ones")
-        for tasks in self._tasks:
-            tasks.put((fn, args, kwargs))
+        try:
+            payloads = [_dumps((fn, args, kwargs)) for _ in self._tasks]
+        except Exception as error:
+            raise TypeError(
+                f"cannot send {fn!r} and its arguments to the ranks ({error}); "
+                "fn must be a module-level function and its arguments picklable"
+            ) from error
+        for tasks, payload in zip(self._tasks, payloads):
+            tasks.put(payload)
         values: dict[int, object] = {}
         failures: dict[int, RankFailure] = {}
         deadline = time.monotonic() + self.timeout
@@ -114,7 +131,7 @@ class LocalRanks:
             except queue.Empty:
                 self._check_progress(deadline, set(values) | set(failures), failures)
                 continue
-            (values if ok else failures)[rank] = value
+            (values if ok else failures)[rank] = pickle.loads(value)
         if failures:
             raise RankError(failures)
         return [values[rank] for rank in range(self.nprocs)]
@@ -132,7 +149,7 @@ class LocalRanks:
         if dead:
             rank, code = min(dead.items())
             raise RuntimeError(f"rank {rank} exited with code {code} before finishing; the group was ended")
-        raise TimeoutError(f"ranks {pending} did not finish within {self.timeout:.0f} s; the group was ended")
+        raise TimeoutError(f"ranks {pending} did not finish within {self.timeout:g} s; the group was ended")
 
     def close(self, force: bool = False) -> None:
         """Stop every worker (politely unless ``force``); safe to call twice."""

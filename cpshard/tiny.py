@@ -43,3 +43,56 @@ def tiny_model(model_type: str, seed: int = 0, attn_implementation: str = "sdpa"
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(dtype)
+
+
+def _document_positions(length: int, generator: torch.Generator) -> torch.Tensor:
+    """Positions of a row packed with documents of random lengths: each restarts at 0."""
+    positions, start = [], 0
+    while start < length:
+        size = int(torch.randint(1, max(2, length // 2), (1,), generator=generator))
+        positions.append(torch.arange(min(size, length - start)))
+        start += size
+    return torch.cat(positions)
+
+
+def tiny_batch(
+    vocab_size: int,
+    batch: int,
+    length: int,
+    *,
+    pad: str | None = None,
+    packed: bool = False,
+    embeds_dim: int | None = None,
+    shift: bool = False,
+    seed: int = 1,
+) -> dict:
+    """A random batch: ``pad`` 'left' or 'right' (a different amount per row) adds an attention_mask;
+    ``packed`` adds position_ids that restart per document; ``embeds_dim`` gives inputs_embeds
+    instead of ids; ``shift`` gives shift_labels instead of labels."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (batch, length), generator=generator)
+    labels = ids.clone()
+    result = {}
+    if pad is not None:
+        if pad not in ("left", "right"):
+            raise ValueError(f"pad={pad!r}: choose 'left' or 'right'")
+        mask = torch.ones(batch, length, dtype=torch.long)
+        for row in range(batch):
+            amount = (row * 3 + 1) % max(1, length // 2)  # rows differ; none is all padding
+            if amount:
+                mask[row, slice(0, amount) if pad == "left" else slice(length - amount, length)] = 0
+        labels[mask == 0] = -100
+        result["attention_mask"] = mask
+    if packed:
+        result["position_ids"] = torch.stack([_document_positions(length, generator) for _ in range(batch)])
+    if embeds_dim is not None:
+        result["inputs_embeds"] = torch.randn(batch, length, embeds_dim, generator=generator)
+    else:
+        result["input_ids"] = ids
+    if shift:
+        shifted = torch.randint(0, vocab_size, (batch, length), generator=generator)
+        shifted[:, ::3] = -100
+        result["shift_labels"] = shifted
+    else:
+        result["labels"] = labels
+    return result

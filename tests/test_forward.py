@@ -1,0 +1,107 @@
+"""cp_forward against one process: loss, logits and every gradient, fp32, on real gloo groups."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import cpshard
+from cpshard.parity import check_parity
+from cpshard.tiny import tiny_batch, tiny_model
+
+TOLERANCE = 1e-5
+LAYOUT_TYPES = ("llama", "mistral", "qwen3", "gemma3_text", "qwen2")  # qwen2: the generic decoder layout
+
+
+@dataclass(frozen=True)
+class Case:
+    model_type: str
+    length: int = 16
+    batch: dict = field(default_factory=dict)  # tiny_batch options
+    config: dict = field(default_factory=dict)  # tiny_model options
+    rows: int = 2
+
+    def __str__(self):
+        options = ",".join(f"{k}={v}" for k, v in {**self.batch, **self.config}.items())
+        return f"{self.model_type}-L{self.length}-{options}"
+
+
+def run_case(case: Case):
+    model = tiny_model(case.model_type, **case.config)
+    embeds = model.config.hidden_size if case.batch.get("embeds") else None
+    options = {k: v for k, v in case.batch.items() if k != "embeds"}
+    batch = tiny_batch(model.config.vocab_size, case.rows, case.length, embeds_dim=embeds, **options)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    return check_parity(model, batch, mesh, cpshard.make_cp_forward(model))
+
+
+def assert_exact(parities, case):
+    for rank, parity in enumerate(parities):
+        bad = {row: diff for row, diff in parity.diffs.items() if not diff <= TOLERANCE}
+        assert not bad, f"{case} rank {rank}: differences over {TOLERANCE}: {bad}"
+        assert parity.comm_bytes > 0, f"{case}: nothing was communicated, so nothing was split"
+        flat = {row: scale for row, scale in parity.scales.items() if 0 < scale < 1e-3}
+        assert not flat, f"{case}: reference values too small for the tolerance to mean anything: {flat}"
+        assert parity.diffs == parities[0].diffs, f"{case}: ranks disagree"
+
+
+BATCH_VARIANTS = {
+    "divisible": dict(length=16),
+    "not-divisible": dict(length=13),
+    "right-pad": dict(batch=dict(pad="right"), length=15, rows=3),
+    "left-pad": dict(batch=dict(pad="left"), length=15, rows=3),
+    "packed": dict(batch=dict(packed=True), length=17),
+    "embeds": dict(batch=dict(embeds=True), length=11),
+    "shift-labels": dict(batch=dict(shift=True), length=14),
+}
+
+CASES_2 = [Case(t, **v) for t in LAYOUT_TYPES for v in BATCH_VARIANTS.values()] + [
+    Case("llama", 15, dict(pad="left"), dict(attn_implementation="eager"), rows=3),
+    Case("gemma3_text", 13, dict(packed=True), dict(attn_implementation="eager", attn_logit_softcapping=5.0)),
+    Case("mistral", 16, config=dict(sliding_window=3)),
+    Case("mistral", 16, dict(pad="right"), dict(sliding_window=12), rows=3),
+    Case("mistral", 16, dict(packed=True), dict(sliding_window=5, attn_implementation="eager")),
+    Case("qwen3", 16, config=dict(use_sliding_window=True, sliding_window=3, layer_types=["sliding_attention", "full_attention"])),
+    Case("gemma3_text", 16, config=dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"])),
+    Case("gemma3_text", 19, dict(pad="left"), dict(sliding_window=12, num_hidden_layers=3,
+         layer_types=["sliding_attention", "full_attention", "sliding_attention"]), rows=3),
+    Case("llama", 12, config=dict(num_key_value_heads=1)),
+    Case("qwen2", 12, dict(pad="left"), dict(num_key_value_heads=1, attn_implementation="eager"), rows=3),
+    Case("llama", 2, dict(pad="right"), rows=3),
+]
+
+CASES_4 = [
+    Case("llama", 10),
+    Case("gemma3_text", 10, dict(pad="left"), dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"]), rows=3),
+    Case("llama", 5, dict(pad="right")),  # rank 3 holds padding only
+    Case("llama", 12, config=dict(num_key_value_heads=2)),  # kv heads replicated 2x
+    Case("qwen3", 9, dict(packed=True), dict(num_key_value_heads=1)),
+    Case("mistral", 13, dict(shift=True), dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, attn_implementation="eager")),
+    Case("llama", 3),  # L smaller than cp
+]
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=str)
+def test_parity_cp2(ranks2, case):
+    assert_exact(ranks2.run(run_case, case), case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=str)
+def test_parity_cp4(ranks4, case):
+    assert_exact(ranks4.run(run_case, case), case)
+
+
+def run_without_label_tokens():
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, 2, 1)  # one token per row: nothing to predict
+    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(
+        cpshard.params_of(model), batch, cpshard.make_mesh(cp=dist.get_world_size())
+    )
+    return output.loss.item(), output.num_tokens.item(), max(g.abs().max().item() for g in grads.values())
+
+
+def test_no_label_tokens_gives_zero_loss_not_nan(ranks2):
+    for loss, num_tokens, largest_grad in ranks2.run(run_without_label_tokens):
+        assert (loss, num_tokens, largest_grad) == (0.0, 0, 0.0)
