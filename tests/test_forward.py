@@ -105,3 +105,87 @@ def run_without_label_tokens():
 def test_no_label_tokens_gives_zero_loss_not_nan(ranks2):
     for loss, num_tokens, largest_grad in ranks2.run(run_without_label_tokens):
         assert (loss, num_tokens, largest_grad) == (0.0, 0, 0.0)
+
+
+def bad_call(kind: str):
+    """Make one kind of bad call; every rank must raise before any collective could hang."""
+    rank = dist.get_rank()
+    model = tiny_model("llama", **({"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48} if kind == "heads" else {}))
+    batch = tiny_batch(model.config.vocab_size, 2, 8)
+    mesh = cpshard.make_mesh(cp=2)
+    if kind == "no-cp-axis":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    elif kind == "both-inputs":
+        batch["inputs_embeds"] = torch.zeros(2, 8, model.config.hidden_size)
+    elif kind == "no-inputs":
+        del batch["input_ids"]
+    elif kind == "shapes":
+        batch["labels"] = batch["labels"][:, :5]
+    elif kind == "mask-4d":
+        batch["attention_mask"] = torch.ones(2, 1, 8, 8)
+    elif kind == "differs":
+        batch["input_ids"] = batch["input_ids"] + rank
+    elif kind == "differs-shape":
+        batch["input_ids"] = batch["input_ids"][:, : 8 - rank]
+        batch["labels"] = batch["labels"][:, : 8 - rank]
+    elif kind == "world":
+        cpshard.make_mesh(cp=3)
+    elif kind == "unserved":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cpshard.make_cp_forward(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
+    elif kind == "implementation":
+        cpshard.make_cp_forward(model, implementation="magic")
+    cpshard.make_cp_forward(model)(cpshard.params_of(model), batch, mesh)
+
+
+BAD_INPUTS = {
+    "no-cp-axis": ("ValueError", "no 'cp' dimension (its dimensions: dp)"),
+    "heads": ("ValueError", "num_attention_heads=3 is not divisible by cp=2; cp sizes that work: 1, 3"),
+    "both-inputs": ("BatchError", "exactly one of input_ids or inputs_embeds"),
+    "no-inputs": ("BatchError", "exactly one of input_ids or inputs_embeds, got neither"),
+    "shapes": ("BatchError", "batch['labels'] has shape [2, 5] but the inputs are [B, L] = [2, 8]"),
+    "mask-4d": ("BatchError", "batch['attention_mask'] must be 2-D"),
+    "differs": ("BatchError", "the batch differs across the cp group: ranks [1]"),
+    "differs-shape": ("BatchError", "the batch differs across the cp group: ranks [1]"),
+    "world": ("ValueError", "world size 2 != dp_replicate=1 * fsdp=1 * cp=3 * tp=1"),
+    "unserved": ("ValueError", "model type 'gpt2'"),
+    "implementation": ("ValueError", "implementation='magic'"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_INPUTS)
+def test_bad_input_fails_clearly_on_every_rank(ranks2, kind):
+    error_type, message = BAD_INPUTS[kind]
+    with pytest.raises(cpshard.RankError) as caught:
+        ranks2.run(bad_call, kind)
+    failures = caught.value.failures
+    assert sorted(failures) == [0, 1], f"{kind}: only ranks {sorted(failures)} raised"
+    for failure in failures.values():
+        assert failure.kind == error_type and message in failure.message, failure.message
+    assert ranks2.alive
+
+
+def run_outside_and_pure(attn: str):
+    """After setup and a cp call, the model and the params are as they were and the model's
+    own forward gives bit-identical results to an untouched twin."""
+    model, twin = tiny_model("gemma3_text", attn_implementation=attn), tiny_model("gemma3_text", attn_implementation=attn)
+    batch = tiny_batch(model.config.vocab_size, 3, 11, pad="left")
+    params = {name: p.detach().clone() for name, p in cpshard.params_of(model).items()}
+    before = {name: p.clone() for name, p in params.items()}
+    cp_forward = cpshard.make_cp_forward(model)
+    first = cp_forward(params, batch, cpshard.make_mesh(cp=2))
+    second = cp_forward(params, batch, cpshard.make_mesh(cp=2))
+    ours, theirs = model(**batch), twin(**batch)
+    return {
+        "outside": torch.equal(ours.logits, theirs.logits) and torch.equal(ours.loss, theirs.loss),
+        "params unchanged": all(torch.equal(params[n], before[n]) for n in params),
+        "repeatable": torch.equal(first.logits.to_local(), second.logits.to_local()) and torch.equal(first.loss, second.loss),
+        "no grad flags changed": not any(p.requires_grad for p in params.values()),
+    }
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_model_is_untouched_outside_cp_forward(ranks2, attn):
+    for checks in ranks2.run(run_outside_and_pure, attn):
+        assert all(checks.values()), checks
