@@ -17,8 +17,12 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from cpshard.blocks import ring_blocks
 from cpshard.context import active_call
 from cpshard.redistribute import redistribute
+from cpshard.ring import RingAttention
+from cpshard.sequence import group_positions
+from cpshard.spec import Dim, Spec
 
 PREFIX = "cpshard_"
 
@@ -63,28 +67,68 @@ def _inner_function(inner: str, module):
     return _model_eager(type(module)) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
 
 
-def _ulysses(inner: str):
+def _on_axis(spec: Spec, axis: str) -> Spec:
+    """``spec`` with its ``cp`` axis called ``axis`` (hybrid runs Ulysses over a part of cp)."""
+    return Spec(tuple(Dim(d.name, tuple(axis if a == "cp" else a for a in d.axes)) for d in spec.dims))
+
+
+def _heads_for_sequences(module, query, key, value, layout, mesh, axis: str, path: str):
+    """Ulysses' first half over ``axis``: sequence-split q, k, v become head-split whole sequences."""
+    replicas = kv_replication(query.shape[1], key.shape[1], mesh[axis].size())
+    if replicas > 1:
+        key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
+        module = _GroupedAs(module, query.shape[1] // key.shape[1])
+    seq_split, head_split = (_on_axis(spec, axis) for spec in layout.qkv)
+    query, key, value = (
+        redistribute(x, seq_split, head_split, mesh, name=f"{path} {part}")
+        for part, x in (("q", query), ("k", key), ("v", value))
+    )
+    return module, query, key, value
+
+
+def _sequences_for_heads(output, layout, mesh, axis: str, path: str):
+    """Ulysses' second half: the head-split output goes back to sequence-split."""
+    return redistribute(output, *(_on_axis(spec, axis) for spec in layout.attn_output), mesh, name=f"{path} out")
+
+
+def _ulysses_attention(function, module, query, key, value, attention_mask, call, **kwargs):
+    path = call.name_of(module)
+    module, query, key, value = _heads_for_sequences(module, query, key, value, call.layout, call.mesh, "cp", path)
+    if isinstance(attention_mask, torch.Tensor):
+        key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
+    output, weights = function(module, query, key, value, attention_mask, **kwargs)
+    return _sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights
+
+
+def _ring_attention(inner: str, module, query, key, value, attention_mask, call, **kwargs):
+    """Ring (and hybrid: Ulysses inside each group of ``call.ulysses`` ranks, ring across groups)."""
+    if kwargs.get("dropout"):
+        raise ValueError("ring attention does not apply attention dropout; set the model's attention_dropout to 0")
+    mesh, degree, path = call.split_mesh, call.ulysses, call.name_of(module)
+    if degree > 1:
+        module, query, key, value = _heads_for_sequences(module, query, key, value, call.layout, mesh, "cp_ulysses", path)
+    groups = mesh["cp_ring"].size()
+    held = [group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree)) for g in range(groups)]
+    blocks = ring_blocks(attention_mask, held, call.length, mesh.get_local_rank("cp_ring"), uniform_rows=inner == "eager")
+    scale = kwargs.get("scaling") or module.scaling
+    output = RingAttention.apply(query, key, value, blocks, scale, kwargs.get("softcap"), mesh.get_group("cp_ring"), f"{path} kv")
+    output = output.transpose(1, 2)
+    if degree > 1:
+        output = _sequences_for_heads(output, call.layout, mesh, "cp_ulysses", path)
+    return output.contiguous(), None
+
+
+def _cp_attention(inner: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         function = _inner_function(inner, module)
         call = active_call()
         if call is None:
             return function(module, query, key, value, attention_mask, **kwargs)
-        (seq_split, head_split), path = call.layout.qkv, call.name_of(module)
-        replicas = kv_replication(query.shape[1], key.shape[1], call.cp_size)
-        if replicas > 1:
-            key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
-            module = _GroupedAs(module, query.shape[1] // key.shape[1])
-        query, key, value = (
-            redistribute(x, seq_split, head_split, call.mesh, name=f"{path} {part}")
-            for part, x in (("q", query), ("k", key), ("v", value))
-        )
-        if isinstance(attention_mask, torch.Tensor):
-            key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
-        output, weights = function(module, query, key, value, attention_mask, **kwargs)
-        output = redistribute(output, *call.layout.attn_output, call.mesh, name=f"{path} out")
-        return output, weights
+        if call.implementation == "ulysses":
+            return _ulysses_attention(function, module, query, key, value, attention_mask, call, **kwargs)
+        return _ring_attention(inner, module, query, key, value, attention_mask, call, **kwargs)
 
-    attention.__doc__ = f"Ulysses around {inner!r} attention (cpshard)."
+    attention.__doc__ = f"Context-parallel attention around {inner!r} attention (cpshard)."
     return attention
 
 
@@ -98,6 +142,6 @@ def ulysses_name(inner: str) -> str:
         raise ValueError(f"attention implementation {inner!r} has no mask function; cpshard cannot keep its mask exact")
     name = PREFIX + inner
     if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, _ulysses(inner))
+        AttentionInterface.register(name, _cp_attention(inner))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     return name

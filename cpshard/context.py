@@ -24,6 +24,14 @@ class CPCall:
     length: int
     #: module path by ``id(module)``, so every collective can name the module it ran in
     module_names: dict
+    #: "ulysses", "ring" or "hybrid" (Ulysses over ``ulysses`` ranks, ring across those groups)
+    implementation: str = "ulysses"
+    ulysses: int = 1
+    #: which positions each cp rank holds (see cpshard.sequence), and the padded length they split
+    order: str = "contiguous"
+    padded_length: int = 0
+    #: the cp axis unflattened as (cp_ring, cp_ulysses), for ring and hybrid
+    split_mesh: object = None
 
     def name_of(self, module) -> str:
         return self.module_names.get(id(module), type(module).__name__)

@@ -12,17 +12,22 @@ from functools import partial
 
 import torch
 
-from cpshard.context import active_call
-from cpshard.layout import Layout
+from cpshard.context import CPCall, active_call
 from cpshard.redistribute import redistribute
+from cpshard.reorder import to_chunks
+from cpshard.sequence import positions
 
 
-def _cut(value, before, after, mesh):
-    if isinstance(value, torch.Tensor):
-        return redistribute(value, before, after, mesh)
+def _cut(value, before, after, call: CPCall):
     if isinstance(value, tuple):
-        return tuple(_cut(v, before, after, mesh) for v in value)
-    return value
+        return tuple(_cut(v, before, after, call) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if call.order == "contiguous":
+        return redistribute(value, before, after, call.mesh)
+    dim = after.sharded_dim("cp")
+    held = positions(call.order, value.shape[dim], call.cp_size, call.mesh.get_local_rank("cp"))
+    return value.index_select(dim, held.to(value.device))
 
 
 def _cut_layer_inputs(first: bool, module, args, kwargs):
@@ -32,18 +37,27 @@ def _cut_layer_inputs(first: bool, module, args, kwargs):
     layout = call.layout
     if first:
         if args:
-            args = (_cut(args[0], *layout.hidden, call.mesh), *args[1:])
+            args = (_cut(args[0], *layout.hidden, call), *args[1:])
         else:
-            kwargs["hidden_states"] = _cut(kwargs["hidden_states"], *layout.hidden, call.mesh)
+            kwargs["hidden_states"] = _cut(kwargs["hidden_states"], *layout.hidden, call)
     for key, before, after in layout.layer_inputs:
         if kwargs.get(key) is not None:
-            kwargs[key] = _cut(kwargs[key], before, after, call.mesh)
+            kwargs[key] = _cut(kwargs[key], before, after, call)
     return args, kwargs
 
 
-def install_cut(layers: torch.nn.ModuleList) -> list:
-    """Hook every decoder layer; return the hook handles."""
-    return [
+def _contiguous_again(module, args, output):
+    """After the last layer: back to contiguous chunks, so logits are a plain ``Shard(1)``."""
+    call = active_call()
+    if call is None or call.order == "contiguous":
+        return None
+    return to_chunks(output, 1, call.order, call.padded_length, call.length, call.mesh.get_group("cp"), "undo order")
+
+
+def install_cut(layers: torch.nn.ModuleList, final_norm: torch.nn.Module) -> list:
+    """Hook every decoder layer and the final norm; return the hook handles."""
+    handles = [
         layer.register_forward_pre_hook(partial(_cut_layer_inputs, index == 0), with_kwargs=True)
         for index, layer in enumerate(layers)
     ]
+    return handles + [final_norm.register_forward_hook(_contiguous_again)]

@@ -22,7 +22,8 @@ from cpshard.context import CPCall, running
 from cpshard.cut import install_cut
 from cpshard.layout import Layout
 from cpshard.layouts import resolve_layout
-from cpshard.mesh import TOKEN_DIMS, cp_size, group_over
+from cpshard.mesh import TOKEN_DIMS, cp_size, group_over, split_cp
+from cpshard.sequence import chunk_positions, chunks_per_rank
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
 #: models already prepared, and the decoder-layer paths hooked in each (a registry of setup done)
@@ -44,13 +45,42 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _prepare(model: torch.nn.Module, layout: Layout) -> None:
-    """Install Ulysses attention and the cut hooks once per model (and per decoder-layer path)."""
+    """Install cp attention and the cut hooks once per model (and per decoder-layer path)."""
     hooked = _PREPARED.setdefault(model, set())
     if layout.decoder_layers in hooked:
         return
     model.set_attn_implementation(ulysses_name(model.config._attn_implementation))
-    install_cut(model.get_submodule(layout.decoder_layers))
+    install_cut(model.get_submodule(layout.decoder_layers), model.get_submodule(layout.final_norm))
     hooked.add(layout.decoder_layers)
+
+
+def _proper_divisors(n: int) -> list[int]:
+    return [d for d in range(2, n) if n % d == 0]
+
+
+def choose_implementation(requested: str, heads: int, cp: int, ulysses_degree: int | None = None) -> tuple[str, int]:
+    """``(implementation, Ulysses degree)`` for ``heads`` attention heads over ``cp`` ranks.
+
+    auto: Ulysses where cp divides the heads; else hybrid with the largest Ulysses degree that
+    divides both; else ring, which has no constraint on heads."""
+    if cp == 1 or requested == "ulysses":
+        kv_replication(heads, heads, cp)
+        return "ulysses", cp
+    if requested == "ring":
+        return "ring", 1
+    fitting = [d for d in _proper_divisors(cp) if heads % d == 0]
+    if requested == "hybrid":
+        degree = ulysses_degree if ulysses_degree is not None else max(fitting, default=None)
+        if degree not in fitting:
+            raise ValueError(
+                f"hybrid needs a Ulysses degree that divides cp={cp} and num_attention_heads={heads}, "
+                f"and is neither 1 nor cp; {'got ' + str(degree) + '; ' if degree else ''}"
+                f"degrees that work: {', '.join(map(str, fitting)) or 'none (use ring)'}"
+            )
+        return "hybrid", degree
+    if heads % cp == 0:
+        return "ulysses", cp
+    return ("hybrid", max(fitting)) if fitting else ("ring", 1)
 
 
 def token_loss_sum(local_logits: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
@@ -60,46 +90,51 @@ def token_loss_sum(local_logits: torch.Tensor, local_labels: torch.Tensor) -> to
     )
 
 
-def real_tokens_on(rank: int, width: int, length: int) -> int:
-    """How many of rank ``rank``'s ``width`` tokens are real (the padding sits at the end)."""
-    return max(0, min(width, length - rank * width))
-
-
 class CPForward:
     """A cp forward for one model: call it as ``cp_forward(params, batch, mesh)``."""
 
-    def __init__(self, model, layout: Layout, implementation: str, logits: bool, strict: bool):
+    def __init__(self, model, layout: Layout, implementation: str, logits: bool, strict: bool, options: dict):
         self.model, self.layout, self.implementation = model, layout, implementation
         self.keep_logits, self.strict = logits, strict
+        self.ulysses_degree, self.sequence_order = options["ulysses_degree"], options["sequence_order"]
         self.module_names = {id(module): name for name, module in model.named_modules()}
         _prepare(model, layout)
 
-    def _check_heads(self, cp: int) -> None:
-        config = self.model.config
-        kv_replication(getattr(config, self.layout.heads), getattr(config, self.layout.kv_heads), cp)
+    def _plan(self, mesh, cp: int) -> dict:
+        """How this call splits the work: implementation, Ulysses degree, sequence order, meshes."""
+        heads = getattr(self.model.config, self.layout.heads)
+        implementation, degree = choose_implementation(self.implementation, heads, cp, self.ulysses_degree)
+        order = self.sequence_order
+        if order == "auto":
+            order = "contiguous" if implementation == "ulysses" else "head_tail"
+        chunks_per_rank(order)
+        split = split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None
+        return dict(implementation=implementation, ulysses=degree, order=order, split_mesh=split)
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         cp = cp_size(mesh)
-        self._check_heads(cp)
+        plan = self._plan(mesh, cp)
         if cp > 1:
             check_same_batch(batch, mesh.get_group("cp"))
         validate(batch)
-        padded = pad_batch(batch, cp, getattr(self.model.config, "pad_token_id", None))
-        call = CPCall(mesh, cp, self.layout, padded.length, self.module_names)
+        multiple = cp * chunks_per_rank(plan["order"])
+        padded = pad_batch(batch, multiple, getattr(self.model.config, "pad_token_id", None))
+        call = CPCall(
+            mesh, cp, self.layout, padded.length, self.module_names, padded_length=padded.padded_length, **plan
+        )
         with running(call), ExplicitRedistributionContext(enable=self.strict, strict=True):
             output = torch.func.functional_call(
                 self.model, params, (), {**padded.model_inputs, "use_cache": False}, strict=False, tie_weights=True
             )
-        local_logits = output.logits
-        rank = mesh.get_local_rank("cp") if cp > 1 else 0
-        loss, num_tokens = self._loss(local_logits, padded, mesh, rank)
-        return CPOutput(loss, self._logits(local_logits, padded, mesh, rank), num_tokens)
+        held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)
+        local_logits = output.logits[:, : len(held)]  # contiguous order: drop the cp padding at the end
+        loss, num_tokens = self._loss(local_logits, padded, mesh, held)
+        return CPOutput(loss, self._logits(local_logits, padded, mesh), num_tokens)
 
-    def _loss(self, local_logits, padded: PaddedBatch, mesh, rank: int):
+    def _loss(self, local_logits, padded: PaddedBatch, mesh, held: torch.Tensor):
         if padded.shift_labels is None:
             return None, torch.zeros((), dtype=torch.int64)
-        width = local_logits.shape[1]
-        local_labels = padded.shift_labels.narrow(1, rank * width, width)
+        local_labels = padded.shift_labels.index_select(1, held)
         num_tokens = (padded.shift_labels != IGNORE_INDEX).sum()
         batch_group = group_over(mesh, tuple(d for d in TOKEN_DIMS if d != "cp"))
         if batch_group is not None:
@@ -110,22 +145,28 @@ class CPForward:
             loss = sum_over_group(loss, token_group, name="loss")
         return loss, num_tokens
 
-    def _logits(self, local_logits, padded: PaddedBatch, mesh, rank: int) -> DTensor | None:
+    def _logits(self, local_logits, padded: PaddedBatch, mesh) -> DTensor | None:
         if not self.keep_logits:
             return None
-        batch, width, vocab = local_logits.shape
-        local = local_logits[:, : real_tokens_on(rank, width, padded.length)]
+        batch, _, vocab = local_logits.shape
         shape = torch.Size((batch, padded.length, vocab))
         stride = (padded.length * vocab, vocab, 1)
-        return DTensor.from_local(local, mesh["cp"], [Shard(1)], run_check=False, shape=shape, stride=stride)
+        return DTensor.from_local(local_logits, mesh["cp"], [Shard(1)], run_check=False, shape=shape, stride=stride)
 
 
-def make_cp_forward(model, *, layout="auto", implementation="auto", logits=True, strict=False) -> CPForward:
-    """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``."""
+def make_cp_forward(
+    model, *, layout="auto", implementation="auto", logits=True, strict=False, ulysses_degree=None, sequence_order="auto"
+) -> CPForward:
+    """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
+
+    ``ulysses_degree``: for hybrid, the Ulysses group size (default: the largest that fits).
+    ``sequence_order``: "contiguous" or "head_tail" (causal load balance); "auto" takes head_tail
+    for ring and hybrid, contiguous for Ulysses (whose attention sees whole sequences anyway)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-    if implementation in ("ring", "hybrid"):
-        raise NotImplementedError(f"implementation={implementation!r} is not available yet; use 'ulysses'")
+    if sequence_order != "auto":
+        chunks_per_rank(sequence_order)
     if not logits:
         raise NotImplementedError("logits=False (the sequence-tiled loss) is not available yet")
-    return CPForward(model, resolve_layout(model, layout), implementation, logits, strict)
+    options = dict(ulysses_degree=ulysses_degree, sequence_order=sequence_order)
+    return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)

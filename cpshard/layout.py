@@ -35,6 +35,8 @@ class Layout:
     qkv: tuple[Spec, Spec] = _specs("b h s@cp d", "b h@cp s d")
     #: the attention output, as transformers' attention functions return it: back to sequence-split
     attn_output: tuple[Spec, Spec] = _specs("b s h@cp d", "b s@cp h d")
+    #: the last module before the LM head: a sequence order other than contiguous is undone on its output
+    final_norm: str = "model.norm"
     logits: Spec = Spec("b s@cp v")
     heads: str = "num_attention_heads"
     kv_heads: str = "num_key_value_heads"
