@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -62,9 +63,17 @@ def cp_size(mesh: DeviceMesh) -> int:
 def group_over(mesh: DeviceMesh, dims: tuple[str, ...]):
     """The process group of the ranks that differ only along ``dims`` (None when that is this rank alone)."""
     names = mesh.mesh_dim_names or ()
-    wide = tuple(d for d in dims if d in names and mesh.size(names.index(d)) > 1)
+    wide = tuple(d for d in names if d in dims and mesh.size(names.index(d)) > 1)  # in mesh order, as slicing wants
     if not wide:
         return None
     if len(wide) == 1:
         return mesh.get_group(wide[0])
     return mesh[wide]._flatten("_".join(wide)).get_group()
+
+
+@lru_cache(maxsize=None)
+def split_cp(mesh: DeviceMesh, ring: int, ulysses: int) -> DeviceMesh:
+    """The ``cp`` axis as ``(cp_ring, cp_ulysses)``: Ulysses groups of consecutive cp ranks, rings across.
+
+    Cached: creating process groups is collective and slow, and a mesh's split never changes."""
+    return mesh["cp"]._unflatten(0, (ring, ulysses), ("cp_ring", "cp_ulysses"))
