@@ -32,7 +32,8 @@ def kv_replication(num_heads: int, num_kv_heads: int, cp: int) -> int:
     if num_heads % cp:
         raise ValueError(
             f"Ulysses splits heads over cp: num_attention_heads={num_heads} is not divisible by cp={cp}; "
-            f"cp sizes that work: {', '.join(str(c) for c in range(1, num_heads + 1) if num_heads % c == 0)}"
+            f"cp sizes that work: {', '.join(str(c) for c in range(1, num_heads + 1) if num_heads % c == 0)}; "
+            "implementation='ring' or 'hybrid' serve any cp"
         )
     return cp // math.gcd(num_kv_heads, cp)
 

@@ -22,10 +22,14 @@ class Case:
     batch: dict = field(default_factory=dict)  # tiny_batch options
     config: dict = field(default_factory=dict)  # tiny_model options
     rows: int = 2
+    forward: dict = field(default_factory=dict)  # make_cp_forward options
 
     def __str__(self):
-        options = ",".join(f"{k}={v}" for k, v in {**self.batch, **self.config}.items())
+        options = ",".join(f"{k}={v}" for k, v in {**self.forward, **self.batch, **self.config}.items())
         return f"{self.model_type}-L{self.length}-{options}"
+
+    def using(self, implementation: str) -> "Case":
+        return Case(self.model_type, self.length, self.batch, self.config, self.rows, {"implementation": implementation})
 
 
 def run_case(case: Case):
@@ -34,7 +38,7 @@ def run_case(case: Case):
     options = {k: v for k, v in case.batch.items() if k != "embeds"}
     batch = tiny_batch(model.config.vocab_size, case.rows, case.length, embeds_dim=embeds, **options)
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
-    return check_parity(model, batch, mesh, cpshard.make_cp_forward(model))
+    return check_parity(model, batch, mesh, cpshard.make_cp_forward(model, **case.forward))
 
 
 def assert_exact(parities, case):
@@ -83,12 +87,23 @@ CASES_4 = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES_2, ids=str)
+CASES_4 += [Case("llama", 14, dict(pad="left"), dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96), rows=3)]
+
+
+@pytest.mark.parametrize("case", [c.using(i) for i in ("ulysses", "ring") for c in CASES_2], ids=str)
 def test_parity_cp2(ranks2, case):
     assert_exact(ranks2.run(run_case, case), case)
 
 
-@pytest.mark.parametrize("case", CASES_4, ids=str)
+def _fits(case: Case, implementation: str) -> bool:
+    """Ulysses needs cp to divide the heads; hybrid (2 x 2 here) needs 2 to."""
+    heads = case.config.get("num_attention_heads", 4)
+    return {"ulysses": heads % 4 == 0, "hybrid": heads % 2 == 0, "ring": True}[implementation]
+
+
+@pytest.mark.parametrize(
+    "case", [c.using(i) for i in ("ulysses", "ring", "hybrid") for c in CASES_4 if _fits(c, i)], ids=str
+)
 def test_parity_cp4(ranks4, case):
     assert_exact(ranks4.run(run_case, case), case)
 
@@ -136,12 +151,14 @@ def bad_call(kind: str):
         cpshard.make_cp_forward(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
     elif kind == "implementation":
         cpshard.make_cp_forward(model, implementation="magic")
-    cpshard.make_cp_forward(model)(cpshard.params_of(model), batch, mesh)
+    forward_options = {"heads": dict(implementation="ulysses"), "hybrid-degree": dict(implementation="hybrid")}
+    cpshard.make_cp_forward(model, **forward_options.get(kind, {}))(cpshard.params_of(model), batch, mesh)
 
 
 BAD_INPUTS = {
     "no-cp-axis": ("ValueError", "no 'cp' dimension (its dimensions: dp)"),
     "heads": ("ValueError", "num_attention_heads=3 is not divisible by cp=2; cp sizes that work: 1, 3"),
+    "hybrid-degree": ("ValueError", "hybrid needs a Ulysses degree that divides cp=2 and num_attention_heads=4"),
     "both-inputs": ("BatchError", "exactly one of input_ids or inputs_embeds"),
     "no-inputs": ("BatchError", "exactly one of input_ids or inputs_embeds, got neither"),
     "shapes": ("BatchError", "batch['labels'] has shape [2, 5] but the inputs are [B, L] = [2, 8]"),
