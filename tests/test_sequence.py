@@ -1,0 +1,51 @@
+"""Sequence orders: which positions each rank holds, and the plan to move between orders."""
+
+import pytest
+import torch
+
+from cpshard.sequence import chunk_positions, exchange_plan, group_positions, positions
+
+
+@pytest.mark.parametrize("order", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_every_position_is_held_once(order, size):
+    held = torch.cat([positions(order, 8 * size, size, r) for r in range(size)])
+    assert sorted(held.tolist()) == list(range(8 * size))
+
+
+def test_head_tail_pairs_an_early_chunk_with_a_late_one():
+    assert [positions("head_tail", 16, 4, r).tolist() for r in (0, 3)] == [[0, 1, 14, 15], [6, 7, 8, 9]]
+    causal_work = [sum(p + 1 for p in positions("head_tail", 64, 4, r).tolist()) for r in range(4)]
+    assert len(set(causal_work)) == 1, causal_work  # every rank: the same number of (q, k) pairs
+
+
+def test_bad_orders_and_lengths_are_named():
+    with pytest.raises(ValueError, match="unknown sequence order 'zigzag'"):
+        positions("zigzag", 8, 2, 0)
+    with pytest.raises(ValueError, match="12 tokens does not split into 8 equal chunks"):
+        positions("head_tail", 12, 4, 0)
+
+
+def test_chunks_follow_dtensor_uneven_sharding():
+    for length, size in [(13, 2), (10, 4), (5, 4), (3, 4)]:
+        sizes = [len(chunk_positions(length, size, r)) for r in range(size)]
+        expected = [len(c) for c in torch.arange(length).chunk(size)] + [0] * size
+        assert sizes == expected[:size]
+
+
+def test_group_positions_concatenate_in_rank_order():
+    assert group_positions("contiguous", 8, 4, [2, 3]).tolist() == [4, 5, 6, 7]
+
+
+def test_exchange_plan_moves_every_token_to_its_new_holder():
+    length, size = 16, 4
+    src = [positions("head_tail", length, size, r) for r in range(size)]
+    dst = [chunk_positions(13, size, r) for r in range(size)]  # to chunks of the real 13, padding dropped
+    plans = [exchange_plan(src, dst, r) for r in range(size)]
+    for receiver in range(size):
+        got = torch.full((len(dst[receiver]),), -1)
+        for sender in range(size):
+            send, _ = plans[sender]
+            _, receive = plans[receiver]
+            got[receive[sender]] = src[sender][send[receiver]]
+        assert torch.equal(got, dst[receiver])
