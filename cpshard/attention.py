@@ -21,7 +21,7 @@ from cpshard.blocks import ring_blocks
 from cpshard.context import active_call
 from cpshard.redistribute import redistribute
 from cpshard.ring import RingAttention
-from cpshard.sequence import group_positions
+from cpshard.sequence import chunks_per_rank, group_positions
 from cpshard.spec import Dim, Spec
 
 PREFIX = "cpshard_"
@@ -110,7 +110,8 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
         module, query, key, value = _heads_for_sequences(module, query, key, value, call.layout, mesh, "cp_ulysses", path)
     groups = mesh["cp_ring"].size()
     held = [group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree)) for g in range(groups)]
-    blocks = ring_blocks(attention_mask, held, call.length, mesh.get_local_rank("cp_ring"), uniform_rows=inner == "eager")
+    tile = call.padded_length // (call.cp_size * chunks_per_rank(call.order))
+    blocks = ring_blocks(attention_mask, held, call.length, mesh.get_local_rank("cp_ring"), inner == "eager", tile)
     scale = kwargs.get("scaling") or module.scaling
     output = RingAttention.apply(query, key, value, blocks, scale, kwargs.get("softcap"), mesh.get_group("cp_ring"), f"{path} kv")
     output = output.transpose(1, 2)

@@ -46,9 +46,11 @@ class RingBlocks:
     skipped: int
     #: ``[B or 1, 1, Sq]``: this rank's rows that attend evenly to every real key (scores forced to 0)
     uniform: torch.Tensor | None
+    #: the tile size: one chunk of the sequence order; hidden tiles inside a needed block are skipped
+    tile: int
 
 
-def ring_blocks(mask, q_positions: list[torch.Tensor], length: int, rank: int, uniform_rows: bool) -> RingBlocks:
+def ring_blocks(mask, q_positions: list[torch.Tensor], length: int, rank: int, uniform_rows: bool, tile: int) -> RingBlocks:
     """Blocks for ring peers holding ``q_positions[j]`` (q and k positions coincide per peer).
 
     ``uniform_rows``: rows with no real key attend evenly to every real key (what eager
@@ -67,4 +69,4 @@ def ring_blocks(mask, q_positions: list[torch.Tensor], length: int, rank: int, u
     needed = [[bool(block(q_positions[a], q_positions[b]).any()) for b in range(size)] for a in range(size)]
     masks = [block(q_positions[rank], q_positions[b]) for b in range(size)]
     uniform = None if empty is None else empty.index_select(-1, q_positions[rank])
-    return RingBlocks(masks, needed, sum(not flag for row in needed for flag in row), uniform)
+    return RingBlocks(masks, needed, sum(not flag for row in needed for flag in row), uniform, tile)

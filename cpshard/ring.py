@@ -78,6 +78,43 @@ def block_grads(qg, k, v, allowed, lse, grad_out, delta, scale: float, softcap: 
     return grad_q, grad_k, grad_v
 
 
+def tiles(allowed: torch.Tensor, tile: int):
+    """The ``(q, k)`` tile slices of a block in which some q may attend to some k: only those are computed.
+
+    A tile is one chunk of the sequence order, so under head-tail a causal block's hidden
+    quarters are skipped and every rank does the same work."""
+    rows, cols = allowed.shape[-2:]
+    for q0 in range(0, rows, tile):
+        for k0 in range(0, cols, tile):
+            if allowed[..., q0 : q0 + tile, k0 : k0 + tile].any():
+                yield slice(q0, q0 + tile), slice(k0, k0 + tile)
+
+
+def _rows(uniform, rows: slice):
+    return None if uniform is None else uniform[..., rows]
+
+
+def tiled_attention(out, lse, qg, k, v, allowed, scale, softcap, uniform, tile: int) -> None:
+    """Merge one block into ``out`` and ``lse`` (in place), tile by tile."""
+    for rows, cols in tiles(allowed, tile):
+        part = block_attention(
+            qg[..., rows, :], k[:, :, cols], v[:, :, cols], allowed[..., rows, cols], scale, softcap, _rows(uniform, rows)
+        )
+        out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *part)
+
+
+def tiled_grads(grad_q, grad_kv, qg, k, v, allowed, lse, grad_out, delta, scale, softcap, uniform, tile: int) -> None:
+    """Add one block's dq into ``grad_q`` and its dk, dv into ``grad_kv`` (in place), tile by tile."""
+    for rows, cols in tiles(allowed, tile):
+        dq, dk, dv = block_grads(
+            qg[..., rows, :], k[:, :, cols], v[:, :, cols], allowed[..., rows, cols], lse[..., rows],
+            grad_out[..., rows, :], delta[..., rows], scale, softcap, _rows(uniform, rows),
+        )
+        grad_q[..., rows, :] += dq
+        grad_kv[0][:, :, cols] += dk
+        grad_kv[1][:, :, cols] += dv
+
+
 # ----------------------------------------------------------------------------- schedule
 
 
@@ -135,10 +172,7 @@ class RingAttention(torch.autograd.Function):
                 kv if send_on else None, ring[0], template if expect else None, ring[1], group, name, "forward"
             )
             if source is not None and needed[rank][source]:
-                block_out, block_lse = block_attention(
-                    qg, kv[0], kv[1], blocks.masks[source], scale, softcap, blocks.uniform
-                )
-                out, lse = merge(out, lse, block_out, block_lse)
+                tiled_attention(out, lse, qg, kv[0], kv[1], blocks.masks[source], scale, softcap, blocks.uniform, blocks.tile)
             _wait(requests)
             kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
@@ -164,11 +198,11 @@ class RingAttention(torch.autograd.Function):
                 kv if send_on else None, ring[0], kv_template if expect else None, ring[1], group, name, "backward"
             )
             if source is not None and needed[rank][source]:
-                dq, dk, dv = block_grads(
-                    qg, kv[0], kv[1], blocks.masks[source], lse, grad_out, delta, scale, softcap, blocks.uniform
+                grad_kv = grad_kv.clone() if grad_kv is grad_template else grad_kv
+                tiled_grads(
+                    grad_q, grad_kv, qg, kv[0], kv[1], blocks.masks[source], lse, grad_out, delta, scale, softcap,
+                    blocks.uniform, blocks.tile,
                 )
-                grad_q += dq
-                grad_kv = grad_kv + torch.stack([dk, dv])
             _wait(requests)
             requests, incoming_grad = _exchange(
                 grad_kv if send_on else None, ring[0], grad_template if expect else None, ring[1], group, name, "backward"

@@ -37,7 +37,7 @@ def test_sliding_window_skips_all_but_two_blocks_per_rank():
     length, size = 32, 4
     window = causal(length) & ~torch.ones(length, length, dtype=torch.bool).tril(-2)[None, None]
     held = [positions("contiguous", length, size, r) for r in range(size)]
-    blocks = ring_blocks(window, held, length, rank=1, uniform_rows=False)
+    blocks = ring_blocks(window, held, length, rank=1, uniform_rows=False, tile=8)
     assert blocks.needed == [[q - 1 <= k <= q for k in range(size)] for q in range(size)]
     assert blocks.skipped == size * size - (2 * size - 1)
     assert not blocks.masks[3].any() and blocks.masks[1].any() and blocks.uniform is None
@@ -47,6 +47,6 @@ def test_uniform_rows_may_look_at_every_real_key():
     mask = causal(8)
     mask[..., :3] = False  # three tokens of left padding
     held = [positions("contiguous", 8, 2, r) for r in range(2)]
-    blocks = ring_blocks(mask, held, 6, rank=0, uniform_rows=True)  # 6 real tokens, 2 of cp padding
+    blocks = ring_blocks(mask, held, 6, rank=0, uniform_rows=True, tile=4)  # 6 real tokens, 2 of cp padding
     assert blocks.uniform[0, 0].tolist() == [True, True, True, False]
     assert blocks.masks[1][0, 0, 0].tolist() == [True, True, False, False]  # keys 4, 5 real; 6, 7 padding
