@@ -6,7 +6,9 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.comms import recording
-from cpshard.ring import _grouped, block_attention, block_grads, hops, merge
+from cpshard.blocks import ring_blocks
+from cpshard.ring import _grouped, block_attention, block_grads, hops, merge, tiles
+from cpshard.sequence import chunks_per_rank, positions
 from cpshard.tiny import tiny_batch, tiny_model
 
 
@@ -95,3 +97,20 @@ def test_hidden_blocks_are_neither_computed_nor_sent(ranks4):
 def _home(rank: int, hops_of: list[int]) -> int:
     """dk, dv blocks this rank sends home: those whose travel ends here, coming from another rank."""
     return sum(1 for source in range(4) if source != rank and hops_of[source] and (source + hops_of[source]) % 4 == rank)
+
+
+def computed_tiles(order: str, size: int = 4, length: int = 64) -> list[int]:
+    """Tiles each rank computes for a causal mask (the work that decides the step time)."""
+    held = [positions(order, length, size, r) for r in range(size)]
+    tile = length // (size * chunks_per_rank(order))
+    work = []
+    for rank in range(size):
+        blocks = ring_blocks(None, held, length, rank, uniform_rows=False, tile=tile)
+        work.append(sum(len(list(tiles(mask, tile))) * tile * tile for mask, need in zip(blocks.masks, blocks.needed[rank]) if need))
+    return work
+
+
+def test_head_tail_balances_causal_work():
+    assert computed_tiles("contiguous") == [256, 512, 768, 1024]  # rank r computes r + 1 blocks of 16 x 16
+    balanced = computed_tiles("head_tail")
+    assert len(set(balanced)) == 1 and balanced[0] < 1024  # equal, and less than contiguous's busiest rank
