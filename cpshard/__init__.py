@@ -6,6 +6,7 @@ from cpshard.layout import Layout
 from cpshard.mesh import make_mesh
 from cpshard.processes import LocalRanks, RankError, launch
 from cpshard.spec import Spec, SpecError
+from cpshard import debug  # last: it sits on top of everything above
 
 __all__ = [
     "CPOutput",

@@ -11,12 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 IGNORE_INDEX = -100
 INPUT_KEYS = ("input_ids", "inputs_embeds")
 TOKEN_KEYS = ("labels", "shift_labels", "attention_mask", "position_ids")
 BATCH_KEYS = INPUT_KEYS + TOKEN_KEYS
 _FINGERPRINT_DIMS = 3
+#: per key: present, rank, the first dims' sizes and two weighted sums of the values
+_FINGERPRINT_ENTRIES = _FINGERPRINT_DIMS + 4
 
 
 class BatchError(ValueError):
@@ -31,12 +34,14 @@ def fingerprint(batch) -> torch.Tensor:
     for key in BATCH_KEYS:
         value = batch.get(key) if isinstance(batch, Mapping) else None
         if not isinstance(value, torch.Tensor):
-            entries.extend([0.0] * (_FINGERPRINT_DIMS + 3))
+            entries.extend([0.0] * _FINGERPRINT_ENTRIES)
             continue
         shape = list(value.shape[:_FINGERPRINT_DIMS]) + [0] * (_FINGERPRINT_DIMS - value.dim())
         flat = value.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(flat.numel(), dtype=torch.float64) % 997 + 1
-        entries.extend([1.0, float(value.dim()), *map(float, shape), float((flat * weights.to(flat.device)).sum())])
+        index = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
+        # two bounded weightings: together they tell apart values swapped between any two positions
+        sums = [float((flat * weights).sum()) for weights in (index % 997 + 1, index // 997 + 1)]
+        entries.extend([1.0, float(value.dim()), *map(float, shape), *sums])
     return torch.tensor(entries, dtype=torch.float64)
 
 
@@ -59,7 +64,7 @@ def validate(batch) -> tuple[int, int]:
     """Raise a :class:`BatchError` naming what is wrong; return ``(B, L)``."""
     if not isinstance(batch, Mapping):
         raise BatchError(f"the batch must be a dict of tensors, got {type(batch).__name__}")
-    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    unknown = sorted(set(batch) - set(BATCH_KEYS), key=str)
     if unknown:
         raise BatchError(f"unknown batch keys {unknown}; allowed: {', '.join(BATCH_KEYS)}")
     given = [key for key in INPUT_KEYS if batch.get(key) is not None]
@@ -138,11 +143,13 @@ def check_same_batch(batch, group) -> None:
     """Raise on every rank when the ranks of ``group`` hold different batches (before any other collective)."""
     from cpshard.collectives import all_gather_rows
 
-    every = all_gather_rows(fingerprint(batch), group, name="batch fingerprint")
-    differing = [rank for rank in range(every.shape[0]) if not torch.equal(every[rank], every[0])]
+    # compared bit for bit, so that a NaN in the batch is equal to itself
+    every = all_gather_rows(fingerprint(batch), group, name="batch fingerprint").view(torch.int64)
+    ranks = dist.get_process_group_ranks(group)
+    differing = [ranks[i] for i in range(every.shape[0]) if not torch.equal(every[i], every[0])]
     if differing:
         raise BatchError(
             f"the batch differs across the cp group: ranks {differing} hold other keys, shapes or values than "
-            "rank 0. Every rank of a cp group takes the same whole sequences (cpshard cuts them itself); "
+            f"rank {ranks[0]}. Every rank of a cp group takes the same whole sequences (cpshard cuts them itself); "
             "give different batches to different dp ranks only"
         )

@@ -29,6 +29,8 @@ class CommsLog:
     """The collectives recorded on this rank, in launch order."""
 
     events: list[CommEvent] = field(default_factory=list)
+    #: the recording this one is nested in, which records every event too
+    parent: CommsLog | None = field(default=None, repr=False, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -60,7 +62,7 @@ def active_log() -> CommsLog | None:
 @contextmanager
 def recording():
     """Record every cpshard collective launched inside the block; yields the :class:`CommsLog`."""
-    log = CommsLog()
+    log = CommsLog(parent=_ACTIVE.get())
     token = _ACTIVE.set(log)
     try:
         yield log
@@ -69,6 +71,10 @@ def recording():
 
 
 def record(log: CommsLog | None, op: str, name: str, phase: str, tensor, group_size: int) -> None:
-    """Append one event to ``log`` (no-op without a log)."""
-    if log is not None:
-        log.events.append(CommEvent(op, name, phase, tensor.numel() * tensor.element_size(), group_size))
+    """Append one event to ``log`` and every recording it is nested in (no-op without a log)."""
+    if log is None:
+        return
+    event = CommEvent(op, name, phase, tensor.numel() * tensor.element_size(), group_size)
+    while log is not None:
+        log.events.append(event)
+        log = log.parent

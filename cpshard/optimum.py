@@ -8,6 +8,7 @@ from cpshard.attention import kv_replication
 from cpshard.batch import padded_length
 from cpshard.forward import params_of
 from cpshard.layouts import resolve_layout
+from cpshard.sequence import chunk_positions, padded_length_for, positions
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class CommOptimum:
     all_to_all: int
     gradients: int
     loss: int
+    #: ring attention's point-to-point sends (k, v forward; k, v, dk, dv backward)
+    send: int = 0
 
     @property
     def all_reduce(self) -> int:
@@ -24,7 +27,7 @@ class CommOptimum:
 
     @property
     def total(self) -> int:
-        return self.all_to_all + self.all_reduce
+        return self.all_to_all + self.all_reduce + self.send
 
 
 def ulysses_optimum(
@@ -45,19 +48,55 @@ def ulysses_optimum(
     return CommOptimum(all_to_all=2 * layers * per_layer, gradients=param_bytes, loss=4)
 
 
-def optimum_of(model, batch: int, length: int, cp: int) -> CommOptimum:
-    """:func:`ulysses_optimum` with the sizes read off ``model`` and its layout."""
+def ring_optimum(
+    *, batch: int, length: int, cp: int, degree: int, order: str, layers: int, heads: int, kv_heads: int,
+    head_dim: int, hidden: int, param_bytes: int, itemsize: int = 4, rank: int = 0,
+) -> CommOptimum:
+    """Bytes rank ``rank`` puts into collectives per ring (``degree`` 1) or hybrid training step,
+    when every block is needed (head-tail under a causal mask; skipped blocks only save).
+
+    Per layer: Ulysses inside groups of ``degree`` ranks as in :func:`ulysses_optimum`; then on
+    a ring of ``R = cp / degree``: k and v forward R-1 times; backward k and v R-1 times and dk,
+    dv (fp32) R times, the last hop bringing them home. Head-tail order is undone once before
+    the LM head: the rank's real tokens of hidden state forward, its chunk of gradients back.
+    """
+    padded = padded_length_for(length, cp, order)
+    tokens = batch * padded // cp
+    kv = kv_heads * (kv_replication(heads, kv_heads, degree) if degree > 1 else 1)
+    ulysses = 0 if degree == 1 else 2 * tokens * head_dim * itemsize * (2 * heads + 2 * kv)
+    block = 2 * tokens * kv * head_dim  # k and v of this rank's share of the heads, over its group's tokens
+    ring = cp // degree
+    send = layers * block * ((ring - 1) * itemsize + (ring - 1) * itemsize + ring * 4)
+    undo = 0
+    if order != "contiguous":
+        held = int((positions(order, padded, cp, rank) < length).sum())
+        undo = batch * hidden * itemsize * (held + len(chunk_positions(length, cp, rank)))
+    return CommOptimum(all_to_all=layers * ulysses + undo, gradients=param_bytes, loss=4, send=send)
+
+
+def _sizes(model) -> dict:
+    """The model's sizes that the optimum formulas take."""
     layout, config = resolve_layout(model), model.config
-    heads, kv_heads = getattr(config, layout.heads), getattr(config, layout.kv_heads)
+    heads = getattr(config, layout.heads)
     params = list(params_of(model).values())
-    return ulysses_optimum(
-        batch=batch,
-        length=length,
-        cp=cp,
+    return dict(
         layers=len(model.get_submodule(layout.decoder_layers)),
         heads=heads,
-        kv_heads=kv_heads,
+        kv_heads=getattr(config, layout.kv_heads),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         itemsize=params[0].element_size(),
+    )
+
+
+def optimum_of(model, batch: int, length: int, cp: int) -> CommOptimum:
+    """:func:`ulysses_optimum` with the sizes read off ``model`` and its layout."""
+    return ulysses_optimum(batch=batch, length=length, cp=cp, **_sizes(model))
+
+
+def ring_optimum_of(model, batch: int, length: int, cp: int, degree: int, order: str, rank: int = 0) -> CommOptimum:
+    """:func:`ring_optimum` with the sizes read off ``model`` and its layout."""
+    return ring_optimum(
+        batch=batch, length=length, cp=cp, degree=degree, order=order, hidden=model.config.hidden_size, rank=rank,
+        **_sizes(model),
     )

@@ -112,13 +112,13 @@ class LocalRanks:
         if not self.alive:
             raise RuntimeError("these local ranks are closed (a rank failed or close() was called); start new ones")
         try:
-            payloads = [_dumps((fn, args, kwargs)) for _ in self._tasks]
+            payload = _dumps((fn, args, kwargs))
         except Exception as error:
             raise TypeError(
                 f"cannot send {fn!r} and its arguments to the ranks ({error}); "
                 "fn must be a module-level function and its arguments picklable"
             ) from error
-        for tasks, payload in zip(self._tasks, payloads):
+        for tasks in self._tasks:
             tasks.put(payload)
         values: dict[int, object] = {}
         failures: dict[int, RankFailure] = {}
@@ -131,10 +131,13 @@ class LocalRanks:
             except queue.Empty:
                 self._check_progress(deadline, set(values) | set(failures), failures)
                 continue
-            (values if ok else failures)[rank] = pickle.loads(value)
+            if ok:
+                values[rank] = value  # unpickled once every rank has reported, so none is left in the queue
+            else:
+                failures[rank] = pickle.loads(value)
         if failures:
             raise RankError(failures)
-        return [values[rank] for rank in range(self.nprocs)]
+        return [pickle.loads(values[rank]) for rank in range(self.nprocs)]
 
     def _check_progress(self, deadline: float, done: set, failures: dict) -> None:
         """End the group when a rank died or the deadline passed."""

@@ -26,12 +26,17 @@ class Move:
 
 
 def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
-    """The moves, one per mesh axis whose placement differs between ``src`` and ``dst``."""
+    """The moves, one per mesh axis whose placement differs between ``src`` and ``dst``.
+
+    Each move makes its axis the minor-most of the dimension it splits, and an all-to-all can
+    only take back the minor-most axis of a dimension; moves run in the order of ``dst``'s axes.
+    """
     src, dst = Spec(src), Spec(dst)
     if src.names != dst.names:
         raise SpecError(f"cannot move {src} to {dst}: the dimensions differ ({src.names} vs {dst.names})")
+    current = [list(dim.axes) for dim in src.dims]
     moves = []
-    for axis in dict.fromkeys(src.axes + dst.axes):
+    for axis in dict.fromkeys(dst.axes + src.axes):
         before, after = src.sharded_dim(axis), dst.sharded_dim(axis)
         if before == after:
             continue
@@ -40,7 +45,14 @@ def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
                 f"cannot move {src} to {dst}: un-splitting {src.names[before]!r} over {axis!r} would gather the "
                 "whole tensor on every rank, which the hot path never does"
             )
+        if before is not None and current[before][-1] != axis:
+            raise SpecError(f"cannot move {src} to {dst}: {axis!r} is not the minor-most axis of {src.names[before]!r}")
+        if before is not None:
+            current[before].pop()
+        current[after].append(axis)
         moves.append(Move(axis, "slice" if before is None else "all_to_all", before, after))
+    if [tuple(axes) for axes in current] != [dim.axes for dim in dst.dims]:
+        raise SpecError(f"cannot move {src} to {dst}: one move per axis cannot reorder the axes of a dimension")
     return tuple(moves)
 
 
@@ -55,11 +67,19 @@ def moved_bytes(local_shape, dtype: torch.dtype, src: Spec | str, dst: Spec | st
 
 def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: str = "") -> torch.Tensor:
     """``x``, the local part of a tensor placed as ``src`` on ``mesh``, placed as ``dst``. Differentiable."""
+    src, dst = Spec(src), Spec(dst)
+    tensor = name or "tensor"
+    if x.dim() != len(src.dims):
+        raise SpecError(f"{tensor}: spec {src} has {len(src.dims)} dimensions, the local tensor has shape {tuple(x.shape)}")
     for move in plan(src, dst):
-        group = mesh.get_group(move.axis)
-        if move.kind == "slice":
-            width = x.shape[move.dst_dim] // mesh[move.axis].size()
-            x = x.narrow(move.dst_dim, mesh.get_local_rank(move.axis) * width, width)
-        else:
-            x = all_to_all(x, scatter_dim=move.dst_dim, gather_dim=move.src_dim, group=group, name=name)
+        if move.kind == "all_to_all":
+            x = all_to_all(x, scatter_dim=move.dst_dim, gather_dim=move.src_dim, group=mesh.get_group(move.axis), name=name)
+            continue
+        ways, size = mesh[move.axis].size(), x.shape[move.dst_dim]
+        if size % ways:
+            raise SpecError(
+                f"{tensor}: dimension {move.dst_dim} ({dst.names[move.dst_dim]}) has local size {size}, "
+                f"which mesh axis {move.axis!r} (size {ways}) does not divide evenly"
+            )
+        x = x.narrow(move.dst_dim, mesh.get_local_rank(move.axis) * (size // ways), size // ways)
     return x

@@ -54,3 +54,9 @@ def chunk_positions(length: int, size: int, rank: int) -> torch.Tensor:
     the last ranks fewer or none. Logits and the loss come out in this layout."""
     width = -(-length // size)
     return torch.arange(min(rank * width, length), min((rank + 1) * width, length))
+
+
+def padded_length_for(length: int, size: int, order: str) -> int:
+    """The smallest length >= ``length`` that splits into equal chunks for ``order`` over ``size`` ranks."""
+    pieces = size * chunks_per_rank(order)
+    return -(-length // pieces) * pieces

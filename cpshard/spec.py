@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Replicate, Shard
 
 _TOKEN = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:@(?P<axes>[A-Za-z_][A-Za-z0-9_]*|\([^)]*\)))?$")
+_AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class SpecError(ValueError):
@@ -39,8 +40,10 @@ def _parse_token(token: str, text: str) -> Dim:
     match = _TOKEN.match(token)
     if match is None:
         raise SpecError(f"spec {text!r}: cannot read {token!r}; write a name, name@axis or name@(a,b)")
-    axes = match.group("axes") or ""
-    axes = tuple(a.strip() for a in axes.strip("()").split(",") if a.strip())
+    group = match.group("axes")
+    axes = () if group is None else tuple(a.strip() for a in group.strip("()").split(","))
+    if not all(_AXIS.match(a) for a in axes):
+        raise SpecError(f"spec {text!r}: cannot read the mesh axes of {token!r}; write name@(a,b) with axis names")
     return Dim(match.group("name"), axes)
 
 
@@ -53,7 +56,7 @@ def _split_tokens(text: str) -> list[str]:
             if current:
                 tokens.append(current)
             current = ""
-        elif not char.isspace():
+        else:
             current += char
     if current:
         tokens.append(current)
@@ -128,19 +131,32 @@ class Spec:
         index = self.dim_of(name)
         return Spec(tuple(Dim(d.name, d.axes + (axis,)) if i == index else d for i, d in enumerate(self.dims)))
 
-    def check(self, shape, mesh, tensor: str = "tensor") -> None:
-        """Raise a :class:`SpecError` naming ``tensor``, dim and axis where ``shape`` or ``mesh`` do not fit."""
-        if len(shape) != len(self.dims):
-            raise SpecError(f"{tensor}: spec {self} has {len(self.dims)} dimensions, the tensor has shape {tuple(shape)}")
-        names = mesh.mesh_dim_names or ()
+    def _mesh_axes(self, mesh, tensor: str) -> tuple[str, ...]:
+        """The mesh's axis names, once every axis of this spec is checked against them."""
+        names = tuple(mesh.mesh_dim_names or ())
         for index, dim in enumerate(self.dims):
-            ways = 1
             for axis in dim.axes:
                 if axis not in names:
                     raise SpecError(
                         f"{tensor}: dimension {index} ({dim.name}) is split over mesh axis {axis!r}, "
                         f"which the mesh does not have (its axes: {', '.join(names) or 'none'})"
                     )
+            if list(dim.axes) != sorted(dim.axes, key=names.index):
+                # DTensor nests the shards of one dimension in mesh order: another order has no placements
+                raise SpecError(
+                    f"{tensor}: dimension {index} ({dim.name}) is split over {dim} with its axes major first, "
+                    f"but the mesh orders them {', '.join(a for a in names if a in dim.axes)}; list them in mesh order"
+                )
+        return names
+
+    def check(self, shape, mesh, tensor: str = "tensor") -> None:
+        """Raise a :class:`SpecError` naming ``tensor``, dim and axis where ``shape`` or ``mesh`` do not fit."""
+        if len(shape) != len(self.dims):
+            raise SpecError(f"{tensor}: spec {self} has {len(self.dims)} dimensions, the tensor has shape {tuple(shape)}")
+        names = self._mesh_axes(mesh, tensor)
+        for index, dim in enumerate(self.dims):
+            ways = 1
+            for axis in dim.axes:
                 ways *= mesh.size(names.index(axis))
             if shape[index] % ways:
                 raise SpecError(
@@ -150,14 +166,7 @@ class Spec:
 
     def placements(self, mesh, tensor: str = "tensor") -> tuple:
         """The DTensor placements of this spec on ``mesh`` (one per mesh dimension)."""
-        names = mesh.mesh_dim_names or ()
-        for dim in self.dims:
-            for axis in dim.axes:
-                if axis not in names:
-                    raise SpecError(
-                        f"{tensor}: dimension {self.names.index(dim.name)} ({dim.name}) is split over mesh "
-                        f"axis {axis!r}, which the mesh does not have (its axes: {', '.join(names) or 'none'})"
-                    )
+        names = self._mesh_axes(mesh, tensor)
         result = []
         for axis in names:
             index = self.sharded_dim(axis)

@@ -9,9 +9,12 @@ from torch import nn
 from cpshard.layout import Layout
 from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3
 
+_FILES = (llama, mistral, qwen3, gemma3)
 REGISTERED: dict[str, Layout] = {
-    model_type: module.LAYOUT for module in (llama, mistral, qwen3, gemma3) for model_type in module.LAYOUT.model_types
+    model_type: module.LAYOUT for module in _FILES for model_type in module.LAYOUT.model_types
 }
+#: every layout by its own name (``layout="gemma3"``), the generic one included
+BY_NAME: dict[str, Layout] = {layout.name: layout for layout in (decoder.LAYOUT, *(m.LAYOUT for m in _FILES))}
 
 
 def submodule(model: nn.Module, path: str):
@@ -48,10 +51,13 @@ def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
         chosen = layout
     elif layout == "auto":
         chosen = REGISTERED.get(model_type, decoder.LAYOUT)
-    elif layout in REGISTERED or layout == decoder.LAYOUT.name:
-        chosen = REGISTERED.get(layout, decoder.LAYOUT)
+    elif layout in BY_NAME or layout in REGISTERED:
+        chosen = BY_NAME.get(layout) or REGISTERED[layout]
     else:
-        raise ValueError(f"unknown layout {layout!r}; registered: {', '.join(sorted(REGISTERED))}, or 'decoder'")
+        raise ValueError(
+            f"unknown layout {layout!r}; name one of {', '.join(sorted(BY_NAME))}, a model type of "
+            f"{', '.join(sorted(REGISTERED))}, or 'auto'"
+        )
     problems = structure_problems(model, chosen)
     if problems:
         raise ValueError(

@@ -1,0 +1,13 @@
+"""Seeing what happens: placements, communication and the layout, as text.
+
+``typeof`` names a tensor's dtype, shape and placement; ``visualize`` draws which rank holds which
+block; ``trace_comms`` records every collective a function launches beside the layout's optimum;
+``explain`` shows what a layout does to a model on a mesh. Nothing else in cpshard imports this.
+"""
+
+from cpshard.debug.comms_report import CommsReport, trace_comms
+from cpshard.debug.explain import Explanation, explain
+from cpshard.debug.typeof import typeof
+from cpshard.debug.visualize import visualize
+
+__all__ = ["CommsReport", "Explanation", "explain", "trace_comms", "typeof", "visualize"]

@@ -1,0 +1,103 @@
+"""What a layout implies on a model: each declared move, the collectives it needs, its bytes per token.
+
+Shared by :func:`~cpshard.debug.explain` (the layout, shown) and :func:`~cpshard.debug.trace_comms`
+(the optimum a run is held to), so both count the same way. Bytes are those of each collective's
+input on one rank, per token that rank holds after the cut (``B * L / cp`` tokens), in the model's
+dtype. Token dims are named ``b`` and ``s``; attention specs name heads ``h`` and head size ``d``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cpshard.attention import kv_replication
+from cpshard.layout import Layout
+from cpshard.redistribute import Move, plan
+from cpshard.spec import Spec
+
+TOKEN_NAMES = ("b", "s")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One declared move of one tensor: its specs, the moves :func:`plan` picks, and their bytes per token."""
+
+    tensor: str
+    src: Spec
+    dst: Spec
+    moves: tuple[Move, ...]
+    #: None where a dimension's size is not known (only asked when an all-to-all needs it)
+    bytes_per_token: int | None
+
+    @property
+    def collectives(self) -> int:
+        """How many collectives the move launches (slices are local)."""
+        return sum(move.kind == "all_to_all" for move in self.moves)
+
+    def describe(self) -> str:
+        """``all_to_all over cp``, ``slice over cp`` or ``nothing``."""
+        return ", ".join(f"{move.kind} over {move.axis}" for move in self.moves) or "nothing"
+
+
+def mesh_sizes(mesh) -> dict[str, int]:
+    """Axis name -> size."""
+    return dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+
+
+def _ways(spec: Spec, sizes: dict[str, int], names=None) -> int:
+    return math.prod(sizes[axis] for dim in spec.dims if names is None or dim.name in names for axis in dim.axes)
+
+
+def token_ways(layout: Layout, sizes: dict[str, int]) -> int:
+    """Over how many ranks the tokens are split once cut: a rank holds ``B * L / token_ways`` of them."""
+    return _ways(layout.hidden[1], sizes, TOKEN_NAMES)
+
+
+def step(tensor: str, src: Spec, dst: Spec, dims: dict, layout: Layout, sizes: dict, itemsize: int) -> Step:
+    """The move of ``tensor`` (global sizes of its non-token dims in ``dims``) from ``src`` to ``dst``."""
+    moves = plan(src, dst)
+    count = sum(move.kind == "all_to_all" for move in moves)
+    rest = [dims.get(dim.name) for dim in src.dims if dim.name not in TOKEN_NAMES]
+    if not count:
+        return Step(tensor, src, dst, moves, 0)
+    if None in rest:
+        return Step(tensor, src, dst, moves, None)
+    # a rank holds numel / ways(src) elements, and B * L / token_ways tokens
+    per_token = math.prod(rest) * itemsize * token_ways(layout, sizes) // _ways(src, sizes)
+    return Step(tensor, src, dst, moves, count * per_token)
+
+
+def head_dim(config, layout: Layout) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // getattr(config, layout.heads)
+
+
+def attention_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype) -> tuple[Step, ...]:
+    """q, k, v in and the output back, for one attention module. k and v carry their kv heads
+    repeated as Ulysses needs (``kv_replication``); raises its ValueError when cp does not divide the heads."""
+    heads, kv_heads = getattr(config, layout.heads), getattr(config, layout.kv_heads)
+    kv_total = kv_heads * kv_replication(heads, kv_heads, sizes["cp"])
+    itemsize, size = torch.empty((), dtype=dtype).element_size(), head_dim(config, layout)
+    parts = (
+        ("q", layout.qkv, heads), ("k", layout.qkv, kv_total), ("v", layout.qkv, kv_total), ("out", layout.attn_output, heads)
+    )
+    return tuple(step(name, *pair, {"h": h, "d": size}, layout, sizes, itemsize) for name, pair, h in parts)
+
+
+def cut_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype) -> tuple[Step, ...]:
+    """The residual stream's cut at the first decoder layer, then the per-layer inputs' cuts."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    hidden = step("hidden_states", *layout.hidden, {"d": config.hidden_size}, layout, sizes, itemsize)
+    return (hidden, *(step(key, src, dst, {}, layout, sizes, itemsize) for key, src, dst in layout.layer_inputs))
+
+
+def attention_paths(module_names, layout: Layout) -> list[str]:
+    """The attention modules' paths among ``module_names`` (``model.layers.3.self_attn``), in layer order."""
+    prefix, found = layout.decoder_layers + ".", []
+    for name in module_names:
+        index, _, rest = name.removeprefix(prefix).partition(".")
+        if name.startswith(prefix) and index.isdigit() and rest == layout.attention:
+            found.append((int(index), name))
+    return [name for _, name in sorted(found)]

@@ -1,0 +1,128 @@
+"""``explain``: the layout as it applies to one model on one mesh, before anything runs.
+
+What ``make_cp_forward`` would choose (layout, implementation, kv-head replication) and why; then
+each cut and each attention move with its specs, the collective :func:`cpshard.redistribute.plan`
+picks and its bytes per token. Reads the model's config and dtype only, so a meta model will do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpshard.attention import kv_replication
+from cpshard.debug.analytic import Step, attention_paths, attention_steps, cut_steps, mesh_sizes
+from cpshard.debug.table import grouped, table
+from cpshard.debug.typeof import dtype_name
+from cpshard.layout import Layout
+from cpshard.layouts import REGISTERED, resolve_layout
+from cpshard.mesh import cp_size
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :func:`explain` found; ``str()`` gives the text."""
+
+    model: str
+    layout: Layout
+    layout_reason: str
+    implementation: str
+    implementation_reason: str
+    kv_replication: int | None
+    sizes: dict
+    dtype: str
+    cuts: tuple[Step, ...]
+    #: the moves of each attention module (empty when Ulysses cannot run)
+    attention: tuple[Step, ...]
+    attention_modules: tuple[str, ...]
+
+    @property
+    def attention_bytes_per_token(self) -> int:
+        """Collective input bytes per token a rank holds, over every attention module, forward only."""
+        return sum(s.bytes_per_token or 0 for s in self.attention) * len(self.attention_modules)
+
+    def __str__(self) -> str:
+        mesh = " ".join(f"{axis}={size}" for axis, size in self.sizes.items())
+        lines = [
+            f"{self.model} on mesh {mesh}, {self.dtype}",
+            table([
+                ("layout", f"{self.layout.name}: {self.layout_reason}"),
+                ("implementation", f"{self.implementation}: {self.implementation_reason}"),
+                *([("kv heads", _kv_text(self.kv_replication))] if self.kv_replication else []),
+            ]),
+            "",
+            "bytes/token: a collective's input on one rank, per token that rank holds (B*L/cp of them)",
+        ]
+        layers, first = self.layout.decoder_layers, f"{self.layout.decoder_layers}.0"
+        rows = [_row(f"{first} (once)", self.cuts[0])]
+        rows += [_row(f"{layers}.* (each)", s) for s in self.cuts[1:]]
+        where = f"{_paths(self.attention_modules, self.layout)} (each)"
+        rows += [_row(where, s) for s in self.attention]
+        header = ("where", "tensor", "spec in", "spec out", "collective", "bytes/token")
+        lines.append(table(rows, header, right=frozenset({5})))
+        if self.attention:
+            count = sum(s.collectives for s in self.attention)
+            per_module = sum(s.bytes_per_token or 0 for s in self.attention)
+            lines += [
+                "",
+                f"per attention module: {count} collectives, {grouped(per_module)} bytes/token forward, "
+                "the same backward",
+                f"over {len(self.attention_modules)} modules: {grouped(self.attention_bytes_per_token)} bytes/token "
+                f"forward, {grouped(2 * self.attention_bytes_per_token)} forward and backward",
+            ]
+        return "\n".join(lines)
+
+
+def _row(where: str, s: Step) -> tuple:
+    cost = "?" if s.bytes_per_token is None else grouped(s.bytes_per_token)
+    return (where, s.tensor, str(s.src), str(s.dst), s.describe(), cost)
+
+
+def _kv_text(replicas: int) -> str:
+    return "each kv head held once" if replicas == 1 else f"each kv head repeated {replicas}x so that cp divides them"
+
+
+def _paths(paths: tuple[str, ...], layout: Layout) -> str:
+    """``model.layers.{0..31}.self_attn`` when the paths are every layer in order."""
+    if paths and list(paths) == [f"{layout.decoder_layers}.{i}.{layout.attention}" for i in range(len(paths))]:
+        return f"{layout.decoder_layers}.{{0..{len(paths) - 1}}}.{layout.attention}"
+    return ", ".join(paths) or "no attention modules"
+
+
+def _layout_reason(model, layout, chosen: Layout) -> str:
+    model_type = getattr(model.config, "model_type", "?")
+    if isinstance(layout, Layout):
+        return "given as a Layout"
+    if layout != "auto":
+        return f"named {layout!r}"
+    if REGISTERED.get(model_type) is chosen:
+        return f"registered for model type {model_type!r} (cpshard/layouts/)"
+    return f"no layout file is registered for {model_type!r}; its structure fits the generic decoder"
+
+
+def _implementation(config, layout: Layout, cp: int, implementation: str) -> tuple[str, str, int | None]:
+    """What ``make_cp_forward(implementation=...)`` would run, why, and how often each kv head is repeated."""
+    if implementation not in ("auto", "ulysses"):
+        raise ValueError(f"explain: implementation={implementation!r}; only 'ulysses' (and 'auto') are available yet")
+    heads, kv_heads = getattr(config, layout.heads), getattr(config, layout.kv_heads)
+    try:
+        replicas = kv_replication(heads, kv_heads, cp)
+    except ValueError as error:
+        return "none", f"cp_forward would raise at its first call: {error}", None
+    reason = f"{layout.heads}={heads} divides over cp={cp}: each rank attends whole sequences over {heads // cp} heads"
+    if implementation == "auto":
+        reason = f"auto picks Ulysses where the heads allow it: {reason} (ring and hybrid are not available yet)"
+    return "ulysses", reason, replicas
+
+
+def explain(model, mesh, *, layout="auto", implementation="auto") -> Explanation:
+    """The layout as applied to ``model`` on ``mesh``: choices, reasons, and every move's collective and cost."""
+    chosen = resolve_layout(model, layout)
+    config, sizes = model.config, mesh_sizes(mesh)
+    name, reason, replicas = _implementation(config, chosen, cp_size(mesh), implementation)
+    attention = attention_steps(config, chosen, sizes, model.dtype) if replicas else ()
+    return Explanation(
+        f"{type(model).__name__} (model type {getattr(config, 'model_type', '?')!r})",
+        chosen, _layout_reason(model, layout, chosen), name, reason, replicas, sizes, dtype_name(model.dtype),
+        cut_steps(config, chosen, sizes, model.dtype), attention,
+        tuple(attention_paths((path for path, _ in model.named_modules()), chosen)),
+    )

@@ -1,0 +1,122 @@
+"""Ulysses, ring and hybrid side by side, and what head-tail order does for ring's balance.
+
+    python examples/bench_attention.py --seqs 1024 2048 4096 --nprocs 2 4 --repeats 3
+
+For each rank count and length: the median training-step time of every implementation that
+fits (alternated in one run, so a noisy machine slows all alike; read the ratios), the bytes
+each rank sends per step against the analytic optimum, and, for ring, the attention compute of
+each rank alone (max/min over ranks) with contiguous and with head-tail order.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import cpshard
+from cpshard.blocks import ring_blocks
+from cpshard.comms import recording
+from cpshard.optimum import optimum_of, ring_optimum_of
+from cpshard.ring import _grouped, tiled_attention, tiled_grads
+from cpshard.sequence import chunks_per_rank, padded_length_for, positions
+from cpshard.tiny import tiny_batch, tiny_model
+
+MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=1024)
+VARIANTS = {
+    "ulysses": dict(implementation="ulysses"),
+    "ring": dict(implementation="ring", sequence_order="head_tail"),
+    "ring-contiguous": dict(implementation="ring", sequence_order="contiguous"),
+    "hybrid": dict(implementation="hybrid"),
+}
+
+
+def fits(variant: str, cp: int) -> bool:
+    return variant != "hybrid" or cp >= 4
+
+
+def step_times(seq: int, repeats: int):
+    """On every rank: median step time and bytes per step of each variant."""
+    cp = torch.distributed.get_world_size()
+    model = tiny_model("llama", **MODEL)
+    batch = tiny_batch(model.config.vocab_size, 1, seq)
+    mesh, params = cpshard.make_mesh(cp=cp), cpshard.params_of(model)
+    steps = {name: cpshard.value_and_grad(cpshard.make_cp_forward(model, **options)) for name, options in VARIANTS.items() if fits(name, cp)}
+    times, sent = {name: [] for name in steps}, {}
+    for repeat in range(repeats + 1):
+        for name, step in steps.items():
+            torch.distributed.barrier()
+            with recording() as log:
+                start = time.perf_counter()
+                step(params, batch, mesh)
+                elapsed = time.perf_counter() - start
+            if repeat:  # the first round warms up
+                times[name].append(elapsed)
+            sent[name] = log.bytes_by("op")
+    return {name: statistics.median(values) for name, values in times.items()}, sent
+
+
+def ring_compute_per_rank(seq: int, cp: int, order: str, repeats: int = 3) -> list[float]:
+    """Each rank's ring attention compute (forward and backward, all its blocks), timed alone."""
+    heads, kv_heads, dim = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"]
+    length = padded_length_for(seq, cp, order)
+    held = [positions(order, length, cp, r) for r in range(cp)]
+    tile = length // (cp * chunks_per_rank(order))
+    seconds = []
+    for rank in range(cp):
+        blocks = ring_blocks(None, held, seq, rank, uniform_rows=False, tile=tile)
+        q = _grouped(torch.randn(1, heads, length // cp, dim), kv_heads)
+        k, v = torch.randn(2, 1, kv_heads, length // cp, dim)
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+            for source in range(cp):
+                if blocks.needed[rank][source]:
+                    tiled_attention(out, lse, q, k, v, blocks.masks[source], 0.25, None, None, tile)
+            grad_q, grad_kv, delta = torch.zeros_like(q), torch.zeros(2, *k.shape), (out * out).sum(-1)
+            for source in range(cp):
+                if blocks.needed[rank][source]:
+                    tiled_grads(grad_q, grad_kv, q, k, v, blocks.masks[source], lse, out, delta, 0.25, None, None, tile)
+            runs.append(time.perf_counter() - start)
+        seconds.append(statistics.median(runs))
+    return seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print("| ranks | L | variant | step s | vs ulysses | bytes/step/rank | optimum | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for nprocs in args.nprocs:
+        with cpshard.LocalRanks(nprocs) as ranks:
+            for seq in args.seqs:
+                results = ranks.run(step_times, seq, args.repeats)
+                medians, sent = results[0]
+                model = tiny_model("llama", **MODEL)
+                for name, seconds in medians.items():
+                    total = sum(sent[name].values())
+                    optimum = _optimum(name, model, seq, nprocs)
+                    print(f"| {nprocs} | {seq} | {name} | {seconds:.3f} | {seconds / medians['ulysses']:.2f} | {total:,} | {optimum:,} | {total / optimum:.4f} |", flush=True)
+    print("\nring attention compute per rank alone (forward + backward), max/min over ranks:")
+    for nprocs in args.nprocs:
+        for seq in args.seqs:
+            spread = {order: ring_compute_per_rank(seq, nprocs, order) for order in ("contiguous", "head_tail")}
+            text = ", ".join(f"{order}: max {max(s):.3f} s, max/min {max(s) / min(s):.2f}" for order, s in spread.items())
+            print(f"  {nprocs} ranks, L={seq}: {text}", flush=True)
+
+
+def _optimum(name: str, model, seq: int, cp: int) -> int:
+    """Rank 0's optimum for one variant (the fingerprint check's few hundred bytes are not in it)."""
+    options = VARIANTS[name]
+    if options["implementation"] == "ulysses":
+        return optimum_of(model, 1, seq, cp).total
+    degree = 2 if options["implementation"] == "hybrid" else 1
+    return ring_optimum_of(model, 1, seq, cp, degree, options.get("sequence_order", "head_tail")).total
+
+
+if __name__ == "__main__":
+    main()

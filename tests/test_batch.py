@@ -1,0 +1,254 @@
+"""The batch: validation, padding to a multiple of cp, shifted labels, and the cross-rank check."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpshard
+from cpshard.batch import (
+    IGNORE_INDEX,
+    BatchError,
+    check_same_batch,
+    continued_positions,
+    fingerprint,
+    pad_batch,
+    padded_length,
+    shifted_labels,
+    validate,
+)
+
+B, L, D, VOCAB = 2, 5, 3, 50
+
+
+def _ids(*shape, seed=0):
+    return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _batch(**extra):
+    return {"input_ids": _ids(B, L), **extra}
+
+
+# ---- validate ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "batch, words",
+    [
+        ({"input_ids": _ids(B, L), "inputs_embeds": torch.zeros(B, L, D)}, ["exactly one", "input_ids", "inputs_embeds"]),
+        ({"labels": _ids(B, L)}, ["exactly one", "neither"]),
+        ({}, ["exactly one", "neither"]),
+        ({"input_ids": None, "inputs_embeds": None}, ["neither"]),
+        (_batch(labels=_ids(B, L + 1)), ["'labels'", "[2, 6]", "[2, 5]"]),
+        (_batch(shift_labels=_ids(B + 1, L)), ["'shift_labels'", "[3, 5]", "[2, 5]"]),
+        (_batch(position_ids=_ids(3, L)), ["'position_ids'", "[3, 5]"]),
+        (_batch(attention_mask=torch.ones(B, 1, L, L)), ["'attention_mask'", "2-D", "[2, 1, 5, 5]", "4-D mask"]),
+        (_batch(attention_mask=[[1] * L] * B), ["'attention_mask'", "tensor", "list"]),
+        (_batch(foo=1, token_type_ids=_ids(B, L)), ["unknown batch keys", "'foo'", "'token_type_ids'"]),
+        ({"input_ids": _ids(B, L), 3: 1}, ["unknown batch keys", "3"]),
+        ({"input_ids": _ids(B, 0)}, ["at least one", "[2, 0]"]),
+        ({"input_ids": _ids(0, L)}, ["at least one", "[0, 5]"]),
+        ({"input_ids": _ids(L)}, ["'input_ids'", "2-D", "[5]"]),
+        ({"input_ids": torch.zeros(B, L)}, ["integer token ids", "inputs_embeds"]),
+        ({"inputs_embeds": torch.zeros(B, L)}, ["'inputs_embeds'", "3-D", "[2, 5]"]),
+        ([("input_ids", _ids(B, L))], ["dict", "list"]),
+    ],
+)
+def test_validate_errors(batch, words):
+    with pytest.raises(BatchError) as info:
+        validate(batch)
+    missing = [word for word in words if word not in str(info.value)]
+    assert not missing, f"{info.value} lacks {missing}"
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        _batch(),
+        _batch(labels=_ids(B, L), attention_mask=torch.ones(B, L, dtype=torch.long), position_ids=_ids(B, L)),
+        _batch(position_ids=torch.arange(L)[None]),  # one row of positions for every row
+        _batch(shift_labels=_ids(B, L), labels=None),
+        {"inputs_embeds": torch.zeros(B, L, D), "labels": _ids(B, L)},
+    ],
+)
+def test_validate_accepts(batch):
+    assert validate(batch) == (B, L)
+
+
+# ---- the pure pieces --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length, cp", list(itertools.product([1, 2, 3, 7, 8, 9, 1023], [1, 2, 3, 4, 8])))
+def test_padded_length(length, cp):
+    assert padded_length(length, cp) == next(n for n in itertools.count(length) if n % cp == 0)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7])
+def test_shifted_labels(length):
+    labels = _ids(B, length)
+    labels[0, -1] = IGNORE_INDEX
+    shifted = shifted_labels(labels)
+    for b, i in itertools.product(range(B), range(length)):
+        assert shifted[b, i] == (labels[b, i + 1] if i + 1 < length else IGNORE_INDEX)
+
+
+def test_shifted_labels_give_the_causal_loss():
+    """The loss over shifted labels is transformers' causal loss over the unshifted ones."""
+    logits, labels = torch.randn(B, L, VOCAB, generator=torch.Generator().manual_seed(1)), _ids(B, L)
+    cross_entropy = torch.nn.functional.cross_entropy
+    ours = cross_entropy(logits.flatten(0, 1), shifted_labels(labels).flatten(), ignore_index=IGNORE_INDEX)
+    causal = cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    torch.testing.assert_close(ours, causal)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 3])
+def test_continued_positions(extra):
+    positions = torch.tensor([[0, 1, 2, 0, 1], [5, 6, 7, 8, 9]])
+    result = continued_positions(positions, extra)
+    assert result.shape == (2, L + extra) and result.dtype == positions.dtype
+    assert torch.equal(result[:, :L], positions)
+    for row in range(2):
+        assert result[row, L:].tolist() == [positions[row, -1].item() + k for k in range(1, extra + 1)]
+
+
+# ---- pad_batch ----------------------------------------------------------------------------------------------------
+
+
+def _padded(x: torch.Tensor, length: int, value) -> torch.Tensor:
+    """``x`` with dim 1 filled up to ``length`` with ``value`` (the reference, built by assignment)."""
+    out = torch.full((x.shape[0], length, *x.shape[2:]), value, dtype=x.dtype)
+    out[:, : x.shape[1]] = x
+    return out
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 5])
+@pytest.mark.parametrize("pad_token_id", [None, 7])
+def test_pad_batch_input_ids(cp, pad_token_id):
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    batch = _batch(labels=_ids(B, L, seed=1), attention_mask=mask, position_ids=positions)
+    padded = pad_batch(batch, cp, pad_token_id)
+    length = padded_length(L, cp)
+    assert (padded.length, padded.padded_length) == (L, length)
+    assert set(padded.model_inputs) == {"input_ids", "attention_mask", "position_ids"}
+    assert torch.equal(padded.model_inputs["input_ids"], _padded(batch["input_ids"], length, pad_token_id or 0))
+    assert torch.equal(padded.model_inputs["attention_mask"], _padded(mask, length, 0))
+    assert torch.equal(padded.model_inputs["position_ids"], continued_positions(positions, length - L))
+    assert torch.equal(padded.shift_labels, _padded(shifted_labels(batch["labels"]), length, IGNORE_INDEX))
+
+
+def test_pad_batch_inputs_embeds_and_shift_labels():
+    embeds = torch.randn(B, L, D)
+    given = _ids(B, L, seed=2)
+    padded = pad_batch({"inputs_embeds": embeds, "shift_labels": given, "labels": _ids(B, L, seed=3)}, 4, 0)
+    assert set(padded.model_inputs) == {"inputs_embeds"}
+    assert torch.equal(padded.model_inputs["inputs_embeds"], _padded(embeds, 8, 0.0))
+    assert torch.equal(padded.shift_labels, _padded(given, 8, IGNORE_INDEX))  # shift_labels win over labels
+
+
+def test_pad_batch_without_labels():
+    padded = pad_batch(_batch(), 2, 0)
+    assert padded.shift_labels is None and padded.padded_length == 6
+
+
+# ---- fingerprint ----------------------------------------------------------------------------------------------------
+
+
+def _long_row_swapped():
+    ids = torch.arange(2000)[None] % VOCAB
+    swapped = ids.clone()
+    swapped[0, 0], swapped[0, 997] = ids[0, 997], ids[0, 0]
+    assert not torch.equal(ids, swapped)
+    return {"input_ids": ids}, {"input_ids": swapped}
+
+
+DIFFERENT = {
+    "value": ({"input_ids": _ids(B, L)}, {"input_ids": _ids(B, L).index_fill(1, torch.tensor(4), 1)}),
+    "shape": ({"input_ids": _ids(B, L)}, {"input_ids": _ids(B, L + 1)}),
+    "shape, same values": ({"input_ids": torch.arange(12).reshape(2, 6)}, {"input_ids": torch.arange(12).reshape(3, 4)}),
+    "key": (_batch(), _batch(labels=_ids(B, L))),
+    "key name": (_batch(labels=_ids(B, L)), _batch(shift_labels=_ids(B, L))),
+    "unknown key": (_batch(), _batch(extra=1)),
+    "embeds": ({"inputs_embeds": torch.ones(B, L, D)}, {"inputs_embeds": torch.ones(B, L, D).index_fill(2, torch.tensor(2), 2)}),
+    "swapped 997 apart": _long_row_swapped(),
+}
+
+
+@pytest.mark.parametrize("case", DIFFERENT)
+def test_fingerprint_differs(case):
+    first, second = DIFFERENT[case]
+    assert not torch.equal(fingerprint(first), fingerprint(second))
+
+
+def test_fingerprint_equal_for_equal_batches():
+    batch = _batch(labels=_ids(B, L), attention_mask=torch.ones(B, L))
+    copy = {key: value.clone() for key, value in reversed(batch.items())}
+    assert torch.equal(fingerprint(batch), fingerprint(copy))
+    assert fingerprint(batch).dtype == torch.float64
+
+
+@pytest.mark.parametrize("odd", [None, [1, 2], {"input_ids": [1, 2]}, {"input_ids": torch.zeros(2, 3, 4, 5)}])
+def test_fingerprint_is_safe_on_anything(odd):
+    assert fingerprint(odd).shape == fingerprint({}).shape
+
+
+# ---- across ranks -------------------------------------------------------------------------------------------------
+
+
+def _rank_batch(case: str, rank: int):
+    """The batch a rank holds: ``DIFFERENT[case]`` puts rank 1 on the second batch."""
+    if case == "same":
+        return _batch(labels=_ids(B, L))
+    if case == "same with NaN":
+        return {"inputs_embeds": torch.full((B, L, D), float("nan"))}
+    return DIFFERENT[case][min(rank, 1)]
+
+
+def _check(case: str):
+    check_same_batch(_rank_batch(case, dist.get_rank()), dist.group.WORLD)
+
+
+def _check_every_case():
+    """Each case once, every error caught: (case -> message or None) on this rank."""
+    outcomes = {}
+    for case in ["same", "same with NaN", *DIFFERENT]:
+        try:
+            _check(case)
+            outcomes[case] = None
+        except BatchError as error:
+            outcomes[case] = str(error)
+    return outcomes
+
+
+def test_check_same_batch_raises_on_every_rank(ranks2):
+    with pytest.raises(cpshard.RankError) as info:
+        ranks2.run(_check, "value")
+    failures = info.value.failures
+    assert sorted(failures) == [0, 1]
+    for failure in failures.values():
+        assert failure.kind == "BatchError"
+        assert "ranks [1]" in failure.message and "rank 0" in failure.message and "dp ranks" in failure.message
+        assert "check_same_batch" in failure.traceback
+    for outcomes in ranks2.run(_check_every_case):
+        assert outcomes["same"] is None and outcomes["same with NaN"] is None
+        for case in DIFFERENT:
+            assert outcomes[case] is not None and "ranks [1]" in outcomes[case], case
+
+
+def _check_in_cp_rows():
+    """On a fsdp=2 x cp=2 mesh rank 3 alone holds another batch: only its cp row, ranks 2 and 3, raises."""
+    mesh = cpshard.make_mesh(cp=2, fsdp=2)
+    try:
+        check_same_batch(_rank_batch("value", int(dist.get_rank() == 3)), mesh.get_group("cp"))
+    except BatchError as error:
+        return str(error)
+    return None
+
+
+def test_check_same_batch_names_global_ranks(ranks4):
+    outcomes = ranks4.run(_check_in_cp_rows)
+    assert outcomes[:2] == [None, None]
+    for message in outcomes[2:]:
+        assert message is not None and "ranks [3]" in message and "rank 2" in message

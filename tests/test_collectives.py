@@ -1,0 +1,126 @@
+"""Differentiable collectives on real gloo groups (the whole world, and the cp rows of a 2 x 2 mesh), against
+references computed on one process from every rank's data; each reports its bytes to the open recording."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpshard
+from cpshard.collectives import all_gather_rows, all_reduce_flat, all_to_all, sum_over_group
+from cpshard.comms import recording
+
+#: (scatter_dim, gather_dim) pairs, negative dims included
+EXCHANGES = [(1, 2), (2, 1), (0, 1), (-1, 0)]
+
+
+def _data(seed: int, *shape, dtype=torch.float64) -> torch.Tensor:
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (values * 100).to(dtype) if not dtype.is_floating_point else values.to(dtype)
+
+
+def _groups():
+    """The group of every rank, and on 4 ranks the cp rows of a fsdp=2 x cp=2 mesh."""
+    world = dist.get_world_size()
+    groups = {"world": cpshard.make_mesh(cp=world).get_group("cp")}
+    if world == 4:
+        groups["cp of 2x2"] = cpshard.make_mesh(cp=2, fsdp=2).get_group("cp")
+    return groups
+
+
+def _all_to_all_case(group, scatter_dim, gather_dim):
+    size, index = dist.get_world_size(group), dist.get_rank(group)
+    seed = dist.get_process_group_ranks(group)[0]  # the same whole tensor within the group
+    full, weight = _data(seed, 4, 8, 12), _data(seed + 100, 4, 8, 12)
+    x = full.chunk(size, gather_dim)[index].clone().requires_grad_(True)
+    with recording() as log:
+        y = all_to_all(x, scatter_dim, gather_dim, group, name="probe")
+    (y.sin() * weight.chunk(size, scatter_dim)[index]).sum().backward()  # after the block: still recorded
+    whole = full.clone().requires_grad_(True)
+    (whole.sin() * weight).sum().backward()
+    return {
+        "output": (y.detach(), full.chunk(size, scatter_dim)[index]),
+        "grad": (x.grad, whole.grad.chunk(size, gather_dim)[index]),
+        "events": (
+            [(e.op, e.name, e.phase, e.nbytes, e.group_size) for e in log.events],
+            [("all_to_all", "probe", phase, x.nbytes, size) for phase in ("forward", "backward")],
+        ),
+    }
+
+
+def _reductions_case(group):
+    members, rank = dist.get_process_group_ranks(group), dist.get_rank()
+    size = len(members)
+    checks = {}
+    # sum_over_group: the sum on every rank; the backward is the identity
+    x = _data(rank, 3, 5).requires_grad_(True)
+    upstream = _data(1000 + rank, 3, 5)
+    with recording() as log:
+        total = sum_over_group(x, group, name="loss")
+    (total * upstream).sum().backward()
+    checks["sum"] = (total.detach(), sum(_data(r, 3, 5) for r in members))
+    checks["sum grad"] = (x.grad, upstream)
+    checks["sum input kept"] = (x.detach(), _data(rank, 3, 5))
+    count = sum_over_group(torch.tensor(rank + 1), group)
+    checks["sum int"] = (count, torch.tensor(sum(r + 1 for r in members)))
+    checks["sum events"] = (
+        [(e.op, e.name, e.phase, e.nbytes) for e in log.events],
+        [("all_reduce", "loss", "forward", x.nbytes)],
+    )
+
+    # all_reduce_flat: one collective per dtype, each tensor back in its shape and dtype, inputs untouched
+    shapes = [
+        ((2, 3), torch.float32),
+        ((4,), torch.int64),
+        ((3, 1), torch.float64),
+        ((5,), torch.float32),
+        ((), torch.int64),
+    ]
+    mine = [_data(rank * 10 + i, *shape, dtype=dtype) for i, (shape, dtype) in enumerate(shapes)]
+    originals = [t.clone() for t in mine]
+    with recording() as log:
+        summed = all_reduce_flat(mine, group, name="gradients")
+    for i, (shape, dtype) in enumerate(shapes):
+        checks[f"flat {i}"] = (summed[i], sum(_data(r * 10 + i, *shape, dtype=dtype) for r in members))
+        checks[f"flat input {i}"] = (mine[i], originals[i])
+    bucket_bytes = {}
+    for t in mine:
+        bucket_bytes[t.dtype] = bucket_bytes.get(t.dtype, 0) + t.nbytes
+    checks["flat events"] = (sorted(e.nbytes for e in log.events), sorted(bucket_bytes.values()))
+    checks["flat ops"] = ({(e.op, e.name, e.group_size) for e in log.events}, {("all_reduce", "gradients", size)})
+
+    # all_gather_rows: every rank's tensor, stacked in group order
+    row = _data(rank, 2, 3, dtype=torch.float32)
+    with recording() as log:
+        rows = all_gather_rows(row, group, name="fingerprint")
+    checks["rows"] = (rows, torch.stack([_data(r, 2, 3, dtype=torch.float32) for r in members]))
+    checks["rows events"] = ([(e.op, e.nbytes, e.group_size) for e in log.events], [("all_gather", row.nbytes, size)])
+    return checks
+
+
+def _collective_cases():
+    cases = {}
+    for label, group in _groups().items():
+        for scatter_dim, gather_dim in EXCHANGES:
+            cases[f"{label} all_to_all {scatter_dim}->{gather_dim}"] = _all_to_all_case(group, scatter_dim, gather_dim)
+        cases[f"{label} reductions"] = _reductions_case(group)
+        try:
+            all_to_all(torch.zeros(2, 3), 1, 0, group, name="q proj")
+        except ValueError as error:
+            cases[f"{label} uneven"] = {"message": (str(error), "q proj: dimension 1 of shape (2, 3)")}
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives(world, request):
+    for rank, cases in enumerate(request.getfixturevalue(f"ranks{world}").run(_collective_cases)):
+        assert len(cases) == (1 if world == 2 else 2) * (len(EXCHANGES) + 2)
+        for case, checks in cases.items():
+            for what, (actual, expected) in checks.items():
+                where = f"rank {rank}, {case}, {what}"
+                if isinstance(actual, torch.Tensor):
+                    assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+                    torch.testing.assert_close(actual, expected, msg=where)
+                elif what == "message":
+                    assert actual.startswith(expected) and f"over {world if 'world' in case else 2} ranks" in actual, where
+                else:
+                    assert actual == expected, f"{where}: {actual} != {expected}"

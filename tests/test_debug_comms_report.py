@@ -1,0 +1,96 @@
+"""trace_comms: totals against bytes worked out by hand, groups against the layout's optimum."""
+
+import torch
+import torch.distributed as dist
+
+import cpshard
+from cpshard.batch import fingerprint
+from cpshard.collectives import all_to_all
+from cpshard.debug import trace_comms
+from cpshard.debug.comms_report import split_name
+from cpshard.tiny import SMALL, tiny_batch, tiny_model
+
+F32 = 4
+V, D, I = SMALL["vocab_size"], SMALL["hidden_size"], SMALL["intermediate_size"]
+H, KV, HD, LAYERS = SMALL["num_attention_heads"], SMALL["num_key_value_heads"], SMALL["head_dim"], SMALL["num_hidden_layers"]
+
+
+def llama_param_count() -> int:
+    """Embeddings and lm_head (untied), final norm, and per layer q, k, v, o, a gated MLP and two norms."""
+    layer = D * H * HD + 2 * D * KV * HD + H * HD * D + 3 * D * I + 2 * D
+    return 2 * V * D + D + LAYERS * layer
+
+
+def traced_step(rows: int, length: int):
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, rows, length)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    report = trace_comms(cpshard.value_and_grad(cpshard.make_cp_forward(model)), cpshard.params_of(model), batch, mesh)
+    output, grads = report.result
+    return report.as_dict(), str(report), report.total_bytes, fingerprint(batch).numel() * 8, output.loss.item(), sorted(grads) == sorted(cpshard.params_of(model))
+
+
+def test_llama_cp2_bytes_by_hand(ranks2):
+    rows, length, cp = 2, 13, 2
+    local = rows * 7  # 13 tokens padded to 14, 7 per rank
+    q = out = local * H * HD * F32  # q and the output: every head of the rank's tokens
+    k = v = local * KV * HD * F32  # cp=2 divides the 2 kv heads: none repeated
+    per_module = q + k + v + out
+    grads = llama_param_count() * F32
+    for as_dict, text, total, fingerprint_bytes, loss, all_grads in ranks2.run(traced_step, rows, length):
+        assert all_grads and loss > 0
+        assert total == as_dict["total_bytes"] == LAYERS * 2 * per_module + grads + F32 + fingerprint_bytes
+        assert as_dict["by_op"]["all_to_all"] == {"count": LAYERS * 2 * 4, "bytes": LAYERS * 2 * per_module}
+        assert as_dict["by_module"]["gradients"] == {"count": 1, "bytes": grads}
+        assert as_dict["by_module"]["loss"] == {"count": 1, "bytes": F32}
+        assert as_dict["matches_optimum"]
+        attention = [g for g in as_dict["groups"] if g["op"] == "all_to_all"]
+        assert [(g["module"], g["phase"]) for g in attention] == [
+            (f"model.layers.{i}.self_attn", phase) for i in range(LAYERS) for phase in ("forward", "backward")
+        ]
+        for group in attention:
+            assert (group["count"], group["nbytes"]) == (group["optimum_count"], group["optimum_bytes"]) == (4, per_module)
+        lines = text.splitlines()
+        row = next(line for line in lines if line.startswith("model.layers.1.self_attn") and "backward" in line)
+        assert row.split() == ["model.layers.1.self_attn", "all_to_all", "backward", "4", f"{per_module:,}", "4", f"{per_module:,}", "ok"]
+        assert lines[-1].split() == ["total", str(LAYERS * 8 + 3), f"{total:,}"]
+
+
+def traced_forward_with_extra():
+    """cp=4 over 2 kv heads (each repeated twice), forward only, plus one all-to-all the layout never asked for."""
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, 1, 12)
+    mesh = cpshard.make_mesh(cp=4)
+    cp_forward = cpshard.make_cp_forward(model)
+
+    def step():
+        output = cp_forward(cpshard.params_of(model), batch, mesh)
+        all_to_all(torch.zeros(4, 3), 0, 1, mesh.get_group("cp"), name="model.layers.0.self_attn extra")
+        return output.loss
+
+    report = trace_comms(step)
+    return [(g.module, g.phase, g.count, g.nbytes, g.optimum_count, g.optimum_bytes, g.verdict) for g in report.groups], report.matches_optimum
+
+
+def test_kv_replication_and_an_extra_collective(ranks4):
+    local = 1 * 12 // 4
+    per_module = 2 * local * H * HD * F32 + 2 * local * (2 * KV) * HD * F32  # k, v: 2 kv heads -> 4
+    extra = 4 * 3 * F32
+    for groups, matches in ranks4.run(traced_forward_with_extra):
+        attention = {g[0]: g[1:] for g in groups if g[0].startswith("model.layers.")}
+        assert attention == {
+            "model.layers.0.self_attn": ("forward", 5, per_module + extra, 4, per_module, "DIFFERS"),
+            "model.layers.1.self_attn": ("forward", 4, per_module, 4, per_module, "ok"),
+        }, "no backward ran, so no backward optimum either"
+        assert not matches
+
+
+def test_split_name_and_nothing_launched():
+    modules = {"model.layers.0.self_attn", "lm_head"}
+    assert split_name("model.layers.0.self_attn q", modules) == ("model.layers.0.self_attn", "q")
+    assert split_name("lm_head tiles", modules) == ("lm_head", "tiles")
+    assert split_name("batch fingerprint", modules) == ("batch fingerprint", "")
+    assert split_name("loss", modules) == ("loss", "")
+    report = trace_comms(lambda a, *, b: a + b, 2, b=3)
+    assert report.result == 5 and report.total_bytes == 0 and report.groups == [] and report.matches_optimum
+    assert report.as_dict()["by_op"] == {} and str(report).splitlines()[-1].split() == ["total", "0", "0"]

@@ -1,0 +1,68 @@
+"""explain: the layout's choices and reasons, and each move's collective and bytes per token."""
+
+import pytest
+import torch.distributed as dist
+
+import cpshard
+from cpshard.debug import explain
+from cpshard.tiny import SMALL, tiny_model
+
+F32 = 4
+H, KV, HD = SMALL["num_attention_heads"], SMALL["num_key_value_heads"], SMALL["head_dim"]
+
+
+def explained(model_type: str, **config):
+    model = tiny_model(model_type, **config)
+    found = explain(model, cpshard.make_mesh(cp=dist.get_world_size()))
+    moves = {s.tensor: (str(s.src), str(s.dst), s.describe(), s.bytes_per_token) for s in found.cuts + found.attention}
+    return found.layout.name, found.implementation, found.kv_replication, moves, found.attention_modules, str(found)
+
+
+def test_llama_on_cp2(ranks2):
+    for layout, implementation, replicas, moves, modules, text in ranks2.run(explained, "llama"):
+        assert (layout, implementation, replicas) == ("llama", "ulysses", 1)
+        assert modules == ("model.layers.0.self_attn", "model.layers.1.self_attn")
+        assert moves == {
+            "hidden_states": ("b s d", "b s@cp d", "slice over cp", 0),
+            "position_embeddings": ("b s d", "b s@cp d", "slice over cp", 0),
+            "position_ids": ("b s", "b s@cp", "slice over cp", 0),
+            # per token a rank holds: every q head (4 x 16 floats), every kv head (2 x 16), every output head
+            "q": ("b h s@cp d", "b h@cp s d", "all_to_all over cp", H * HD * F32),
+            "k": ("b h s@cp d", "b h@cp s d", "all_to_all over cp", KV * HD * F32),
+            "v": ("b h s@cp d", "b h@cp s d", "all_to_all over cp", KV * HD * F32),
+            "out": ("b s h@cp d", "b s@cp h d", "all_to_all over cp", H * HD * F32),
+        }
+        per_module = 2 * H * HD * F32 + 2 * KV * HD * F32
+        assert "registered for model type 'llama'" in text and "num_attention_heads=4 divides over cp=2" in text
+        assert f"per attention module: 4 collectives, {per_module:,} bytes/token forward" in text
+        assert f"over 2 modules: {2 * per_module:,} bytes/token forward, {4 * per_module:,} forward and backward" in text
+        row = next(line for line in text.splitlines() if line.split()[2:3] == ["k"])
+        assert row.split() == ["model.layers.{0..1}.self_attn", "(each)", "k", "b", "h", "s@cp", "d", "b", "h@cp", "s", "d",
+                               "all_to_all", "over", "cp", str(KV * HD * F32)]
+
+
+def test_generic_layout_and_heads_that_do_not_divide(ranks2):
+    for layout, implementation, _, moves, _, text in ranks2.run(explained, "qwen2"):
+        assert layout == "decoder" and implementation == "ulysses"
+        assert "no layout file is registered for 'qwen2'; its structure fits the generic decoder" in text
+    for _, implementation, replicas, moves, _, text in ranks2.run(
+        explained, "llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48
+    ):
+        assert implementation == "none" and replicas is None and "q" not in moves
+        assert "cp_forward would raise at its first call" in text and "num_attention_heads=3 is not divisible by cp=2" in text
+
+
+def test_kv_heads_repeated_on_cp4(ranks4):
+    for _, _, replicas, moves, _, text in ranks4.run(explained, "llama"):
+        # 2 kv heads over 4 ranks: each repeated twice so that every rank gets one
+        assert replicas == 2 and "each kv head repeated 2x" in text
+        assert moves["k"][3] == moves["v"][3] == 2 * KV * HD * F32 and moves["q"][3] == H * HD * F32
+
+
+def test_unknown_implementation_is_refused(ranks2):
+    with pytest.raises(cpshard.RankError, match="only 'ulysses'"):
+        ranks2.run(explain_ring)
+
+
+def explain_ring():
+    explain(tiny_model("llama"), cpshard.make_mesh(cp=2), implementation="ring")

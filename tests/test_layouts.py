@@ -1,0 +1,100 @@
+"""The layout registry and files: which layout serves which model, and what each declares."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from cpshard import Layout
+from cpshard.layouts import BY_NAME, REGISTERED, resolve_layout, structure_problems
+from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3
+from cpshard.redistribute import plan
+from cpshard.tiny import tiny_model
+
+SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def models():
+    """One small random model per type, built once (no downloads)."""
+    built = {t: tiny_model(t) for t in (*SUPPORTED, "qwen2", "olmo2")}
+    built["gpt2"] = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    return built
+
+
+@pytest.mark.parametrize(
+    "model_type, layout",
+    [("llama", llama.LAYOUT), ("mistral", mistral.LAYOUT), ("qwen3", qwen3.LAYOUT), ("gemma3_text", gemma3.LAYOUT)],
+)
+def test_registered_types_get_their_file(models, model_type, layout):
+    assert resolve_layout(models[model_type]) is layout
+    assert model_type in layout.model_types
+    assert structure_problems(models[model_type], layout) == []
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "olmo2"])
+def test_other_decoders_get_the_generic_layout(models, model_type):
+    assert model_type not in REGISTERED
+    assert resolve_layout(models[model_type]) is decoder.LAYOUT
+
+
+@pytest.mark.parametrize(
+    "model, model_type",
+    [
+        ("gpt2", "'gpt2' (GPT2LMHeadModel)"),
+        (torch.nn.Linear(2, 2), "'Linear' (Linear)"),
+        (torch.nn.Module(), "'Module' (Module)"),
+    ],
+)
+def test_models_that_do_not_fit_are_refused(models, model, model_type):
+    model = models[model] if isinstance(model, str) else model
+    with pytest.raises(ValueError) as info:
+        resolve_layout(model)
+    message = str(info.value)
+    assert f"model type {model_type}" in message
+    assert "no list of decoder layers at 'model.layers'" in message
+    assert f"Supported: {', '.join(SUPPORTED)}" in message
+
+
+def test_registry():
+    assert sorted(REGISTERED) == list(SUPPORTED)
+    assert sorted(BY_NAME) == ["decoder", "gemma3", "llama", "mistral", "qwen3"]
+    for model_type, layout in REGISTERED.items():
+        assert BY_NAME[layout.name] is layout and model_type in layout.model_types
+
+
+@pytest.mark.parametrize("name", ["decoder", "llama", "gemma3", "gemma3_text"])
+def test_layout_by_name(models, name):
+    expected = BY_NAME.get(name) or REGISTERED[name]
+    assert resolve_layout(models["qwen2"], name) is expected
+
+
+def test_layout_given_or_unknown(models):
+    custom = decoder.LAYOUT.for_types("mine", "qwen2")
+    assert resolve_layout(models["qwen2"], custom) is custom
+    with pytest.raises(ValueError, match=r"unknown layout 'gpt2'.*decoder, gemma3, llama, mistral, qwen3"):
+        resolve_layout(models["qwen2"], "gpt2")
+    broken = Layout("broken", decoder_layers="model.blocks")
+    with pytest.raises(ValueError, match=r"'qwen2'.*'broken'.*'model.blocks'"):
+        resolve_layout(models["qwen2"], broken)
+
+
+def test_structure_problems_name_each_misfit(models):
+    model = models["llama"]
+    assert structure_problems(model, Layout("x", attention="cross_attn")) == [
+        "not every decoder layer has an attention module 'cross_attn'"
+    ]
+    assert structure_problems(model, Layout("x", heads="n_heads", kv_heads="n_kv")) == [
+        "its config has no n_heads",
+        "its config has no n_kv",
+    ]
+    assert structure_problems(model, Layout("x", decoder_layers="lm_head")) == ["no list of decoder layers at 'lm_head'"]
+
+
+@pytest.mark.parametrize("layout", [decoder.LAYOUT, *REGISTERED.values()], ids=lambda layout: layout.name)
+def test_layout_files_declare_the_cheap_moves(layout):
+    """The residual cut and per-layer inputs are slices; q, k, v and the output are one all-to-all each."""
+    for before, after in [layout.hidden, *(pair for _, *pair in layout.layer_inputs)]:
+        assert [(m.axis, m.kind) for m in plan(before, after)] == [("cp", "slice")], (before, after)
+    for before, after in (layout.qkv, layout.attn_output):
+        assert [(m.axis, m.kind) for m in plan(before, after)] == [("cp", "all_to_all")], (before, after)
+    assert layout.logits.sharded_dim("cp") == 1
