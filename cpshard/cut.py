@@ -3,7 +3,8 @@
 Everything before the first layer (embeddings, rotary, the masks) runs on the whole sequence,
 so masks stay exact; the first layer slices the residual stream, and every layer slices the
 per-layer inputs it receives (each layer may get its own rotary pair). Slices need no
-communication. Outside a cp call the hooks step aside.
+communication. The call's sequence order is part of the spec the cut goes to: under
+``b s@cp:head_tail d`` rank r takes chunks r and 2P-1-r. Outside a cp call the hooks step aside.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 from cpshard.context import CPCall, active_call
 from cpshard.redistribute import redistribute
 from cpshard.reorder import to_chunks
-from cpshard.sequence import positions
 
 
 def _cut(value, before, after, call: CPCall):
@@ -23,11 +23,7 @@ def _cut(value, before, after, call: CPCall):
         return tuple(_cut(v, before, after, call) for v in value)
     if not isinstance(value, torch.Tensor):
         return value
-    if call.order == "contiguous":
-        return redistribute(value, before, after, call.mesh)
-    dim = after.sharded_dim("cp")
-    held = positions(call.order, value.shape[dim], call.cp_size, call.mesh.get_local_rank("cp"))
-    return value.index_select(dim, held.to(value.device))
+    return redistribute(value, before, after.ordered("cp", call.order), call.mesh)
 
 
 def _cut_layer_inputs(first: bool, module, args, kwargs):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.collectives import all_to_all
-from cpshard.spec import Spec, SpecError
+from cpshard.sequence import chunks_per_rank, positions
+from cpshard.spec import Dim, Spec, SpecError
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
     moves = []
     for axis in dict.fromkeys(dst.axes + src.axes):
         before, after = src.sharded_dim(axis), dst.sharded_dim(axis)
+        if before == after and before is not None and src.dims[before].order != dst.dims[after].order:
+            raise SpecError(
+                f"cannot move {src} to {dst}: changing the order of {src.names[before]!r} over {axis!r} is a "
+                "token exchange (cpshard.reorder), not a redistribution"
+            )
         if before == after:
             continue
         if after is None:
@@ -75,11 +81,19 @@ def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: 
         if move.kind == "all_to_all":
             x = all_to_all(x, scatter_dim=move.dst_dim, gather_dim=move.src_dim, group=mesh.get_group(move.axis), name=name)
             continue
-        ways, size = mesh[move.axis].size(), x.shape[move.dst_dim]
-        if size % ways:
-            raise SpecError(
-                f"{tensor}: dimension {move.dst_dim} ({dst.names[move.dst_dim]}) has local size {size}, "
-                f"which mesh axis {move.axis!r} (size {ways}) does not divide evenly"
-            )
-        x = x.narrow(move.dst_dim, mesh.get_local_rank(move.axis) * (size // ways), size // ways)
+        x = _slice(x, dst.dims[move.dst_dim], move, mesh, tensor)
     return x
+
+
+def _slice(x: torch.Tensor, dim: Dim, move: Move, mesh, tensor: str) -> torch.Tensor:
+    """This rank's part of a replicated dimension: a view for contiguous chunks, a gather of positions otherwise."""
+    ways, size = mesh[move.axis].size(), x.shape[move.dst_dim]
+    if size % (ways * chunks_per_rank(dim.order)):
+        raise SpecError(
+            f"{tensor}: dimension {move.dst_dim} ({dim.name}) has local size {size}, which does not split into "
+            f"{ways * chunks_per_rank(dim.order)} equal chunks over mesh axis {move.axis!r} (size {ways})"
+        )
+    rank = mesh.get_local_rank(move.axis)
+    if dim.order == "contiguous":
+        return x.narrow(move.dst_dim, rank * (size // ways), size // ways)
+    return x.index_select(move.dst_dim, positions(dim.order, size, ways, rank).to(x.device))

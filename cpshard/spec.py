@@ -2,7 +2,8 @@
 
 ``Spec("b s@cp d")`` says: dim 0 is ``b``, dim 1 is ``s`` split over mesh axis ``cp``,
 dim 2 is ``d``; every unnamed mesh axis is replicated. ``n@(fsdp,cp)`` splits one
-dimension over several axes, major first. Specs are immutable values; they turn into
+dimension over several axes, major first. ``s@cp:head_tail`` splits in another order of the
+sequence (see :mod:`cpshard.sequence`): rank r holds chunks r and 2P-1-r of 2P. Specs are immutable values; they turn into
 DTensor placements on a given mesh, and their errors name the tensor, dim and axis.
 """
 
@@ -13,7 +14,11 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
 
-_TOKEN = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:@(?P<axes>[A-Za-z_][A-Za-z0-9_]*|\([^)]*\)))?$")
+from cpshard.sequence import ORDERS, chunks_per_rank
+
+_TOKEN = re.compile(
+    r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:@(?P<axes>[A-Za-z_][A-Za-z0-9_]*|\([^)]*\))(?::(?P<order>[A-Za-z_]+))?)?$"
+)
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -27,13 +32,16 @@ class Dim:
 
     name: str
     axes: tuple[str, ...] = ()
+    #: which positions each rank holds (cpshard.sequence.ORDERS); only for a dimension split over one axis
+    order: str = "contiguous"
 
     def __str__(self) -> str:
         if not self.axes:
             return self.name
+        suffix = "" if self.order == "contiguous" else f":{self.order}"
         if len(self.axes) == 1:
-            return f"{self.name}@{self.axes[0]}"
-        return f"{self.name}@({','.join(self.axes)})"
+            return f"{self.name}@{self.axes[0]}{suffix}"
+        return f"{self.name}@({','.join(self.axes)}){suffix}"
 
 
 def _parse_token(token: str, text: str) -> Dim:
@@ -44,7 +52,13 @@ def _parse_token(token: str, text: str) -> Dim:
     axes = () if group is None else tuple(a.strip() for a in group.strip("()").split(","))
     if not all(_AXIS.match(a) for a in axes):
         raise SpecError(f"spec {text!r}: cannot read the mesh axes of {token!r}; write name@(a,b) with axis names")
-    return Dim(match.group("name"), axes)
+    order = match.group("order") or "contiguous"
+    if order not in ORDERS or (order != "contiguous" and len(axes) != 1):
+        raise SpecError(
+            f"spec {text!r}: {token!r} asks for order {order!r}; orders are {', '.join(ORDERS)}, "
+            "on a dimension split over one axis"
+        )
+    return Dim(match.group("name"), axes, order)
 
 
 def _split_tokens(text: str) -> list[str]:
@@ -126,6 +140,10 @@ class Spec:
         """This spec with ``axis`` taken off every dimension (replicated over it)."""
         return Spec(tuple(Dim(d.name, tuple(a for a in d.axes if a != axis)) for d in self.dims))
 
+    def ordered(self, axis: str, order: str) -> Spec:
+        """This spec with the dimension split over ``axis`` held in ``order`` (unchanged if none is)."""
+        return Spec(tuple(Dim(d.name, d.axes, order if d.axes == (axis,) else d.order) for d in self.dims))
+
     def sharded(self, name: str, axis: str) -> Spec:
         """This spec with dimension ``name`` also split over ``axis`` (as its minor-most axis)."""
         index = self.dim_of(name)
@@ -155,18 +173,25 @@ class Spec:
             raise SpecError(f"{tensor}: spec {self} has {len(self.dims)} dimensions, the tensor has shape {tuple(shape)}")
         names = self._mesh_axes(mesh, tensor)
         for index, dim in enumerate(self.dims):
-            ways = 1
+            ways = chunks_per_rank(dim.order)
             for axis in dim.axes:
                 ways *= mesh.size(names.index(axis))
             if shape[index] % ways:
+                chunks = "" if dim.order == "contiguous" else f", {dim.order}: 2 chunks a rank"
                 raise SpecError(
                     f"{tensor}: dimension {index} ({dim.name}) has size {shape[index]}, which mesh axes "
-                    f"{'x'.join(dim.axes)} (size {ways}) do not divide evenly"
+                    f"{'x'.join(dim.axes)} (size {ways}{chunks}) do not divide evenly"
                 )
 
     def placements(self, mesh, tensor: str = "tensor") -> tuple:
         """The DTensor placements of this spec on ``mesh`` (one per mesh dimension)."""
         names = self._mesh_axes(mesh, tensor)
+        for index, dim in enumerate(self.dims):
+            if dim.order != "contiguous":
+                raise SpecError(
+                    f"{tensor}: dimension {index} ({dim}) is held in {dim.order} order, which no DTensor "
+                    "placement expresses; move it to contiguous chunks first"
+                )
         result = []
         for axis in names:
             index = self.sharded_dim(axis)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import cpshard
 from cpshard.comms import recording
 from cpshard.redistribute import Move, moved_bytes, plan, redistribute
+from cpshard.sequence import positions
 from cpshard.spec import Spec, SpecError
 
 
@@ -38,6 +39,7 @@ def test_plan(src, dst, moves):
         ("b s d", "b t d", ["dimensions differ"]),
         ("b s@(fsdp,cp) h", "b s@cp h@fsdp", ["'fsdp'", "minor-most", "'s'"]),
         ("n@(x,y)", "n@(y,x)", ["reorder"]),
+        ("b s@cp d", "b s@cp:head_tail d", ["order of 's'", "cpshard.reorder"]),
     ],
 )
 def test_plan_errors(src, dst, words):
@@ -104,6 +106,9 @@ def _move_case(mesh, src, dst):
 def _redistribute_cases():
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
     cases = {f"{src} -> {dst}": _move_case(mesh, src, dst) for src, dst in MOVES}
+    full, rank = _whole(B, 4 * S, D), mesh.get_local_rank("cp")
+    held = positions("head_tail", 4 * S, mesh["cp"].size(), rank)  # chunks r and 2P-1-r
+    cases["head_tail"] = {"output": (redistribute(full, "b s d", "b s@cp:head_tail d", mesh), full[:, held])}
     errors = {}
     for label, x, src, dst in [
         ("uneven slice", _whole(B, S + 1, D), "b s d", "b s@cp d"),

@@ -18,6 +18,7 @@ from cpshard.spec import Dim, Spec, SpecError
         ("  n@( fsdp , cp )   d ", (Dim("n", ("fsdp", "cp")), Dim("d"))),
         ("b h@cp s d@tp", (Dim("b"), Dim("h", ("cp",)), Dim("s"), Dim("d", ("tp",)))),
         ("x@(cp)", (Dim("x", ("cp",)),)),
+        ("b s@cp:head_tail d", (Dim("b"), Dim("s", ("cp",), "head_tail"), Dim("d"))),
         ("", ()),
     ],
 )
@@ -25,7 +26,9 @@ def test_parse(text, dims):
     assert Spec(text).dims == dims
 
 
-@pytest.mark.parametrize("text", ["b s@cp d", "n@(fsdp,cp)", "b h@cp s d@tp", "n@(dp_replicate,fsdp,cp) v", ""])
+@pytest.mark.parametrize(
+    "text", ["b s@cp d", "n@(fsdp,cp)", "b h@cp s d@tp", "n@(dp_replicate,fsdp,cp) v", "b s@cp:head_tail d", ""]
+)
 def test_str_round_trip(text):
     spec = Spec(text)
     assert str(spec) == text
@@ -69,6 +72,9 @@ def test_queries():
         ("n@()", ["n@()"]),
         ("n@(a,,b)", ["n@(a,,b)"]),
         ("n@(a", ["n@(a"]),
+        ("s@cp:zigzag", ["'zigzag'", "contiguous, head_tail"]),
+        ("s@(fsdp,cp):head_tail", ["one axis"]),
+        ("s:head_tail", ["'s:head_tail'"]),
     ],
 )
 def test_parse_errors(text, words):
@@ -153,3 +159,9 @@ def test_placements_on_a_real_mesh(ranks4):
             assert text in errors, f"{text}: no error raised"
             for word in words:
                 assert word in errors[text], (word, errors[text])
+
+
+def test_an_order_is_declared_per_axis():
+    spec = Spec("b s@cp d").ordered("cp", "head_tail")
+    assert spec == Spec("b s@cp:head_tail d") and spec.ordered("cp", "contiguous") == Spec("b s@cp d")
+    assert Spec("b s d").ordered("cp", "head_tail") == Spec("b s d")  # nothing split over cp: unchanged
