@@ -32,7 +32,7 @@ def traced_step(rows: int, length: int):
 
 def test_llama_cp2_bytes_by_hand(ranks2):
     rows, length, cp = 2, 13, 2
-    local = rows * 7  # 13 tokens padded to 14, 7 per rank
+    local = rows * (length + 1) // cp  # 13 tokens padded to 14, 7 per rank
     q = out = local * H * HD * F32  # q and the output: every head of the rank's tokens
     k = v = local * KV * HD * F32  # cp=2 divides the 2 kv heads: none repeated
     per_module = q + k + v + out
@@ -94,3 +94,19 @@ def test_split_name_and_nothing_launched():
     report = trace_comms(lambda a, *, b: a + b, 2, b=3)
     assert report.result == 5 and report.total_bytes == 0 and report.groups == [] and report.matches_optimum
     assert report.as_dict()["by_op"] == {} and str(report).splitlines()[-1].split() == ["total", "0", "0"]
+
+
+def traced_ring_step():
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, 2, 8)
+    cp_forward = cpshard.make_cp_forward(model, implementation="ring")
+    report = trace_comms(cpshard.value_and_grad(cp_forward), cpshard.params_of(model), batch, cpshard.make_mesh(cp=2))
+    return report.as_dict()
+
+
+def test_ring_is_traced_without_claiming_a_ulysses_optimum(ranks2):
+    for as_dict in ranks2.run(traced_ring_step):
+        attention = [g for g in as_dict["groups"] if g["module"].startswith("model.layers.")]
+        assert {g["module"] for g in attention} == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+        assert "all_to_all" not in {g["op"] for g in attention} and all(g["optimum_bytes"] is None for g in attention)
+        assert as_dict["matches_optimum"] and as_dict["total_bytes"] == sum(g["nbytes"] for g in as_dict["groups"])

@@ -1,6 +1,5 @@
 """explain: the layout's choices and reasons, and each move's collective and bytes per token."""
 
-import pytest
 import torch.distributed as dist
 
 import cpshard
@@ -11,9 +10,9 @@ F32 = 4
 H, KV, HD = SMALL["num_attention_heads"], SMALL["num_key_value_heads"], SMALL["head_dim"]
 
 
-def explained(model_type: str, **config):
+def explained(model_type: str, implementation: str = "auto", **config):
     model = tiny_model(model_type, **config)
-    found = explain(model, cpshard.make_mesh(cp=dist.get_world_size()))
+    found = explain(model, cpshard.make_mesh(cp=dist.get_world_size()), implementation=implementation)
     moves = {s.tensor: (str(s.src), str(s.dst), s.describe(), s.bytes_per_token) for s in found.cuts + found.attention}
     return found.layout.name, found.implementation, found.kv_replication, moves, found.attention_modules, str(found)
 
@@ -43,12 +42,15 @@ def test_llama_on_cp2(ranks2):
 
 def test_generic_layout_and_heads_that_do_not_divide(ranks2):
     for layout, implementation, _, moves, _, text in ranks2.run(explained, "qwen2"):
-        assert layout == "decoder" and implementation == "ulysses"
+        assert layout == "decoder" and implementation == "ulysses" and moves["q"][3] == H * HD * F32
         assert "no layout file is registered for 'qwen2'; its structure fits the generic decoder" in text
-    for _, implementation, replicas, moves, _, text in ranks2.run(
-        explained, "llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48
-    ):
-        assert implementation == "none" and replicas is None and "q" not in moves
+    three_heads = dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)
+    for _, implementation, replicas, moves, _, text in ranks2.run(explained, "llama", **three_heads):
+        # 3 heads over cp=2: no Ulysses degree divides both, so auto falls back to the ring
+        assert implementation == "ring" and replicas is None and "q" not in moves
+        assert "num_attention_heads=3 is not divisible by cp=2; k and v travel a ring of 2 ranks" in text
+    for _, implementation, _, moves, _, text in ranks2.run(explained, "llama", "ulysses", **three_heads):
+        assert implementation == "none" and "q" not in moves
         assert "cp_forward would raise at its first call" in text and "num_attention_heads=3 is not divisible by cp=2" in text
 
 
@@ -57,12 +59,3 @@ def test_kv_heads_repeated_on_cp4(ranks4):
         # 2 kv heads over 4 ranks: each repeated twice so that every rank gets one
         assert replicas == 2 and "each kv head repeated 2x" in text
         assert moves["k"][3] == moves["v"][3] == 2 * KV * HD * F32 and moves["q"][3] == H * HD * F32
-
-
-def test_unknown_implementation_is_refused(ranks2):
-    with pytest.raises(cpshard.RankError, match="only 'ulysses'"):
-        ranks2.run(explain_ring)
-
-
-def explain_ring():
-    explain(tiny_model("llama"), cpshard.make_mesh(cp=2), implementation="ring")

@@ -1,11 +1,11 @@
 """``trace_comms``: every collective a function launches, forward and backward, beside the optimum.
 
 The collectives report themselves to :mod:`cpshard.comms`; this groups them by module path, op and
-phase. The optimum comes from the layout, not from what ran: each ``cp_forward`` the function makes
-is seen at its model's forward (batch size, padded length, dtype, parameters), and
-:mod:`cpshard.debug.analytic` says what Ulysses must move for it: per attention module, one
-all-to-all each of q, k, v and the output forward, the same backward when a backward ran; and,
-when gradients are reduced, every parameter's gradient once (one bucket per dtype).
+phase. The optimum comes from :mod:`cpshard.optimum`, not from what ran: each ``cp_forward`` the
+function makes is seen at its model's forward (batch size, padded length, dtype, parameters), and
+for a Ulysses call that says, per attention module, one all-to-all each of q, k, v and the output
+forward, the same backward when a backward ran; every gradient once (one bucket per dtype) when
+gradients are reduced, and the fp32 loss once. Ring and hybrid calls get no optimum here.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook
 
 from cpshard.comms import CommEvent, recording
 from cpshard.context import CPCall, active_call
-from cpshard.debug.analytic import attention_paths, attention_steps, mesh_sizes, token_ways
+from cpshard.debug.analytic import attention_paths, head_dim
 from cpshard.debug.table import grouped, table
+from cpshard.optimum import CommOptimum, ulysses_optimum
 
 PHASES = ("forward", "backward")
-#: the name :func:`cpshard.value_and_grad` gives its gradient all-reduce
-GRADIENTS = "gradients"
+#: the names cpshard's forward and :func:`cpshard.value_and_grad` give their reductions
+GRADIENTS, LOSS = "gradients", "loss"
 
 
 @dataclass(frozen=True)
@@ -49,28 +49,29 @@ class Group:
 
 @dataclass(frozen=True)
 class _Run:
-    """One ``cp_forward``, as its model's forward saw it: what the optimum depends on."""
+    """One Ulysses ``cp_forward``, as its model's forward saw it, and the optimum it implies."""
 
-    call: CPCall
-    config: object
-    tokens: int  # per rank, after the cut
-    dtype: torch.dtype
-    #: gradient bytes per dtype; None when parameters are DTensors (their reduction is not this one)
-    param_bytes: dict | None
+    attention_paths: tuple[str, ...]
+    optimum: CommOptimum
+    #: how many gradient buckets (one per dtype); None when parameters are DTensors (reduced otherwise)
+    buckets: int | None
 
     @classmethod
-    def of(cls, call: CPCall, model, kwargs: dict) -> _Run:
+    def of(cls, call: CPCall, model, kwargs: dict) -> _Run | None:
         inputs = kwargs.get("input_ids")
         inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
-        params = list(model.parameters())
-        param_bytes: dict | None = defaultdict(int)
-        for p in params:
-            param_bytes[p.dtype] += p.numel() * p.element_size()
-        if any(isinstance(p, DTensor) for p in params):
-            param_bytes = None
-        dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
-        tokens = inputs.shape[0] * inputs.shape[1] // token_ways(call.layout, mesh_sizes(call.mesh))
-        return cls(call, model.config, tokens, dtype, param_bytes and dict(param_bytes))
+        if inputs is None or getattr(call, "implementation", "ulysses") != "ulysses":
+            return None
+        params, config, layout = list(model.parameters()), model.config, call.layout
+        floating = [p for p in params if p.is_floating_point()]
+        optimum = ulysses_optimum(
+            batch=inputs.shape[0], length=inputs.shape[1], cp=call.cp_size, layers=1,
+            heads=getattr(config, layout.heads), kv_heads=getattr(config, layout.kv_heads),
+            head_dim=head_dim(config, layout), param_bytes=sum(p.numel() * p.element_size() for p in params),
+            itemsize=floating[0].element_size() if floating else 4,
+        )
+        buckets = None if any(isinstance(p, DTensor) for p in params) else len({p.dtype for p in params})
+        return cls(tuple(attention_paths(call.module_names.values(), layout)), optimum, buckets)
 
 
 def split_name(name: str, modules: set[str]) -> tuple[str, str]:
@@ -82,21 +83,26 @@ def split_name(name: str, modules: set[str]) -> tuple[str, str]:
     return name, ""
 
 
-def optimum(runs: list[_Run], phases: set[str], groups: set[tuple]) -> dict[tuple, list[int]]:
-    """(module, op, phase) -> [count, bytes] that the layout needs for ``runs``."""
+def optimum(runs: list[_Run], groups: set[tuple]) -> dict[tuple, list[int]]:
+    """(module, op, phase) -> [count, bytes] that the runs need. Backward, gradients and the loss are
+    expected only where ``groups`` (what was observed) shows that such a pass or reduction ran."""
     expected: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    backward = any(phase == "backward" for _, _, phase in groups)
+
+    def add(key: tuple, count: int, nbytes: int) -> None:
+        expected[key][0] += count
+        expected[key][1] += nbytes
+
     for run in runs:
-        steps = attention_steps(run.config, run.call.layout, mesh_sizes(run.call.mesh), run.dtype)
-        if any(s.bytes_per_token is None for s in steps):
-            continue
-        count, per_token = sum(s.collectives for s in steps), sum(s.bytes_per_token for s in steps)
-        for path in attention_paths(run.call.module_names.values(), run.call.layout):
-            for phase in (p for p in PHASES if p in phases):
-                expected[(path, "all_to_all", phase)][0] += count
-                expected[(path, "all_to_all", phase)][1] += per_token * run.tokens
-        if run.param_bytes is not None and (GRADIENTS, "all_reduce", "backward") in groups:
-            expected[(GRADIENTS, "all_reduce", "backward")][0] += len(run.param_bytes)
-            expected[(GRADIENTS, "all_reduce", "backward")][1] += sum(run.param_bytes.values())
+        per_phase = run.optimum.all_to_all // 2  # ulysses_optimum counts forward and backward, here of one layer
+        for path in run.attention_paths:
+            add((path, "all_to_all", "forward"), 4, per_phase)
+            if backward:
+                add((path, "all_to_all", "backward"), 4, per_phase)
+        if run.buckets is not None and (GRADIENTS, "all_reduce", "backward") in groups:
+            add((GRADIENTS, "all_reduce", "backward"), run.buckets, run.optimum.gradients)
+        if (LOSS, "all_reduce", "forward") in groups:
+            add((LOSS, "all_reduce", "forward"), 1, run.optimum.loss)
     return dict(expected)
 
 
@@ -150,15 +156,14 @@ class CommsReport:
         return table(rows, header, right=frozenset({3, 4, 5, 6}))
 
 
-def _group(events: list[CommEvent], runs: list[_Run]) -> list[Group]:
-    modules = {name for run in runs for name in run.call.module_names.values()}
+def _group(events: list[CommEvent], runs: list[_Run], modules: set[str]) -> list[Group]:
     observed: dict[tuple, list[int]] = {}
     for event in events:
         key = (split_name(event.name, modules)[0], event.op, event.phase)
         entry = observed.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += event.nbytes
-    expected = optimum(runs, {e.phase for e in events} | {"forward"}, set(observed))
+    expected = optimum(runs, set(observed))
     keys = list(observed) + [key for key in expected if key not in observed]
     first = {}
     for module, _, _ in keys:
@@ -171,11 +176,14 @@ def trace_comms(fn, /, *args, **kwargs) -> CommsReport:
     """Run ``fn(*args, **kwargs)`` and report every cpshard collective it launched on this rank,
     forward and backward; the value of ``fn`` is ``report.result``."""
     runs: list[_Run] = []
+    modules: set[str] = set()
 
     def seen(module, module_args, module_kwargs, output):
         call = active_call()
         if call is not None and call.name_of(module) == "":  # the model itself, inside a cp call
-            runs.append(_Run.of(call, module, module_kwargs))
+            modules.update(call.module_names.values())
+            run = _Run.of(call, module, module_kwargs)
+            runs.extend([run] if run else [])
 
     handle = register_module_forward_hook(seen, with_kwargs=True)
     try:
@@ -183,4 +191,4 @@ def trace_comms(fn, /, *args, **kwargs) -> CommsReport:
             result = fn(*args, **kwargs)
     finally:
         handle.remove()
-    return CommsReport(list(log.events), _group(log.events, runs), result)
+    return CommsReport(list(log.events), _group(log.events, runs, modules), result)

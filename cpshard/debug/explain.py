@@ -13,6 +13,7 @@ from cpshard.attention import kv_replication
 from cpshard.debug.analytic import Step, attention_paths, attention_steps, cut_steps, mesh_sizes
 from cpshard.debug.table import grouped, table
 from cpshard.debug.typeof import dtype_name
+from cpshard.forward import choose_implementation
 from cpshard.layout import Layout
 from cpshard.layouts import REGISTERED, resolve_layout
 from cpshard.mesh import cp_size
@@ -31,7 +32,7 @@ class Explanation:
     sizes: dict
     dtype: str
     cuts: tuple[Step, ...]
-    #: the moves of each attention module (empty when Ulysses cannot run)
+    #: the moves of each attention module (empty unless the choice is Ulysses)
     attention: tuple[Step, ...]
     attention_modules: tuple[str, ...]
 
@@ -99,26 +100,31 @@ def _layout_reason(model, layout, chosen: Layout) -> str:
     return f"no layout file is registered for {model_type!r}; its structure fits the generic decoder"
 
 
-def _implementation(config, layout: Layout, cp: int, implementation: str) -> tuple[str, str, int | None]:
-    """What ``make_cp_forward(implementation=...)`` would run, why, and how often each kv head is repeated."""
-    if implementation not in ("auto", "ulysses"):
-        raise ValueError(f"explain: implementation={implementation!r}; only 'ulysses' (and 'auto') are available yet")
+def _implementation(config, layout: Layout, cp: int, requested: str, degree: int | None) -> tuple[str, str, int | None]:
+    """What ``make_cp_forward(implementation=requested)`` runs on ``cp`` ranks, why, and (for Ulysses)
+    how often each kv head is repeated."""
     heads, kv_heads = getattr(config, layout.heads), getattr(config, layout.kv_heads)
     try:
-        replicas = kv_replication(heads, kv_heads, cp)
+        name, degree = choose_implementation(requested, heads, cp, degree)
     except ValueError as error:
         return "none", f"cp_forward would raise at its first call: {error}", None
-    reason = f"{layout.heads}={heads} divides over cp={cp}: each rank attends whole sequences over {heads // cp} heads"
-    if implementation == "auto":
-        reason = f"auto picks Ulysses where the heads allow it: {reason} (ring and hybrid are not available yet)"
-    return "ulysses", reason, replicas
+    if name == "ulysses":
+        replicas = kv_replication(heads, kv_heads, cp)
+        reason = f"{layout.heads}={heads} divides over cp={cp}, so each rank attends whole sequences over {heads // cp} heads"
+        return name, ("auto picks Ulysses where cp divides the heads; " if requested == "auto" else "") + reason, replicas
+    how = (
+        f"Ulysses over groups of {degree} ranks, a ring of {cp // degree} groups" if name == "hybrid"
+        else f"k and v travel a ring of {cp} ranks"
+    )
+    why = f"{layout.heads}={heads} is not divisible by cp={cp}; " if requested == "auto" else ""
+    return name, f"{why}{how}, sequence in head-tail order (per-tensor costs below are shown for Ulysses only)", None
 
 
-def explain(model, mesh, *, layout="auto", implementation="auto") -> Explanation:
+def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree=None) -> Explanation:
     """The layout as applied to ``model`` on ``mesh``: choices, reasons, and every move's collective and cost."""
     chosen = resolve_layout(model, layout)
     config, sizes = model.config, mesh_sizes(mesh)
-    name, reason, replicas = _implementation(config, chosen, cp_size(mesh), implementation)
+    name, reason, replicas = _implementation(config, chosen, cp_size(mesh), implementation, ulysses_degree)
     attention = attention_steps(config, chosen, sizes, model.dtype) if replicas else ()
     return Explanation(
         f"{type(model).__name__} (model type {getattr(config, 'model_type', '?')!r})",
