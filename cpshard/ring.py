@@ -1,7 +1,9 @@
 """Ring attention: q stays on its rank, k and v travel around the ring, results merge by log-sum-exp.
 
 The math lives in small pure functions over one block (a q slice against one k/v slice), in
-fp32; :class:`RingAttention` runs the schedule forward and backward (dk and dv travel with k
+fp32: torch's fused CPU flash-attention kernel (it returns the log-sum-exp and takes fewer kv
+heads) where it applies, explicit softmax math where it cannot (softcapping, rows that must
+attend evenly); :class:`RingAttention` runs the schedule forward and backward (dk and dv travel with k
 and v, as in the standard ring backward). Every rank knows the whole mask, so every rank
 knows which blocks are needed at all: a hidden block is neither computed nor, where no later
 rank on the ring needs it, sent.
@@ -49,8 +51,41 @@ def safe(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
+def _fused(softcap, uniform, device) -> bool:
+    """Whether torch's CPU flash kernel computes this block: plain scaled softmax, on the CPU."""
+    return softcap is None and uniform is None and device.type == "cpu"
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, NEG_INF)
+
+
+def _flash_attention(qg, k, v, allowed, scale: float):
+    """The fused kernel on one block; its lse of a row that sees nothing (which it reports as 0) set to -inf."""
+    batch, kv_heads, groups, rows, dim = qg.shape
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg.reshape(batch, kv_heads * groups, rows, dim), k.float(), v.float(), 0.0, False,
+        attn_mask=_additive(allowed), scale=scale,
+    )
+    lse = lse.reshape(batch, kv_heads, groups, rows).masked_fill(~allowed.any(-1).unsqueeze(2), NEG_INF)
+    return out.reshape(qg.shape), lse
+
+
+def _flash_grads(qg, k, v, allowed, lse, out, grad_out, scale: float):
+    batch, kv_heads, groups, rows, dim = qg.shape
+    ungrouped = (batch, kv_heads * groups, rows)
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.reshape(*ungrouped, dim), qg.reshape(*ungrouped, dim), k.float(), v.float(),
+        out.reshape(*ungrouped, dim), safe(lse).reshape(ungrouped), 0.0, False,
+        attn_mask=_additive(allowed), scale=scale,
+    )
+    return grad_q.reshape(qg.shape), grad_k, grad_v
+
+
 def block_attention(qg, k, v, allowed, scale: float, softcap: float | None, uniform=None):
     """One block: its output ``[B, Hkv, G, Sq, D]`` and log-sum-exp ``[B, Hkv, G, Sq]`` (fp32)."""
+    if _fused(softcap, uniform, qg.device):
+        return _flash_attention(qg, k, v, allowed, scale)
     scores, _ = block_scores(qg, k, allowed, scale, softcap, uniform)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - safe(lse).unsqueeze(-1))
@@ -65,8 +100,11 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out_a * weight_a.unsqueeze(-1) + out_b * weight_b.unsqueeze(-1), lse
 
 
-def block_grads(qg, k, v, allowed, lse, grad_out, delta, scale: float, softcap: float | None, uniform=None):
-    """The block's share of dq, and its dk and dv, given the merged lse and ``delta = rowsum(dO * O)``."""
+def block_grads(qg, k, v, allowed, lse, out, grad_out, delta, scale: float, softcap: float | None, uniform=None):
+    """The block's share of dq, and its dk and dv, given the merged ``out`` and ``lse`` and
+    ``delta = rowsum(dO * O)``."""
+    if _fused(softcap, uniform, qg.device):
+        return _flash_grads(qg, k, v, allowed, lse, out, grad_out, scale)
     scores, capped = block_scores(qg, k, allowed, scale, softcap, uniform)
     probs = torch.exp(scores - safe(lse).unsqueeze(-1))
     grad_v = torch.einsum("bhgqk,bhgqd->bhkd", probs, grad_out)
@@ -103,12 +141,12 @@ def tiled_attention(out, lse, qg, k, v, allowed, scale, softcap, uniform, tile: 
         out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *part)
 
 
-def tiled_grads(grad_q, grad_kv, qg, k, v, allowed, lse, grad_out, delta, scale, softcap, uniform, tile: int) -> None:
+def tiled_grads(grad_q, grad_kv, qg, k, v, allowed, lse, out, grad_out, delta, scale, softcap, uniform, tile: int):
     """Add one block's dq into ``grad_q`` and its dk, dv into ``grad_kv`` (in place), tile by tile."""
     for rows, cols in tiles(allowed, tile):
         dq, dk, dv = block_grads(
             qg[..., rows, :], k[:, :, cols], v[:, :, cols], allowed[..., rows, cols], lse[..., rows],
-            grad_out[..., rows, :], delta[..., rows], scale, softcap, _rows(uniform, rows),
+            out[..., rows, :], grad_out[..., rows, :], delta[..., rows], scale, softcap, _rows(uniform, rows),
         )
         grad_q[..., rows, :] += dq
         grad_kv[0][:, :, cols] += dk
@@ -200,8 +238,8 @@ class RingAttention(torch.autograd.Function):
             if source is not None and needed[rank][source]:
                 grad_kv = grad_kv.clone() if grad_kv is grad_template else grad_kv
                 tiled_grads(
-                    grad_q, grad_kv, qg, kv[0], kv[1], blocks.masks[source], lse, grad_out, delta, scale, softcap,
-                    blocks.uniform, blocks.tile,
+                    grad_q, grad_kv, qg, kv[0], kv[1], blocks.masks[source], lse, out, grad_out, delta, scale,
+                    softcap, blocks.uniform, blocks.tile,
                 )
             _wait(requests)
             requests, incoming_grad = _exchange(

@@ -77,7 +77,7 @@ def ring_compute_per_rank(seq: int, cp: int, order: str, repeats: int = 3) -> li
             grad_q, grad_kv, delta = torch.zeros_like(q), torch.zeros(2, *k.shape), (out * out).sum(-1)
             for source in range(cp):
                 if blocks.needed[rank][source]:
-                    tiled_grads(grad_q, grad_kv, q, k, v, blocks.masks[source], lse, out, delta, 0.25, None, None, tile)
+                    tiled_grads(grad_q, grad_kv, q, k, v, blocks.masks[source], lse, out, out, delta, 0.25, None, None, tile)
             runs.append(time.perf_counter() - start)
         seconds.append(statistics.median(runs))
     return seconds

@@ -57,7 +57,7 @@ def test_block_gradients_equal_autograd_of_one_softmax(softcap):
         parts = [block_attention(qg, k[:, :, s], v[:, :, s], allowed[..., s], 0.3, softcap) for (s,) in blocks]
         out, lse = merge(*parts[0], *parts[1])
         delta = (grad_out * out).sum(-1)
-        grads = [block_grads(qg, k[:, :, s], v[:, :, s], allowed[..., s], lse, grad_out, delta, 0.3, softcap) for (s,) in blocks]
+        grads = [block_grads(qg, k[:, :, s], v[:, :, s], allowed[..., s], lse, out, grad_out, delta, 0.3, softcap) for (s,) in blocks]
     torch.testing.assert_close(sum(g[0] for g in grads).reshape(q.shape), want_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([g[1] for g in grads], 2), want_k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([g[2] for g in grads], 2), want_v, atol=1e-5, rtol=1e-5)
