@@ -1,4 +1,4 @@
-"""The ``cpshard`` command line: one sub-command per job (``demo`` now; ``check`` and ``bench`` later).
+"""The ``cpshard`` command line: one sub-command per job (``demo``, ``check``; ``bench`` later).
 
 Exit status: 0 on success, 1 when a check fails, 2 on bad usage (one line on stderr saying why).
 """
@@ -9,7 +9,9 @@ import argparse
 import sys
 from functools import partial
 
+from cpshard.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, UsageError, run_check
 from cpshard.demo import DemoConfig, config_fields, flag, run_demo
+from cpshard.forward import IMPLEMENTATIONS
 
 USAGE_ERROR = 2
 
@@ -42,10 +44,44 @@ def _run_demo(args, parser: argparse.ArgumentParser) -> int:
     return 0 if run_demo(config) else 1
 
 
+def _add_check(commands) -> None:
+    defaults = CheckConfig("-")
+    parser = commands.add_parser(
+        "check",
+        help="check loss, logits and gradients of a model under cp=N against one process",
+        description="Run MODEL with its sequence split over N local CPU ranks and on one process; print "
+        "one row per tensor group (loss, logits, gradients) with its largest difference and pass/fail. "
+        "Exit status 0 when every row passes, 1 when one differs, 2 on bad usage.",
+    )
+    add = parser.add_argument
+    add("model", metavar="MODEL", help="a local model folder (config.json; weights optional) or a model type")
+    add("--cp", type=int, default=defaults.cp, help=f"local CPU ranks on the cp axis (default {defaults.cp})")
+    add("--implementation", choices=IMPLEMENTATIONS, default=defaults.implementation, help="cp attention")
+    add("--seq", type=int, default=defaults.seq, help=f"tokens per sequence (default {defaults.seq})")
+    add("--batch", type=int, default=defaults.batch, help=f"sequences per batch (default {defaults.batch})")
+    add("--pad", choices=PADS, help="pad each row by a different amount on this side (needs --seq >= 4)")
+    add("--packed", action="store_true", help="pack documents into each row (position_ids restart at each)")
+    rtols = ", ".join(f"{name} {rtol:g}" for name, rtol in RTOLS.items())
+    add("--dtype", choices=DTYPES, default=defaults.dtype,
+        help=f"model dtype; a row passes when max |diff| <= rtol x its scale: {rtols} (default {defaults.dtype})")
+    add("--attn", choices=ATTNS, default=defaults.attn, help=f"attention kernel (default {defaults.attn})")
+    add("--seed", type=int, default=defaults.seed, help=f"seed of random weights and tokens (default {defaults.seed})")
+    parser.set_defaults(run=partial(_run_check, parser=parser))
+
+
+def _run_check(args, parser: argparse.ArgumentParser) -> int:
+    options = {name: getattr(args, name) for name in CheckConfig.__dataclass_fields__}
+    try:
+        return run_check(CheckConfig(**options))
+    except UsageError as error:
+        parser.error(str(error))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cpshard", description="Exact context parallelism for transformers models.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
     _add_demo(commands)
+    _add_check(commands)
     return parser
 
 
@@ -54,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
-        parser.error("choose a command: demo")
+        parser.error("choose a command: demo, check")
     return args.run(args)
 
 

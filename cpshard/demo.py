@@ -24,12 +24,9 @@ from cpshard.memory import current_rss, peak_rss, reset_peak_rss
 from cpshard.mesh import make_mesh
 from cpshard.optim import adamw_init, adamw_update
 from cpshard.optimum import CommOptimum, optimum_of
-from cpshard.parity import Parity, check_parity
+from cpshard.parity import RTOL, Parity, check_parity, failing_rows, format_rows
 from cpshard.processes import launch
 from cpshard.tiny import tiny_batch, tiny_model
-
-#: a parity row passes when its largest difference is at most this times the reference's scale
-PARITY_RTOL = 1e-5
 
 
 def flag(name: str) -> str:
@@ -159,14 +156,9 @@ def demo_job(config: DemoConfig) -> RankReport:
 # ---------------------------------------------------------------- what the parent prints
 
 
-def parity_passes(parity: Parity, rtol: float = PARITY_RTOL) -> dict[str, bool]:
-    """Pass or fail per row: the largest difference against ``rtol`` times the reference's scale."""
-    return {row: diff <= rtol * parity.scales[row] for row, diff in parity.diffs.items()}
-
-
 def demo_passed(reports: list[RankReport]) -> bool:
     """Every parity row passes on every rank."""
-    return all(all(parity_passes(r.parity).values()) for r in reports)
+    return not failing_rows([r.parity for r in reports])
 
 
 def _mib(nbytes: int) -> str:
@@ -179,17 +171,11 @@ def _ratio(measured: int, optimum: int) -> str:
 
 def format_parity(reports: list[RankReport]) -> list[str]:
     """One row per tensor group: the worst difference over the ranks, the scale, pass/fail."""
-    rows = reports[0].parity.diffs
-    width = max(map(len, rows))
-    lines = [f"parity against one process (fp32; a row passes when max |diff| <= {PARITY_RTOL:g} x scale):"]
-    lines.append(f"  {'row':<{width}}  {'max |diff|':>10}  {'scale':>9}")
-    for row in rows:
-        diff = max(r.parity.diffs[row] for r in reports)
-        ok = all(parity_passes(r.parity)[row] for r in reports)
-        scale = reports[0].parity.scales[row]
-        lines.append(f"  {row:<{width}}  {diff:10.2e}  {scale:9.2e}  {'pass' if ok else 'FAIL'}")
+    parities = [r.parity for r in reports]
+    lines = [f"parity against one process (fp32; a row passes when max |diff| <= {RTOL:g} x scale):"]
+    lines += format_rows(parities)
     verdict = "PASS" if demo_passed(reports) else "FAIL"
-    lines.append(f"  {verdict}: {len(rows)} rows on {len(reports)} ranks")
+    lines.append(f"  {verdict}: {len(parities[0].diffs)} rows on {len(reports)} ranks")
     return lines
 
 

@@ -95,6 +95,19 @@ def test_parity_cp2(ranks2, case):
     assert_exact(ranks2.run(run_case, case), case)
 
 
+WITHOUT_LOGITS = [
+    Case("llama", 13, dict(pad="right"), dict(tie_word_embeddings=True), rows=3, forward=dict(logits=False)),
+    Case("gemma3_text", 14, dict(packed=True), dict(final_logit_softcapping=3.0), forward=dict(logits=False, implementation="ring")),
+    Case("granite", 11, config=dict(logits_scaling=2.0), forward=dict(logits=False)),
+]
+
+
+@pytest.mark.parametrize("case", WITHOUT_LOGITS, ids=str)
+def test_parity_without_logits(ranks2, case):
+    assert_exact(ranks2.run(run_case, case), case)
+    assert "logits" not in ranks2.run(run_case, case)[0].diffs
+
+
 def _fits(case: Case, implementation: str) -> bool:
     """Ulysses needs cp to divide the heads; hybrid (2 x 2 here) needs 2 to."""
     heads = case.config.get("num_attention_heads", 4)

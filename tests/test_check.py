@@ -1,0 +1,114 @@
+"""``cpshard check``: passes on supported models and folders, fails (exit 1, rows named) on a broken
+layout, and refuses bad usage with one line and exit 2 before any rank starts."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cpshard.check import CheckConfig, build_model, check_job, exit_status, format_report, plan, resolve_source
+from cpshard.cli import main
+from cpshard.layout import Layout
+from cpshard.parity import Parity
+from cpshard.spec import Spec
+from cpshard.tiny import tiny_model
+
+#: cuts the sequence but never moves q, k, v: each rank attends within its own slice only
+BROKEN = Layout(
+    "broken",
+    qkv=(Spec("b h s@cp d"), Spec("b h s@cp d")),
+    attn_output=(Spec("b s h@cp d"), Spec("b s h@cp d")),
+)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        CheckConfig("llama", seq=16),
+        CheckConfig("qwen3", implementation="ring", seq=15, batch=3, pad="left", packed=True),
+        CheckConfig("llama", seq=16, dtype="bfloat16", attn="eager"),
+    ],
+    ids=["llama-ulysses", "qwen3-ring-pad-packed", "llama-bf16-eager"],
+)
+def test_check_passes_on_supported_models(ranks2, config):
+    parities = ranks2.run(check_job, config)
+    report = format_report(config, parities)
+    assert exit_status(config, parities) == 0, report
+    assert report.splitlines()[-1] == f"PASS: {len(parities[0].diffs)} rows on 2 ranks"
+    assert "grad model.layers.1.self_attn" in report and "logits" in report
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_broken_layout_fails_with_exit_1_naming_the_rows(ranks2, dtype):
+    config = CheckConfig("llama", seq=16, dtype=dtype)
+    parities = ranks2.run(check_job, config, BROKEN)
+    report = format_report(config, parities)
+    assert exit_status(config, parities) == 1, report
+    verdict = report.splitlines()[-1]
+    assert verdict.startswith("FAIL:"), report
+    for row in ("logits", "grad model.layers.0.self_attn"):
+        assert row in verdict, report
+        assert any(line.split()[-1] == "FAIL" and row in line for line in report.splitlines()), report
+
+
+def test_pass_rule_is_relative_to_each_rows_scale():
+    diffs, scales = {"loss": 1e-6, "logits": 1e-6, "grad lm_head": 0.0}, {"loss": 1.0, "logits": 1e-3, "grad lm_head": 0.0}
+    parity = Parity(diffs, scales, comm_bytes=0)
+    assert parity.passes() == {"loss": True, "logits": False, "grad lm_head": True}
+    assert parity.passes(rtol=1e-2)["logits"]
+    config = CheckConfig("llama")
+    assert exit_status(config, [parity]) == 1 and exit_status(CheckConfig("llama", dtype="bfloat16"), [parity]) == 0
+    assert format_report(config, [parity]).splitlines()[-1] == "FAIL: 1 of 3 rows differ beyond 1e-05 x scale: logits"
+
+
+def test_local_folders_with_and_without_weights(ranks2, tmp_path):
+    saved = tiny_model("llama", seed=5)
+    saved.save_pretrained(tmp_path / "weights")
+    saved.config.save_pretrained(tmp_path / "config-only")
+    assert resolve_source(str(tmp_path / "weights")).weights
+    assert not resolve_source(str(tmp_path / "config-only")).weights
+    loaded = build_model(resolve_source(str(tmp_path / "weights")), CheckConfig(str(tmp_path / "weights")))
+    assert all(torch.equal(p, saved.get_parameter(n)) for n, p in loaded.named_parameters())
+    for folder in ("weights", "config-only"):
+        config = CheckConfig(str(tmp_path / folder), seq=12)
+        assert str(tmp_path / folder) in plan(config)
+        parities = ranks2.run(check_job, config)
+        assert exit_status(config, parities) == 0, format_report(config, parities)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["no_such_type"], "unknown model type 'no_such_type'"),
+        (["{missing}"], "no folder '{missing}'"),
+        (["{tmp}"], "has no config.json"),
+        (["llama", "--cp", "0"], "--cp=0 must be at least 1"),
+        (["llama", "--pad", "left", "--seq", "1"], "--pad left needs --seq of at least 4"),
+        (["llama", "--implementation", "hybrid"], "hybrid needs a Ulysses degree"),
+        (["llama", "--cp", "3", "--implementation", "ulysses"], "not divisible by cp=3"),
+        (["gpt2"], "cpshard cannot serve model type 'gpt2'"),
+        (["t5"], "model type 't5' has no causal LM"),
+        (["llama", "--dtype", "float16"], "invalid choice: 'float16'"),
+    ],
+)
+def test_bad_usage_exits_2_with_one_line(capsys, tmp_path, argv, says):
+    fill = dict(missing=str(tmp_path / "missing"), tmp=str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", *(arg.format(**fill) for arg in argv)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says.format(**fill) in err and err.count("\n") == 1, err
+
+
+def test_command_line_prints_progress_and_a_passing_table():
+    result = subprocess.run(
+        [sys.executable, "-m", "cpshard", "check", "llama", "--cp", "2", "--seq", "16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "starting 2 local CPU ranks" in out and "running cp and one process" in out
+    assert "grad lm_head" in out and out.rstrip().endswith("PASS: 13 rows on 2 ranks"), out

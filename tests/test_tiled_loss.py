@@ -1,0 +1,36 @@
+"""The chunked loss: equal to the whole-logits loss, value and gradients, for each logit transform."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from types import SimpleNamespace
+
+from cpshard.tiled_loss import tiled_loss_sum, transform_logits
+from cpshard.tiny import tiny_model
+
+
+@pytest.mark.parametrize(
+    "config", [SimpleNamespace(), SimpleNamespace(final_logit_softcapping=3.0), SimpleNamespace(logits_scaling=4.0)]
+)
+def test_chunks_give_the_whole_loss_and_gradients(config):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 13, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 13), generator=generator)
+    labels[:, ::4] = -100
+    whole = F.cross_entropy(transform_logits(hidden @ weight.T, config).flatten(0, 1), labels.flatten(), reduction="sum")
+    want = torch.autograd.grad(whole, (hidden, weight))
+    chunked = tiled_loss_sum(hidden, labels, weight, None, config, chunk_elements=2 * 50 * 3)  # 3 tokens a chunk
+    got = torch.autograd.grad(chunked, (hidden, weight))
+    torch.testing.assert_close(chunked, whole)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_transforms_match_the_models_own_heads():
+    for model_type, options in [("gemma3_text", {"final_logit_softcapping": 2.0}), ("granite", {"logits_scaling": 3.0})]:
+        model = tiny_model(model_type, **options)
+        ids = torch.randint(3, 128, (1, 6))
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+        expected = model(input_ids=ids).logits
+        torch.testing.assert_close(transform_logits(model.lm_head(hidden), model.config), expected)
