@@ -24,6 +24,7 @@ from cpshard.layout import Layout
 from cpshard.layouts import resolve_layout
 from cpshard.mesh import TOKEN_DIMS, cp_size, group_over, split_cp
 from cpshard.sequence import chunk_positions, chunks_per_rank
+from cpshard.tiled_loss import head_of, tiled_loss_sum
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
 #: models already prepared, and the decoder-layer paths hooked in each (a registry of setup done)
@@ -98,6 +99,7 @@ class CPForward:
         self.keep_logits, self.strict = logits, strict
         self.ulysses_degree, self.sequence_order = options["ulysses_degree"], options["sequence_order"]
         self.module_names = {id(module): name for name, module in model.named_modules()}
+        self.decoder_prefix = self.module_names[id(model.get_decoder())]
         _prepare(model, layout)
 
     def _plan(self, mesh, cp: int) -> dict:
@@ -123,15 +125,28 @@ class CPForward:
             mesh, cp, self.layout, padded.length, self.module_names, padded_length=padded.padded_length, **plan
         )
         with running(call), ExplicitRedistributionContext(enable=self.strict, strict=True):
-            output = torch.func.functional_call(
-                self.model, params, (), {**padded.model_inputs, "use_cache": False}, strict=False, tie_weights=True
-            )
+            local = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)
-        local_logits = output.logits[:, : len(held)]  # contiguous order: drop the cp padding at the end
-        loss, num_tokens = self._loss(local_logits, padded, mesh, held)
-        return CPOutput(loss, self._logits(local_logits, padded, mesh), num_tokens)
+        local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
+        loss, num_tokens = self._loss(local, params, padded, mesh, held)
+        return CPOutput(loss, self._logits(local, padded, mesh), num_tokens)
 
-    def _loss(self, local_logits, padded: PaddedBatch, mesh, held: torch.Tensor):
+    def _local_outputs(self, params: dict, inputs: dict) -> torch.Tensor:
+        """This rank's logits; with ``logits=False`` its final hidden states (the head runs in chunks)."""
+        inputs = {**inputs, "use_cache": False}
+        if self.keep_logits:
+            return torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True).logits
+        prefix = self.decoder_prefix + "."
+        trunk = {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
+        decoder = self.model.get_decoder()
+        return torch.func.functional_call(decoder, trunk, (), inputs, strict=False, tie_weights=True).last_hidden_state
+
+    def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
+        if self.keep_logits:
+            return token_loss_sum(local, labels)
+        return tiled_loss_sum(local, labels, *head_of(self.model, params), self.model.config)
+
+    def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor):
         if padded.shift_labels is None:
             return None, torch.zeros((), dtype=torch.int64)
         local_labels = padded.shift_labels.index_select(1, held)
@@ -139,7 +154,7 @@ class CPForward:
         batch_group = group_over(mesh, tuple(d for d in TOKEN_DIMS if d != "cp"))
         if batch_group is not None:
             num_tokens = sum_over_group(num_tokens, batch_group, name="token count")
-        loss = token_loss_sum(local_logits, local_labels) / num_tokens.clamp(min=1)
+        loss = self._loss_sum(local, params, local_labels) / num_tokens.clamp(min=1)
         token_group = group_over(mesh, TOKEN_DIMS)
         if token_group is not None:
             loss = sum_over_group(loss, token_group, name="loss")
@@ -166,7 +181,5 @@ def make_cp_forward(
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if sequence_order != "auto":
         chunks_per_rank(sequence_order)
-    if not logits:
-        raise NotImplementedError("logits=False (the sequence-tiled loss) is not available yet")
     options = dict(ulysses_degree=ulysses_degree, sequence_order=sequence_order)
     return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)
