@@ -46,7 +46,15 @@ def make_mesh(*, cp: int, dp_replicate: int = 1, fsdp: int = 1, tp: int = 1, ep:
             f"world size {world} != dp_replicate={dp_replicate} * fsdp={fsdp} * cp={cp} * tp={tp}"
             f" (= {product}); choose sizes whose product is the number of ranks"
         )
-    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=MESH_DIMS)
+    return _root_mesh(device_type, tuple(sizes.values()), dist.group.WORLD)
+
+
+@lru_cache(maxsize=None)
+def _root_mesh(device_type: str, shape: tuple[int, ...], world) -> DeviceMesh:
+    """One mesh per shape and default group: every mesh creates a process group per dimension
+    (each with its own threads), so a training loop or test suite calling make_mesh again must
+    get the same mesh back, not a new set of groups."""
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
 
 
 def cp_size(mesh: DeviceMesh) -> int:

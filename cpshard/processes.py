@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -58,15 +60,19 @@ def _dumps(value) -> bytes:
     return pickle.dumps(value)
 
 
-def _worker(rank: int, nprocs: int, port: int, timeout: float, tasks, results) -> None:
+def _worker(rank: int, nprocs: int, store: str, port: int, timeout: float, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
+    # the launcher's variables, for code that reads them; the group itself meets in a file, so
+    # that groups started side by side (tests, benchmarks) can never race for a port
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
-    dist.init_process_group("gloo", rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout)
+    )
     while (task := tasks.get()) is not None:
         try:
             fn, args, kwargs = pickle.loads(task)
@@ -87,10 +93,11 @@ class LocalRanks:
         context = mp.get_context("spawn")
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(nprocs)]
-        port = _free_port()
+        self._store_dir = tempfile.mkdtemp(prefix="cpshard-ranks-")
+        store, port = os.path.join(self._store_dir, "store"), _free_port()
         self._processes = [
             context.Process(
-                target=_worker, args=(rank, nprocs, port, timeout, self._tasks[rank], self._results), daemon=True
+                target=_worker, args=(rank, nprocs, store, port, timeout, self._tasks[rank], self._results), daemon=True
             )
             for rank in range(nprocs)
         ]
@@ -167,6 +174,7 @@ class LocalRanks:
                 process.kill()
             process.join(timeout=10)
         self._processes = []
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
 def launch(fn, *args, nprocs: int, timeout: float = 600.0, **kwargs) -> list:

@@ -146,6 +146,6 @@ def test_an_exiting_rank_ends_the_launch(tmp_path):
         launch(_exit_on_rank_1, str(tmp_path), nprocs=2, timeout=300)
     assert not isinstance(info.value, RankError)
     exited = tmp_path / "1.pid"
-    assert time.time() - exited.stat().st_mtime < 10  # noticed at once, not at the timeout
+    assert time.time() - exited.stat().st_mtime < 60  # noticed well before the 300 s timeout
     pids = [int((tmp_path / f"{rank}.pid").read_text()) for rank in (0, 1)]
     assert all(_gone(pid) for pid in pids), "a rank was left running"
