@@ -1,10 +1,12 @@
-"""Ulysses attention, wrapped around the model's own attention function.
+"""Context-parallel attention, wrapped around the model's own attention function.
 
 Registered in transformers' attention-function registry (and its mask registry, so the model
 still builds its mask) under ``cpshard_<inner>``. Inside a cp call, q, k and v arrive split
-over the sequence; one all-to-all each makes them whole sequences over a share of the heads,
-the model's own function runs with the model's own whole-sequence mask, and one all-to-all
-brings the output back. Outside a cp call it is the inner function, untouched.
+over the sequence. Ulysses: one all-to-all each makes them whole sequences over a share of the
+heads, the model's own function runs with the model's own whole-sequence mask, and one
+all-to-all brings the output back. Ring (and hybrid, Ulysses inside groups first): k and v
+travel the ring (:mod:`cpshard.ring`) with per-block masks cut from that same mask. Outside a
+cp call it is the inner function, untouched.
 """
 
 from __future__ import annotations
