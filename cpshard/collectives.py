@@ -6,9 +6,12 @@ an all-gather of the whole tensor on CPU process groups, which the hot path cann
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from cpshard.comms import active_log, record
 
@@ -87,3 +90,59 @@ def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
     record(active_log(), "all_gather", name, "forward", x, size)
     dist.all_gather_single(out, x.contiguous().reshape(-1), group=group)
     return out.view(size, *x.shape)
+
+
+def _rows_of(rank: int, rows: int, chunk: int) -> int:
+    """How many of ``rows`` rank ``rank`` holds when they are cut in chunks of ``chunk`` (as ``torch.chunk`` cuts)."""
+    return min(chunk, max(0, rows - rank * chunk))
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` as a ``[rows, everything else]`` matrix, zero rows appended."""
+    width = math.prod(x.shape[1:])
+    return F.pad(x.reshape(x.shape[0], width), (0, 0, 0, rows - x.shape[0]))
+
+
+class _GatherShards(torch.autograd.Function):
+    """All-gather of dim-0 shards into whole tensors; backward: the reduce-scatter of their gradients."""
+
+    @staticmethod
+    def forward(ctx, group, name, rows, *shards):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunks = [-(-n // size) for n in rows]
+        for shard, n, chunk in zip(shards, rows, chunks):
+            if shard.shape[0] != _rows_of(rank, n, chunk):
+                raise ValueError(
+                    f"{name}: rank {rank} of {size} holds {shard.shape[0]} of {n} rows; a dim-0 shard cut as "
+                    f"torch.chunk cuts holds {_rows_of(rank, n, chunk)}"
+                )
+        ctx.group, ctx.name, ctx.log, ctx.chunks = group, name, active_log(), chunks
+        ctx.local_rows = [shard.shape[0] for shard in shards]
+        flat = torch.cat([_padded(shard, chunk).reshape(-1) for shard, chunk in zip(shards, chunks)])
+        record(ctx.log, "all_gather", name, "forward", flat, size)
+        out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_single(out, flat, group=group)
+        pieces = out.view(size, -1).split([c * math.prod(s.shape[1:]) for c, s in zip(chunks, shards)], dim=1)
+        return tuple(
+            torch.cat([piece[r].view(c, *s.shape[1:])[: _rows_of(r, n, c)] for r in range(size)])
+            for piece, s, n, c in zip(pieces, shards, rows, chunks)
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        size = dist.get_world_size(ctx.group)
+        send = torch.cat([_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)], dim=1).contiguous()
+        record(ctx.log, "reduce_scatter", ctx.name, "backward", send, size)
+        out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
+        dist.reduce_scatter_single(out, send.view(-1), group=ctx.group)
+        pieces = out.split([c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)])
+        local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, ctx.chunks, ctx.local_rows)]
+        return (None, None, None, *local)
+
+
+def all_gather_shards(shards: list[torch.Tensor], rows: list[int], group, name: str = "") -> list[torch.Tensor]:
+    """Whole tensors from each rank's dim-0 shard (``rows``: their whole dim-0 sizes), in one all-gather;
+    the gradients come back reduce-scattered, each rank's rows summed over the group. One dtype only."""
+    if len({s.dtype for s in shards}) > 1:
+        raise ValueError(f"{name or 'all_gather_shards'}: one dtype per call, got {sorted({str(s.dtype) for s in shards})}")
+    return list(_GatherShards.apply(group, name, tuple(rows), *shards))

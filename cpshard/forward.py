@@ -23,6 +23,7 @@ from cpshard.cut import install_cut
 from cpshard.layout import Layout
 from cpshard.layouts import resolve_layout
 from cpshard.mesh import TOKEN_DIMS, cp_size, group_over, split_cp
+from cpshard.parallel import gather_params
 from cpshard.sequence import chunk_positions, chunks_per_rank
 from cpshard.tiled_loss import head_of, tiled_loss_sum
 
@@ -124,6 +125,7 @@ class CPForward:
         call = CPCall(
             mesh, cp, self.layout, padded.length, self.module_names, padded_length=padded.padded_length, **plan
         )
+        params = gather_params(params, mesh)  # DTensor parameters (cpshard.parallelize) made whole
         with running(call), ExplicitRedistributionContext(enable=self.strict, strict=True):
             local = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)

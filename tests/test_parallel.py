@@ -1,0 +1,167 @@
+"""parallelize: FSDP2 (HSDP) over fsdp x cp; cp_forward and value_and_grad unchanged, against one process."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import cpshard
+from cpshard.comms import recording
+from cpshard.optim import adamw_init, adamw_update
+from cpshard.parallel import full_tensors, param_mesh
+from cpshard.parity import reference
+from cpshard.tiny import tiny_batch, tiny_model
+
+TOLERANCE = 1e-5
+STEPS = 3
+VOCAB = 130  # embedding and head rows do not divide over 4 ranks: uneven shards
+#: Adam divides by sqrt(v) + eps, so a gradient element near zero turns an fp32 rounding difference
+#: of ~1e-8 into up to lr * 1e-8 / eps of update; eps = 1e-4 bounds that far below the tolerance,
+#: while every real update (~lr = 1e-3) stays far above it
+ADAMW = dict(lr=1e-3, eps=1e-4)
+
+
+def _fsdp_layout_matches(params: dict, mesh, tied: bool) -> bool:
+    """The same model under torch's own fully_shard (per decoder layer, then the root) holds the same shards."""
+    twin = tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=tied)
+    for layer in twin.model.layers:
+        fully_shard(layer, mesh=param_mesh(mesh))
+    fully_shard(twin, mesh=param_mesh(mesh))
+    theirs = cpshard.params_of(twin)
+    return list(theirs) == list(params) and all(
+        theirs[n].placements == params[n].placements
+        and theirs[n].device_mesh == params[n].device_mesh
+        and torch.equal(theirs[n].to_local(), params[n].to_local())
+        for n in params
+    )
+
+
+def _events(log, name: str, op: str) -> int:
+    return sum(e.nbytes for e in log.events if (e.name, e.op) == (name, op))
+
+
+def run_training(sizes: dict, tied: bool):
+    """One step (loss, every gradient, their layout, the bytes), then params after STEPS AdamW steps."""
+    mesh = cpshard.make_mesh(**sizes)
+    model, twin = (tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=tied) for _ in range(2))
+    replicas, fsdp = sizes.get("dp_replicate", 1), sizes.get("fsdp", 1)
+    batches = [tiny_batch(VOCAB, 2, 13, pad="left", seed=seed) for seed in range(1, replicas * fsdp + 1)]
+    batches[1]["labels"][:, :6] = -100  # different token counts per data group
+    mine = batches[mesh.get_local_rank("dp_replicate") * fsdp + mesh.get_local_rank("fsdp")]
+    whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+
+    params = cpshard.params_of(cpshard.parallelize(model, mesh))
+    ref_params = {name: p.detach() for name, p in cpshard.params_of(twin).items()}
+    checks = {
+        "fully_shard layout": _fsdp_layout_matches(params, mesh, tied),
+        "tied stays tied": (model.lm_head.weight is model.model.embed_tokens.weight) == tied,
+    }
+    grad_fn = cpshard.value_and_grad(cpshard.make_cp_forward(model))
+    state, ref_state = adamw_init(params), adamw_init(ref_params)
+    for step in range(STEPS):
+        with recording() as log:
+            output, grads = grad_fn(params, mine, mesh)
+        ref_loss, _, ref_grads = reference(twin, ref_params, whole)
+        if step == 0:
+            checks["loss"] = abs(output.loss.item() - ref_loss.item())
+            checks["grads"] = max((grads[n].full_tensor() - ref_grads[n]).abs().max().item() for n in grads)
+            checks["grad layout"] = all(
+                isinstance(g, DTensor) and g.placements == params[n].placements and g.device_mesh == params[n].device_mesh
+                for n, g in grads.items()
+            )
+            checks["bytes"] = {
+                "all_gather": _events(log, "parameters", "all_gather"),
+                "reduce_scatter": _events(log, "parameters", "reduce_scatter"),
+                "replicas": _events(log, "gradients", "all_reduce"),
+                "local": sum(p.to_local().numel() * 4 for p in params.values()),
+                "padded": sum(-(-p.shape[0] // (4 // replicas)) * math.prod(p.shape[1:]) * 4 for p in params.values()),
+            }
+        params, state = adamw_update(params, grads, state, **ADAMW)
+        ref_params, ref_state = adamw_update(ref_params, ref_grads, ref_state, **ADAMW)
+    checks["params"] = max((params[n].full_tensor() - ref_params[n]).abs().max().item() for n in params)
+    checks["still sharded"] = all(isinstance(p, DTensor) for p in params.values())
+    return checks
+
+
+@pytest.mark.parametrize(
+    "sizes, tied", [(dict(fsdp=2, cp=2), False), (dict(dp_replicate=2, cp=2), True)], ids=["fsdp2xcp2", "hsdp2xcp2-tied"]
+)
+def test_parallel_training_is_one_process_over_all_batches(ranks4, sizes, tied):
+    for rank, checks in enumerate(ranks4.run(run_training, sizes, tied)):
+        layout = ("fully_shard layout", "tied stays tied", "grad layout", "still sharded")
+        assert all(checks[key] for key in layout), (rank, checks)
+        assert max(checks["loss"], checks["grads"], checks["params"]) <= TOLERANCE, (rank, checks)
+        nbytes = checks["bytes"]
+        shard_group = 4 // sizes.get("dp_replicate", 1)
+        assert nbytes["all_gather"] == nbytes["padded"], nbytes  # each rank sends its (padded) shard once
+        assert nbytes["reduce_scatter"] == shard_group * nbytes["padded"], nbytes  # whole gradients in, once
+        assert nbytes["replicas"] == (nbytes["local"] if "dp_replicate" in sizes else 0), nbytes
+
+
+def run_uneven_shards():
+    """Shards of 1, 1, 1 and 0 rows: whole again after the gather; gradients summed over the group."""
+    mesh = cpshard.make_mesh(fsdp=2, cp=2)
+    values = {"a": torch.arange(6.0).view(3, 2), "b": torch.arange(5.0) - 2, "c": torch.arange(4.0).view(1, 4)}
+    module = cpshard.parallelize(nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in values.items()}), mesh)
+    leaves = {name: p.detach().requires_grad_(True) for name, p in cpshard.params_of(module).items()}
+    whole = full_tensors(leaves)
+    scale = dist.get_rank() + 1  # each rank's share of the loss differs
+    loss = sum((w * values[n] * scale).sum() for n, w in whole.items())
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return {
+        "whole": all(torch.equal(whole[n], values[n]) for n in values),
+        "local rows": [leaves[n].to_local().shape[0] for n in values],
+        "grads": all(torch.equal(g.full_tensor(), 10 * values[n]) for n, g in zip(leaves, grads)),
+    }
+
+
+def test_uneven_and_empty_shards_gather_and_reduce_exactly(ranks4):
+    results = ranks4.run(run_uneven_shards)
+    assert [r["local rows"] for r in results] == [[1, 2, 1], [1, 2, 0], [1, 1, 0], [0, 0, 0]]
+    assert all(r["whole"] and r["grads"] for r in results), results
+
+
+def bad_parallel(kind: str):
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, 2, 8)
+    if kind == "tp":
+        cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2))
+    elif kind == "ep":
+        cpshard.make_mesh(cp=2, fsdp=2, ep=2)
+    elif kind == "world":
+        cpshard.make_mesh(cp=2, fsdp=3)
+    elif kind == "no-dims":
+        cpshard.parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp")))
+    elif kind == "twice":
+        mesh = cpshard.make_mesh(cp=2, fsdp=2)
+        cpshard.parallelize(cpshard.parallelize(model, mesh), mesh)
+    elif kind == "other-mesh":
+        cpshard.parallelize(model, cpshard.make_mesh(cp=2, fsdp=2))
+        mesh = cpshard.make_mesh(cp=2, dp_replicate=2)
+        cpshard.value_and_grad(cpshard.make_cp_forward(model))(cpshard.params_of(model), batch, mesh)
+
+
+BAD = {
+    "tp": ("NotImplementedError", "tensor parallelism (tp=2) is not available yet"),
+    "ep": ("NotImplementedError", "expert parallelism (ep > 1) is not available yet"),
+    "world": ("ValueError", "world size 4 != dp_replicate=1 * fsdp=3 * cp=2 * tp=1"),
+    "no-dims": ("ValueError", "this mesh has dimensions dp, cp and lacks dp_replicate, fsdp"),
+    "twice": ("ValueError", "is a DTensor already"),
+    "other-mesh": ("ValueError", "with placements (Shard(dim=0),); on this mesh cp_forward takes plain tensors or"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_impossible_meshes_and_parallelisms_fail_on_every_rank(ranks4, kind):
+    error_type, message = BAD[kind]
+    with pytest.raises(cpshard.RankError) as caught:
+        ranks4.run(bad_parallel, kind)
+    assert sorted(caught.value.failures) == [0, 1, 2, 3], f"{kind}: only ranks {sorted(caught.value.failures)} raised"
+    for failure in caught.value.failures.values():
+        assert failure.kind == error_type and message in failure.message, failure.message
+    assert ranks4.alive
