@@ -11,7 +11,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
@@ -25,7 +24,7 @@ from cpshard.layouts import resolve_layout
 from cpshard.mesh import TOKEN_DIMS, cp_size, group_over, split_cp
 from cpshard.parallel import gather_params
 from cpshard.sequence import chunk_positions, chunks_per_rank
-from cpshard.tiled_loss import head_of, tiled_loss_sum
+from cpshard.tiled_loss import head_of, tiled_loss_sum, token_loss_sum
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
 #: models already prepared, and the decoder-layer paths hooked in each (a registry of setup done)
@@ -83,13 +82,6 @@ def choose_implementation(requested: str, heads: int, cp: int, ulysses_degree: i
     if heads % cp == 0:
         return "ulysses", cp
     return ("hybrid", max(fitting)) if fitting else ("ring", 1)
-
-
-def token_loss_sum(local_logits: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of this rank's tokens, in fp32 as transformers computes it."""
-    return F.cross_entropy(
-        local_logits.float().flatten(0, 1), local_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
 
 
 class CPForward:

@@ -29,9 +29,13 @@ def transform_logits(logits: torch.Tensor, config) -> torch.Tensor:
     return logits
 
 
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of ``[B, S, V]`` logits, in fp32 as transformers computes it."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def _chunk_loss(hidden, labels, weight, bias, config):
-    logits = transform_logits(F.linear(hidden, weight, bias), config).float()
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return token_loss_sum(transform_logits(F.linear(hidden, weight, bias), config), labels)
 
 
 def tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
