@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
 from cpshard.attention import kv_replication, ulysses_name
-from cpshard.batch import IGNORE_INDEX, PaddedBatch, check_same_batch, pad_batch, validate
+from cpshard.batch import IGNORE_INDEX, PaddedBatch, check_batch, pad_batch
 from cpshard.collectives import sum_over_group
 from cpshard.context import CPCall, running
 from cpshard.cut import install_cut
@@ -23,6 +23,7 @@ from cpshard.layout import Layout
 from cpshard.layouts import resolve_layout
 from cpshard.mesh import TOKEN_DIMS, cp_size, group_over, split_cp
 from cpshard.parallel import gather_params
+from cpshard.recompute import recompute_in
 from cpshard.sequence import chunk_positions, chunks_per_rank
 from cpshard.tiled_loss import head_of, tiled_loss_sum, token_loss_sum
 
@@ -109,16 +110,14 @@ class CPForward:
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         cp = cp_size(mesh)
         plan = self._plan(mesh, cp)
-        if cp > 1:
-            check_same_batch(batch, mesh.get_group("cp"))
-        validate(batch)
+        check_batch(batch, mesh)  # valid and the same across each cp group, or every rank raises
         multiple = cp * chunks_per_rank(plan["order"])
         padded = pad_batch(batch, multiple, getattr(self.model.config, "pad_token_id", None))
         call = CPCall(
             mesh, cp, self.layout, padded.length, self.module_names, padded_length=padded.padded_length, **plan
         )
         params = gather_params(params, mesh)  # DTensor parameters (cpshard.parallelize) made whole
-        with running(call), ExplicitRedistributionContext(enable=self.strict, strict=True):
+        with running(call), recompute_in(call, self.model), ExplicitRedistributionContext(enable=self.strict, strict=True):
             local = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
