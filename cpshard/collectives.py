@@ -47,15 +47,19 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: 
     return _AllToAll.apply(x, scatter_dim, gather_dim, group, name)
 
 
+def _summed(x: torch.Tensor, group, log, name: str, phase: str) -> torch.Tensor:
+    out = x.detach().clone().contiguous()
+    record(log, "all_reduce", name, phase, out, dist.get_world_size(group))
+    dist.all_reduce(out, group=group)
+    return out
+
+
 class _SumOverGroup(torch.autograd.Function):
     """All-reduce (sum) whose backward is the identity: each rank's share of a replicated result."""
 
     @staticmethod
     def forward(ctx, x, group, name):
-        out = x.detach().clone().contiguous()
-        record(active_log(), "all_reduce", name, "forward", out, dist.get_world_size(group))
-        dist.all_reduce(out, group=group)
-        return out
+        return _summed(x, group, active_log(), name, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -65,6 +69,24 @@ class _SumOverGroup(torch.autograd.Function):
 def sum_over_group(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
     """The sum of ``x`` over the group on every rank; the gradient flows to each rank's own term."""
     return _SumOverGroup.apply(x, group, name)
+
+
+class _SumGradsOverGroup(torch.autograd.Function):
+    """The identity whose backward all-reduces (sums): a replicated input that each rank uses in part."""
+
+    @staticmethod
+    def forward(ctx, x, group, name):
+        ctx.group, ctx.name, ctx.log = group, name, active_log()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _summed(grad, ctx.group, ctx.log, ctx.name, "backward"), None, None
+
+
+def sum_grads_over_group(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """``x`` as it is; its gradient summed over the group (each rank's part of the computation adds its term)."""
+    return _SumGradsOverGroup.apply(x, group, name)
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], group, name: str = "") -> list[torch.Tensor]:
@@ -146,3 +168,34 @@ def all_gather_shards(shards: list[torch.Tensor], rows: list[int], group, name: 
     if len({s.dtype for s in shards}) > 1:
         raise ValueError(f"{name or 'all_gather_shards'}: one dtype per call, got {sorted({str(s.dtype) for s in shards})}")
     return list(_GatherShards.apply(group, name, tuple(rows), *shards))
+
+
+def _exchange_rows(x: torch.Tensor, send: list[int], receive: list[int], group, log, name: str, phase: str) -> torch.Tensor:
+    """Rows ``[sum(send[:i]), sum(send[:i+1]))`` of ``x`` go to rank ``i``; what arrives is stacked in rank order."""
+    x = x.contiguous()
+    record(log, "all_to_all", name, phase, x, dist.get_world_size(group))
+    return funcol.wait_tensor(funcol.all_to_all_single(x, receive, send, group))
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, receive, group, name):
+        ctx.splits, ctx.group, ctx.name, ctx.log = (send, receive), group, name, active_log()
+        return _exchange_rows(x, send, receive, group, ctx.log, name, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, receive = ctx.splits
+        return _exchange_rows(grad, receive, send, ctx.group, ctx.log, ctx.name, "backward"), None, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], receive: list[int], group, name: str = "") -> torch.Tensor:
+    """Uneven all-to-all of dim-0 rows: ``send[i]`` rows to rank ``i``, ``receive[i]`` rows from it (both sides must
+    agree: exchange the counts first). The backward sends the gradients back the same way reversed."""
+    size = dist.get_world_size(group)
+    if len(send) != size or len(receive) != size or sum(send) != x.shape[0]:
+        raise ValueError(
+            f"{name or 'all_to_all_rows'}: {x.shape[0]} rows split as send={send}, receive={receive} "
+            f"over {size} ranks; each needs one count per rank and send must add up to the rows"
+        )
+    return _AllToAllRows.apply(x, list(send), list(receive), group, name)

@@ -32,6 +32,10 @@ class CPCall:
     padded_length: int = 0
     #: the cp axis unflattened as (cp_ring, cp_ulysses), for ring and hybrid
     split_mesh: object = None
+    #: the process group of the ``tp`` ranks (tensor parallelism), None when tp is 1
+    tp_group: object = None
+    #: the process group of the ``ep`` ranks (expert parallelism), None when ep is 1
+    expert_group: object = None
 
     def name_of(self, module) -> str:
         return self.module_names.get(id(module), type(module).__name__)
@@ -44,6 +48,11 @@ def active_call() -> CPCall | None:
     """The running cp call, or None outside ``cp_forward`` (or when cp is 1: nothing to split)."""
     call = _ACTIVE.get()
     return call if call is not None and call.cp_size > 1 else None
+
+
+def current_call() -> CPCall | None:
+    """The running call whatever its cp size: tensor and expert parallelism act even at cp=1."""
+    return _ACTIVE.get()
 
 
 @contextmanager

@@ -21,10 +21,12 @@ from cpshard.context import CPCall, running
 from cpshard.cut import install_cut
 from cpshard.layout import Layout
 from cpshard.layouts import resolve_layout
-from cpshard.mesh import TOKEN_DIMS, cp_size, group_over, split_cp
+from cpshard.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
 from cpshard.parallel import gather_params
+from cpshard.placement import expert_mesh
 from cpshard.recompute import recompute_in
 from cpshard.sequence import chunk_positions, chunks_per_rank
+from cpshard.tensor_parallel import check_tensor_parallel, install_tensor_parallel
 from cpshard.tiled_loss import head_of, tiled_loss_sum, token_loss_sum
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
@@ -52,7 +54,9 @@ def _prepare(model: torch.nn.Module, layout: Layout) -> None:
     if layout.decoder_layers in hooked:
         return
     model.set_attn_implementation(ulysses_name(model.config._attn_implementation))
-    install_cut(model.get_submodule(layout.decoder_layers), model.get_submodule(layout.final_norm))
+    layers = model.get_submodule(layout.decoder_layers)
+    install_cut(layers, model.get_submodule(layout.final_norm))
+    install_tensor_parallel(layers, layout)
     hooked.add(layout.decoder_layers)
 
 
@@ -96,27 +100,43 @@ class CPForward:
         self.decoder_prefix = self.module_names[id(model.get_decoder())]
         _prepare(model, layout)
 
-    def _plan(self, mesh, cp: int) -> dict:
-        """How this call splits the work: implementation, Ulysses degree, sequence order, meshes."""
-        heads = getattr(self.model.config, self.layout.heads)
+    def _plan(self, mesh, cp: int, params: dict) -> dict:
+        """How this call splits the work: implementation, Ulysses degree, sequence order, meshes, groups."""
+        tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
+        check_tensor_parallel(self.model.config, self.layout, tp)
+        if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
+            raise ValueError(
+                f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
+                "cpshard.params_of(cpshard.parallelize(model, mesh)): each rank computes with its own tp and ep blocks"
+            )
+        heads = getattr(self.model.config, self.layout.heads) // tp  # the heads this tp rank holds
+        if tp > 1 and self.implementation == "ulysses" and heads % cp:
+            raise ValueError(
+                f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: num_attention_heads="
+                f"{heads * tp} must divide by tp * cp = {tp * cp}; implementation='ring' or 'hybrid' serve other sizes"
+            )
         implementation, degree = choose_implementation(self.implementation, heads, cp, self.ulysses_degree)
         order = self.sequence_order
         if order == "auto":
             order = "contiguous" if implementation == "ulysses" else "head_tail"
         chunks_per_rank(order)
         split = split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None
-        return dict(implementation=implementation, ulysses=degree, order=order, split_mesh=split)
+        groups = dict(
+            tp_group=mesh.get_group("tp") if tp > 1 else None,
+            expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
+        )
+        return dict(implementation=implementation, ulysses=degree, order=order, split_mesh=split, **groups)
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         cp = cp_size(mesh)
-        plan = self._plan(mesh, cp)
+        plan = self._plan(mesh, cp, params)
         check_batch(batch, mesh)  # valid and the same across each cp group, or every rank raises
         multiple = cp * chunks_per_rank(plan["order"])
         padded = pad_batch(batch, multiple, getattr(self.model.config, "pad_token_id", None))
         call = CPCall(
             mesh, cp, self.layout, padded.length, self.module_names, padded_length=padded.padded_length, **plan
         )
-        params = gather_params(params, mesh)  # DTensor parameters (cpshard.parallelize) made whole
+        params = gather_params(params, mesh, self.layout)  # DTensor parameters (cpshard.parallelize) made whole
         with running(call), recompute_in(call, self.model), ExplicitRedistributionContext(enable=self.strict, strict=True):
             local = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)

@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 
 from cpshard.collectives import all_reduce_flat
 from cpshard.mesh import TOKEN_DIMS, group_over
-from cpshard.parallel import REPLICA_DIMS
+from cpshard.placement import REPLICA_DIMS
 
 
 def value_and_grad(cp_forward):

@@ -40,6 +40,21 @@ class Layout:
     logits: Spec = Spec("b s@cp v")
     heads: str = "num_attention_heads"
     kv_heads: str = "num_key_value_heads"
+    #: the tensor-parallel plan: module paths inside a decoder layer, split column-wise (output
+    #: features over ``tp``) or row-wise (input features; the outputs are summed over ``tp``)
+    tensor_parallel: tuple[tuple[str, str], ...] = (
+        ("self_attn.q_proj", "colwise"),
+        ("self_attn.k_proj", "colwise"),
+        ("self_attn.v_proj", "colwise"),
+        ("self_attn.o_proj", "rowwise"),
+        ("mlp.gate_proj", "colwise"),
+        ("mlp.up_proj", "colwise"),
+        ("mlp.down_proj", "rowwise"),
+    )
+    #: where the replicated residual stream enters the column-wise layers: their input gradients sum over ``tp``
+    tensor_parallel_inputs: tuple[str, ...] = ("self_attn", "mlp")
+    #: modules inside a decoder layer whose parameters hold one slice per expert on dim 0 (split over ``ep``)
+    experts: tuple[str, ...] = ()
 
     def for_types(self, name: str, *model_types: str) -> Layout:
         """This layout under another name, registered for ``model_types``."""

@@ -28,15 +28,22 @@ def _init_default_group(device_type: str) -> None:
 
 
 def make_mesh(*, cp: int, dp_replicate: int = 1, fsdp: int = 1, tp: int = 1, ep: int = 1, device_type=None) -> DeviceMesh:
-    """The root mesh ``dp_replicate x fsdp x cp x tp`` over every rank of the default group."""
+    """The root mesh ``dp_replicate x fsdp x cp x tp`` over every rank of the default group.
+
+    ``ep`` regroups the ranks of ``fsdp x cp x tp`` (row-major) into expert groups of ``ep``
+    consecutive ranks; it is recorded with the mesh (:func:`expert_degree`), whose sub-meshes
+    :mod:`cpshard.placement` builds with DeviceMesh's flatten and unflatten."""
     sizes = {"dp_replicate": dp_replicate, "fsdp": fsdp, "cp": cp, "tp": tp}
     for name, size in {**sizes, "ep": ep}.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
     if (fsdp * cp * tp) % ep:
         raise ValueError(f"make_mesh: ep={ep} must divide fsdp * cp * tp = {fsdp} * {cp} * {tp} = {fsdp * cp * tp}")
-    if ep > 1:
-        raise NotImplementedError("make_mesh: expert parallelism (ep > 1) is not available yet")
+    if ep > 1 and tp > 1:
+        raise NotImplementedError(
+            f"make_mesh: expert parallelism with tensor parallelism (ep={ep}, tp={tp}) is not available: "
+            "the tp ranks hold the same tokens and would each send them to the experts; use tp=1 with ep"
+        )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     _init_default_group(device_type)
     world = dist.get_world_size()
@@ -46,15 +53,32 @@ def make_mesh(*, cp: int, dp_replicate: int = 1, fsdp: int = 1, tp: int = 1, ep:
             f"world size {world} != dp_replicate={dp_replicate} * fsdp={fsdp} * cp={cp} * tp={tp}"
             f" (= {product}); choose sizes whose product is the number of ranks"
         )
-    return _root_mesh(device_type, tuple(sizes.values()), dist.group.WORLD)
+    return _root_mesh(device_type, tuple(sizes.values()), ep, dist.group.WORLD)
+
+
+#: the expert degree of each root mesh, by id (root meshes live as long as the cache below)
+_EXPERT_DEGREE: dict[int, int] = {}
 
 
 @lru_cache(maxsize=None)
-def _root_mesh(device_type: str, shape: tuple[int, ...], world) -> DeviceMesh:
-    """One mesh per shape and default group: every mesh creates a process group per dimension
-    (each with its own threads), so a training loop or test suite calling make_mesh again must
-    get the same mesh back, not a new set of groups."""
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+def _root_mesh(device_type: str, shape: tuple[int, ...], ep: int, world) -> DeviceMesh:
+    """One mesh per shape, expert degree and default group: every mesh creates a process group per
+    dimension (each with its own threads), so a training loop or test suite calling make_mesh
+    again must get the same mesh back, not a new set of groups."""
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    _EXPERT_DEGREE[id(mesh)] = ep
+    return mesh
+
+
+def expert_degree(mesh: DeviceMesh) -> int:
+    """The ``ep`` that :func:`make_mesh` was given for this root mesh (1 for any other mesh)."""
+    return _EXPERT_DEGREE.get(id(mesh), 1)
+
+
+def mesh_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of the mesh dimension ``name``; 1 when the mesh has no such dimension."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index(name)) if name in names else 1
 
 
 def cp_size(mesh: DeviceMesh) -> int:

@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 import cpshard
 from cpshard.comms import recording
 from cpshard.optim import adamw_init, adamw_update
-from cpshard.parallel import full_tensors, param_mesh
+from cpshard.parallel import block_shape, full_tensors, gather_axis
+from cpshard.placement import param_mesh
 from cpshard.parity import reference
 from cpshard.tiny import tiny_batch, tiny_model
 
@@ -45,20 +46,51 @@ def _events(log, name: str, op: str) -> int:
     return sum(e.nbytes for e in log.events if (e.name, e.op) == (name, op))
 
 
-def run_training(sizes: dict, tied: bool):
-    """One step (loss, every gradient, their layout, the bytes), then params after STEPS AdamW steps."""
+def _gather_bytes(params: dict) -> int:
+    """What one rank sends to gather every parameter over its FSDP axis: each block's chunk, padded to the largest."""
+    total = 0
+    for p in params.values():
+        block, shards = block_shape(p), p.device_mesh.size(gather_axis(p))
+        total += -(-block[0] // shards) * math.prod(block[1:]) * p.element_size()
+    return total
+
+
+def _bytes_by_kind(log) -> dict:
+    """Bytes this rank sent in the step, by what they were for: cp attention, FSDP, tp, ep, the rest."""
+    kinds = {"cp": 0, "fsdp all-gather": 0, "fsdp reduce-scatter": 0, "replicas": 0, "tp": 0, "ep": 0, "other": 0}
+    for e in log.events:
+        if e.name == "parameters":
+            kinds["fsdp " + e.op.replace("_", "-")] += e.nbytes
+        elif e.name == "gradients":
+            kinds["replicas"] += e.nbytes
+        elif e.name.startswith("tp "):
+            kinds["tp"] += e.nbytes
+        elif e.name.startswith("ep ") or "experts" in e.name:
+            kinds["ep"] += e.nbytes
+        elif e.op == "all_to_all" or e.op == "send":
+            kinds["cp"] += e.nbytes
+        else:
+            kinds["other"] += e.nbytes
+    return kinds
+
+
+def run_training(sizes: dict, tied: bool, model_type: str = "llama"):
+    """One step against one process on all the dp groups' batches, then three AdamW steps."""
     mesh = cpshard.make_mesh(**sizes)
-    model, twin = (tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=tied) for _ in range(2))
+    model, twin = (tiny_model(model_type, vocab_size=VOCAB, tie_word_embeddings=tied) for _ in range(2))
     replicas, fsdp = sizes.get("dp_replicate", 1), sizes.get("fsdp", 1)
     batches = [tiny_batch(VOCAB, 2, 13, pad="left", seed=seed) for seed in range(1, replicas * fsdp + 1)]
-    batches[1]["labels"][:, :6] = -100  # different token counts per data group
+    if len(batches) > 1:
+        batches[1]["labels"][:, :6] = -100  # different token counts per data group
     mine = batches[mesh.get_local_rank("dp_replicate") * fsdp + mesh.get_local_rank("fsdp")]
     whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
 
     params = cpshard.params_of(cpshard.parallelize(model, mesh))
     ref_params = {name: p.detach() for name, p in cpshard.params_of(twin).items()}
+    plain_fsdp = max(sizes.get("tp", 1), sizes.get("ep", 1)) == 1
     checks = {
-        "fully_shard layout": _fsdp_layout_matches(params, mesh, tied),
+        "fully_shard layout": _fsdp_layout_matches(params, mesh, tied) if plain_fsdp else True,
+        "same values": all(torch.equal(params[n].full_tensor(), ref_params[n]) for n in params),
         "tied stays tied": (model.lm_head.weight is model.model.embed_tokens.weight) == tied,
     }
     grad_fn = cpshard.value_and_grad(cpshard.make_cp_forward(model))
@@ -75,11 +107,10 @@ def run_training(sizes: dict, tied: bool):
                 for n, g in grads.items()
             )
             checks["bytes"] = {
-                "all_gather": _events(log, "parameters", "all_gather"),
-                "reduce_scatter": _events(log, "parameters", "reduce_scatter"),
-                "replicas": _events(log, "gradients", "all_reduce"),
+                **_bytes_by_kind(log),
                 "local": sum(p.to_local().numel() * 4 for p in params.values()),
-                "padded": sum(-(-p.shape[0] // (4 // replicas)) * math.prod(p.shape[1:]) * 4 for p in params.values()),
+                "padded": _gather_bytes(params),
+                "fsdp group": param_mesh(mesh).size(param_mesh(mesh).mesh_dim_names.index("fsdp_cp")),
             }
         params, state = adamw_update(params, grads, state, **ADAMW)
         ref_params, ref_state = adamw_update(ref_params, ref_grads, ref_state, **ADAMW)
@@ -88,19 +119,26 @@ def run_training(sizes: dict, tied: bool):
     return checks
 
 
-@pytest.mark.parametrize(
-    "sizes, tied", [(dict(fsdp=2, cp=2), False), (dict(dp_replicate=2, cp=2), True)], ids=["fsdp2xcp2", "hsdp2xcp2-tied"]
-)
-def test_parallel_training_is_one_process_over_all_batches(ranks4, sizes, tied):
+COMBINATIONS = {
+    "fsdp2xcp2": (dict(fsdp=2, cp=2), False),
+    "hsdp2xcp2-tied": (dict(dp_replicate=2, cp=2), True),
+    "tp2xcp2": (dict(tp=2, cp=2), False),
+    "fsdp2xtp2-tied": (dict(fsdp=2, tp=2, cp=1), True),
+}
+
+
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_parallel_training_is_one_process_over_all_batches(ranks4, name):
+    sizes, tied = COMBINATIONS[name]
     for rank, checks in enumerate(ranks4.run(run_training, sizes, tied)):
-        layout = ("fully_shard layout", "tied stays tied", "grad layout", "still sharded")
+        layout = ("fully_shard layout", "same values", "tied stays tied", "grad layout", "still sharded")
         assert all(checks[key] for key in layout), (rank, checks)
         assert max(checks["loss"], checks["grads"], checks["params"]) <= TOLERANCE, (rank, checks)
         nbytes = checks["bytes"]
-        shard_group = 4 // sizes.get("dp_replicate", 1)
-        assert nbytes["all_gather"] == nbytes["padded"], nbytes  # each rank sends its (padded) shard once
-        assert nbytes["reduce_scatter"] == shard_group * nbytes["padded"], nbytes  # whole gradients in, once
+        assert nbytes["fsdp all-gather"] == nbytes["padded"], nbytes  # each rank sends its (padded) shard once
+        assert nbytes["fsdp reduce-scatter"] == nbytes["fsdp group"] * nbytes["padded"], nbytes  # blocks in, once
         assert nbytes["replicas"] == (nbytes["local"] if "dp_replicate" in sizes else 0), nbytes
+        assert (nbytes["tp"] > 0) == (sizes.get("tp", 1) > 1) and (nbytes["cp"] > 0) == (sizes["cp"] > 1), nbytes
 
 
 def run_uneven_shards():
@@ -129,10 +167,17 @@ def test_uneven_and_empty_shards_gather_and_reduce_exactly(ranks4):
 def bad_parallel(kind: str):
     model = tiny_model("llama")
     batch = tiny_batch(model.config.vocab_size, 2, 8)
-    if kind == "tp":
-        cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2))
-    elif kind == "ep":
-        cpshard.make_mesh(cp=2, fsdp=2, ep=2)
+    if kind == "tp-kv-heads":
+        cpshard.parallelize(model, cpshard.make_mesh(cp=1, tp=4))
+    elif kind == "tp-ulysses-heads":
+        model = tiny_model("llama", num_attention_heads=6, hidden_size=48, head_dim=8)
+        mesh = cpshard.make_mesh(cp=2, tp=2)
+        params = cpshard.params_of(cpshard.parallelize(model, mesh))
+        cpshard.make_cp_forward(model, implementation="ulysses")(params, batch, mesh)
+    elif kind == "tp-plain-params":
+        cpshard.make_cp_forward(model)(cpshard.params_of(model), batch, cpshard.make_mesh(cp=2, tp=2))
+    elif kind == "ep-with-tp":
+        cpshard.make_mesh(cp=1, fsdp=2, tp=2, ep=2)
     elif kind == "world":
         cpshard.make_mesh(cp=2, fsdp=3)
     elif kind == "no-dims":
@@ -147,8 +192,10 @@ def bad_parallel(kind: str):
 
 
 BAD = {
-    "tp": ("NotImplementedError", "tensor parallelism (tp=2) is not available yet"),
-    "ep": ("NotImplementedError", "expert parallelism (ep > 1) is not available yet"),
+    "tp-kv-heads": ("ValueError", "tp=4 must divide num_key_value_heads=2"),
+    "tp-ulysses-heads": ("ValueError", "num_attention_heads=6 must divide by tp * cp = 4"),
+    "tp-plain-params": ("ValueError", "cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize"),
+    "ep-with-tp": ("NotImplementedError", "expert parallelism with tensor parallelism (ep=2, tp=2)"),
     "world": ("ValueError", "world size 4 != dp_replicate=1 * fsdp=3 * cp=2 * tp=1"),
     "no-dims": ("ValueError", "this mesh has dimensions dp, cp and lacks dp_replicate, fsdp"),
     "twice": ("ValueError", "is a DTensor already"),
