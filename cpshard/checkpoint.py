@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from cpshard.parallel import full_tensors
+from cpshard.parallel import block_shape, full_tensors
 
 
 def _no_dist() -> bool:
@@ -68,8 +68,11 @@ def save_pretrained(model, params: dict, folder: str | os.PathLike) -> None:
     """``model``'s config and class with the weights of ``params``, gathered whole, as a folder that
     ``from_pretrained`` loads. Every rank gathers; rank 0 writes; an error there is raised on every rank."""
     sharded = {name: value for name, value in params.items() if isinstance(value, DTensor)}
+    blocks = {name: value for name, value in sharded.items() if block_shape(value) != value.shape}  # tp, ep
+    fsdp_only = {name: value for name, value in sharded.items() if name not in blocks}
     with torch.no_grad():
-        weights = {**params, **full_tensors(sharded, name="save_pretrained")}
+        gathered = {**full_tensors(fsdp_only, name="save_pretrained"), **{n: v.full_tensor() for n, v in blocks.items()}}
+        weights = {**params, **gathered}
     tensors = {name: value.detach() for name, value in weights.items()}
     param_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {name: value for name, value in model.state_dict().items() if name not in param_names}

@@ -17,9 +17,9 @@ def _whole(params: dict) -> dict:
     return {name: value.full_tensor() if isinstance(value, DTensor) else value.detach() for name, value in params.items()}
 
 
-def run_save(path: str, folder: str):
-    """fsdp 2 x cp 2: one AdamW step (values no fresh model has), then both kinds of save."""
-    mesh = cpshard.make_mesh(fsdp=2, cp=2)
+def run_save(path: str, folder: str, sizes: dict):
+    """One AdamW step under ``sizes`` (values no fresh model has), then both kinds of save."""
+    mesh = cpshard.make_mesh(**sizes)
     model = tiny_model("llama", vocab_size=VOCAB)
     params = cpshard.params_of(cpshard.parallelize(model, mesh))
     batch = tiny_batch(VOCAB, 2, 9, seed=mesh.get_local_rank("fsdp") + 1)
@@ -60,13 +60,15 @@ def _bitwise(a: dict, b: dict) -> bool:
 def saved(ranks4, tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoint")
     path, folder = str(root / "dcp"), str(root / "pretrained")
-    values = ranks4.run(run_save, path, folder)
+    values = ranks4.run(run_save, path, folder, dict(fsdp=2, cp=2))
     assert all(_bitwise(values[0], v) for v in values[1:])
     return path, folder, values[0]
 
 
 @pytest.mark.parametrize(
-    "sizes, parallel", [(dict(cp=4), False), (dict(dp_replicate=2, cp=2), True)], ids=["cp4-plain", "hsdp2xcp2"]
+    "sizes, parallel",
+    [(dict(cp=4), False), (dict(dp_replicate=2, cp=2), True), (dict(tp=2, cp=2), True)],
+    ids=["cp4-plain", "hsdp2xcp2", "tp2xcp2"],
 )
 def test_load_under_another_mesh_is_bitwise(ranks4, saved, sizes, parallel):
     path, _, values = saved
@@ -92,6 +94,14 @@ def test_save_pretrained_folder_loads_with_from_pretrained(saved):
     reference = torch.func.functional_call(tiny_model("llama", vocab_size=VOCAB, seed=5), values, (), batch)
     assert _bitwise(cpshard.params_of(loaded), values)
     assert torch.equal(loaded(**batch).logits, reference.logits)
+
+
+def test_tensor_parallel_saves_load_on_one_process_and_with_from_pretrained(ranks4, tmp_path):
+    path, folder = str(tmp_path / "dcp"), str(tmp_path / "pretrained")
+    values = ranks4.run(run_save, path, folder, dict(tp=2, cp=2))[0]
+    loaded = cpshard.load_checkpoint(path, cpshard.params_of(tiny_model("llama", vocab_size=VOCAB, seed=5)))
+    assert _bitwise(loaded, values)
+    assert _bitwise(cpshard.params_of(AutoModelForCausalLM.from_pretrained(folder)), values)
 
 
 def test_load_names_what_does_not_fit(saved):
