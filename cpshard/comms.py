@@ -43,12 +43,39 @@ class CommsLog:
             totals[getattr(event, key)] += event.nbytes
         return dict(totals)
 
+    def bytes_by_parallelism(self) -> dict[str, int]:
+        """Bytes summed per parallelism served (:func:`parallelism_of`): cp, fsdp, replicas, tp, ep, other."""
+        totals = dict.fromkeys(("cp", "fsdp", "replicas", "tp", "ep", "other"), 0)
+        for event in self.events:
+            totals[parallelism_of(event)] += event.nbytes
+        return totals
+
     def count_by(self, key: str) -> dict[str, int]:
         """Number of collectives per value of one event field."""
         counts: dict[str, int] = defaultdict(int)
         for event in self.events:
             counts[getattr(event, key)] += 1
         return dict(counts)
+
+
+#: collectives that serve neither the sequence split nor a parameter layout, by name
+_BOOKKEEPING = ("loss", "token count", "batch fingerprint")
+
+
+def parallelism_of(event: CommEvent) -> str:
+    """Which parallelism a collective serves, by the name its caller gave it: the FSDP gather and its
+    reduce-scatter ("parameters"), the gradient all-reduce over replicas ("gradients"), tensor
+    parallelism ("tp ..."), the experts' token exchange ("...experts..."), the loss and batch checks
+    ("other"); everything else moves sequences for context parallelism."""
+    if event.name == "parameters":
+        return "fsdp"
+    if event.name == "gradients":
+        return "replicas"
+    if event.name.startswith("tp "):
+        return "tp"
+    if "experts" in event.name:
+        return "ep"
+    return "other" if event.name in _BOOKKEEPING else "cp"
 
 
 _ACTIVE: ContextVar[CommsLog | None] = ContextVar("cpshard_comms_log", default=None)

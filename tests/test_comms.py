@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cpshard.comms import CommEvent, active_log, record, recording
+from cpshard.comms import CommEvent, CommsLog, active_log, record, recording
 
 #: (op, name, phase, tensor, group size), as the collectives report them
 LAUNCHES = [
@@ -83,3 +83,23 @@ def test_recording_ends_on_error():
         with recording():
             raise RuntimeError("boom")
     assert active_log() is None
+
+
+def test_bytes_by_parallelism_sorts_by_the_names_collectives_are_given():
+    names = {
+        "parameters": "fsdp",
+        "gradients": "replicas",
+        "tp self_attn.o_proj": "tp",
+        "model.layers.1.mlp.experts dispatch": "ep",
+        "loss": "other",
+        "batch fingerprint": "other",
+        "model.layers.0.self_attn q": "cp",
+        "undo order": "cp",
+    }
+    log = CommsLog()
+    for index, name in enumerate(names):
+        record(log, "all_reduce", name, "forward", torch.zeros(index + 1), 2)
+    expected = dict.fromkeys(("cp", "fsdp", "replicas", "tp", "ep", "other"), 0)
+    for index, kind in enumerate(names.values()):
+        expected[kind] += 4 * (index + 1)
+    assert log.bytes_by_parallelism() == expected

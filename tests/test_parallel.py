@@ -55,25 +55,6 @@ def _gather_bytes(params: dict) -> int:
     return total
 
 
-def _bytes_by_kind(log) -> dict:
-    """Bytes this rank sent in the step, by what they were for: cp attention, FSDP, tp, ep, the rest."""
-    kinds = {"cp": 0, "fsdp all-gather": 0, "fsdp reduce-scatter": 0, "replicas": 0, "tp": 0, "ep": 0, "other": 0}
-    for e in log.events:
-        if e.name == "parameters":
-            kinds["fsdp " + e.op.replace("_", "-")] += e.nbytes
-        elif e.name == "gradients":
-            kinds["replicas"] += e.nbytes
-        elif e.name.startswith("tp "):
-            kinds["tp"] += e.nbytes
-        elif e.name.startswith("ep ") or "experts" in e.name:
-            kinds["ep"] += e.nbytes
-        elif e.op == "all_to_all" or e.op == "send":
-            kinds["cp"] += e.nbytes
-        else:
-            kinds["other"] += e.nbytes
-    return kinds
-
-
 def run_training(sizes: dict, tied: bool, model_type: str = "llama"):
     """One step against one process on all the dp groups' batches, then three AdamW steps."""
     mesh = cpshard.make_mesh(**sizes)
@@ -107,7 +88,9 @@ def run_training(sizes: dict, tied: bool, model_type: str = "llama"):
                 for n, g in grads.items()
             )
             checks["bytes"] = {
-                **_bytes_by_kind(log),
+                **log.bytes_by_parallelism(),
+                "fsdp all-gather": _events(log, "parameters", "all_gather"),
+                "fsdp reduce-scatter": _events(log, "parameters", "reduce_scatter"),
                 "local": sum(p.to_local().numel() * 4 for p in params.values()),
                 "padded": _gather_bytes(params),
                 "fsdp group": param_mesh(mesh).size(param_mesh(mesh).mesh_dim_names.index("fsdp_cp")),
