@@ -19,6 +19,7 @@ from cpshard.batch import IGNORE_INDEX, PaddedBatch, check_batch, pad_batch
 from cpshard.collectives import sum_over_group
 from cpshard.context import CPCall, running
 from cpshard.cut import install_cut
+from cpshard.experts import check_expert_parallel, install_experts
 from cpshard.layout import Layout
 from cpshard.layouts import resolve_layout
 from cpshard.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
@@ -57,6 +58,8 @@ def _prepare(model: torch.nn.Module, layout: Layout) -> None:
     layers = model.get_submodule(layout.decoder_layers)
     install_cut(layers, model.get_submodule(layout.final_norm))
     install_tensor_parallel(layers, layout)
+    if layout.experts:
+        install_experts(model)
     hooked.add(layout.decoder_layers)
 
 
@@ -104,6 +107,7 @@ class CPForward:
         """How this call splits the work: implementation, Ulysses degree, sequence order, meshes, groups."""
         tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
         check_tensor_parallel(self.model.config, self.layout, tp)
+        check_expert_parallel(self.model.config, self.layout, ep)
         if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
             raise ValueError(
                 f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from cpshard.collectives import all_gather_shards
+from cpshard.experts import check_expert_parallel
 from cpshard.layout import Layout
 from cpshard.layouts import resolve_layout
 from cpshard.mesh import MESH_DIMS, expert_degree, mesh_size
@@ -57,6 +58,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout | str = "auto
     if max(mesh_size(mesh, "tp"), expert_degree(mesh)) > 1:  # only then does the layout's plan matter
         layout = resolve_layout(model, layout)
         check_tensor_parallel(model.config, layout, mesh_size(mesh, "tp"))
+        check_expert_parallel(model.config, layout, expert_degree(mesh))
     else:
         layout = None
     named = dict(model.named_parameters())

@@ -25,12 +25,18 @@ SMALL = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+#: sizes for model types that :data:`SMALL` does not cover: a mixture of experts with a dense first layer
+PER_TYPE = {
+    "qwen3_moe": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0]
+    ),
+}
 
 
 def tiny_config(model_type: str, **overrides):
     """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``."""
     try:
-        return AutoConfig.for_model(model_type, **{**SMALL, **overrides})
+        return AutoConfig.for_model(model_type, **{**SMALL, **PER_TYPE.get(model_type, {}), **overrides})
     except ValueError as error:
         raise ValueError(f"unknown model type {model_type!r}: {error}") from None
 

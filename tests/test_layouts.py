@@ -10,7 +10,7 @@ from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3
 from cpshard.redistribute import plan
 from cpshard.tiny import tiny_model
 
-SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3")
+SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_models_that_do_not_fit_are_refused(models, model, model_type):
 
 def test_registry():
     assert sorted(REGISTERED) == list(SUPPORTED)
-    assert sorted(BY_NAME) == ["decoder", "gemma3", "llama", "mistral", "qwen3"]
+    assert sorted(BY_NAME) == ["decoder", "gemma3", "llama", "mistral", "qwen3", "qwen3_moe"]
     for model_type, layout in REGISTERED.items():
         assert BY_NAME[layout.name] is layout and model_type in layout.model_types
 

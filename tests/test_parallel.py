@@ -46,13 +46,15 @@ def _events(log, name: str, op: str) -> int:
     return sum(e.nbytes for e in log.events if (e.name, e.op) == (name, op))
 
 
-def _gather_bytes(params: dict) -> int:
-    """What one rank sends to gather every parameter over its FSDP axis: each block's chunk, padded to the largest."""
-    total = 0
+def _gather_bytes(params: dict) -> tuple[int, int]:
+    """What one rank sends to gather every parameter over its FSDP axis (each block's chunk, padded to the
+    largest) and to reduce-scatter the gradients back (the whole padded block)."""
+    gather = scatter = 0
     for p in params.values():
         block, shards = block_shape(p), p.device_mesh.size(gather_axis(p))
-        total += -(-block[0] // shards) * math.prod(block[1:]) * p.element_size()
-    return total
+        chunk = -(-block[0] // shards) * math.prod(block[1:]) * p.element_size()
+        gather, scatter = gather + chunk, scatter + shards * chunk
+    return gather, scatter
 
 
 def run_training(sizes: dict, tied: bool, model_type: str = "llama"):
@@ -93,7 +95,6 @@ def run_training(sizes: dict, tied: bool, model_type: str = "llama"):
                 "fsdp reduce-scatter": _events(log, "parameters", "reduce_scatter"),
                 "local": sum(p.to_local().numel() * 4 for p in params.values()),
                 "padded": _gather_bytes(params),
-                "fsdp group": param_mesh(mesh).size(param_mesh(mesh).mesh_dim_names.index("fsdp_cp")),
             }
         params, state = adamw_update(params, grads, state, **ADAMW)
         ref_params, ref_state = adamw_update(ref_params, ref_grads, ref_state, **ADAMW)
@@ -103,25 +104,29 @@ def run_training(sizes: dict, tied: bool, model_type: str = "llama"):
 
 
 COMBINATIONS = {
-    "fsdp2xcp2": (dict(fsdp=2, cp=2), False),
-    "hsdp2xcp2-tied": (dict(dp_replicate=2, cp=2), True),
-    "tp2xcp2": (dict(tp=2, cp=2), False),
-    "fsdp2xtp2-tied": (dict(fsdp=2, tp=2, cp=1), True),
+    "fsdp2xcp2": (dict(fsdp=2, cp=2), False, "llama"),
+    "hsdp2xcp2-tied": (dict(dp_replicate=2, cp=2), True, "llama"),
+    "tp2xcp2": (dict(tp=2, cp=2), False, "llama"),
+    "fsdp2xtp2-tied": (dict(fsdp=2, tp=2, cp=1), True, "llama"),
+    "moe-fsdp2xcp2-ep2": (dict(fsdp=2, cp=2, ep=2), False, "qwen3_moe"),
+    "moe-fsdp2xcp2-ep4": (dict(fsdp=2, cp=2, ep=4), False, "qwen3_moe"),
+    "moe-hsdp2xcp2-ep2": (dict(dp_replicate=2, cp=2, ep=2), False, "qwen3_moe"),
 }
 
 
 @pytest.mark.parametrize("name", COMBINATIONS)
 def test_parallel_training_is_one_process_over_all_batches(ranks4, name):
-    sizes, tied = COMBINATIONS[name]
-    for rank, checks in enumerate(ranks4.run(run_training, sizes, tied)):
+    sizes, tied, model_type = COMBINATIONS[name]
+    for rank, checks in enumerate(ranks4.run(run_training, sizes, tied, model_type)):
         layout = ("fully_shard layout", "same values", "tied stays tied", "grad layout", "still sharded")
         assert all(checks[key] for key in layout), (rank, checks)
         assert max(checks["loss"], checks["grads"], checks["params"]) <= TOLERANCE, (rank, checks)
         nbytes = checks["bytes"]
-        assert nbytes["fsdp all-gather"] == nbytes["padded"], nbytes  # each rank sends its (padded) shard once
-        assert nbytes["fsdp reduce-scatter"] == nbytes["fsdp group"] * nbytes["padded"], nbytes  # blocks in, once
+        # each rank sends its (padded) shard once, and takes in whole blocks of gradients once
+        assert (nbytes["fsdp all-gather"], nbytes["fsdp reduce-scatter"]) == nbytes["padded"], nbytes
         assert nbytes["replicas"] == (nbytes["local"] if "dp_replicate" in sizes else 0), nbytes
-        assert (nbytes["tp"] > 0) == (sizes.get("tp", 1) > 1) and (nbytes["cp"] > 0) == (sizes["cp"] > 1), nbytes
+        for kind in ("tp", "ep", "cp"):
+            assert (nbytes[kind] > 0) == (sizes.get(kind, 1) > 1), (kind, nbytes)
 
 
 def run_uneven_shards():
@@ -159,6 +164,13 @@ def bad_parallel(kind: str):
         cpshard.make_cp_forward(model, implementation="ulysses")(params, batch, mesh)
     elif kind == "tp-plain-params":
         cpshard.make_cp_forward(model)(cpshard.params_of(model), batch, cpshard.make_mesh(cp=2, tp=2))
+    elif kind == "ep-experts":
+        cpshard.parallelize(tiny_model("qwen3_moe", num_experts=6), cpshard.make_mesh(cp=2, fsdp=2, ep=4))
+    elif kind == "moe-aux-loss":
+        model = tiny_model("qwen3_moe", output_router_logits=True)
+        cpshard.make_cp_forward(model)(cpshard.params_of(model), batch, cpshard.make_mesh(cp=4))
+    elif kind == "ep-dense-model":
+        cpshard.parallelize(model, cpshard.make_mesh(cp=2, fsdp=2, ep=2))
     elif kind == "ep-with-tp":
         cpshard.make_mesh(cp=1, fsdp=2, tp=2, ep=2)
     elif kind == "world":
@@ -178,6 +190,9 @@ BAD = {
     "tp-kv-heads": ("ValueError", "tp=4 must divide num_key_value_heads=2"),
     "tp-ulysses-heads": ("ValueError", "num_attention_heads=6 must divide by tp * cp = 4"),
     "tp-plain-params": ("ValueError", "cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize"),
+    "ep-experts": ("ValueError", "splits the 6 experts over ep=4 ranks, and 4 does not divide 6; choose ep among 1, 2, 3, 6"),
+    "moe-aux-loss": ("ValueError", "set output_router_logits=False"),
+    "ep-dense-model": ("ValueError", "ep=2, but the layout 'llama' of model type 'llama' declares no experts"),
     "ep-with-tp": ("NotImplementedError", "expert parallelism with tensor parallelism (ep=2, tp=2)"),
     "world": ("ValueError", "world size 4 != dp_replicate=1 * fsdp=3 * cp=2 * tp=1"),
     "no-dims": ("ValueError", "this mesh has dimensions dp, cp and lacks dp_replicate, fsdp"),

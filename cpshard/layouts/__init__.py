@@ -7,9 +7,9 @@ import inspect
 from torch import nn
 
 from cpshard.layout import Layout
-from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3
+from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3, qwen3_moe
 
-_FILES = (llama, mistral, qwen3, gemma3)
+_FILES = (llama, mistral, qwen3, qwen3_moe, gemma3)
 REGISTERED: dict[str, Layout] = {
     model_type: module.LAYOUT for module in _FILES for model_type in module.LAYOUT.model_types
 }
