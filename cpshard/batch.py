@@ -7,6 +7,7 @@ tokens, where a causal model never looks, so no mask of our own is ever added.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -139,17 +140,82 @@ def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None) -> PaddedBatch:
     return PaddedBatch(inputs, labels, length, length + extra)
 
 
+def _differing(rows: torch.Tensor, ranks: list[int]) -> list[int]:
+    """The ranks whose row is not bit for bit the first one's (so that a NaN in the batch equals itself)."""
+    every = rows.view(torch.int64)
+    return [ranks[i] for i in range(every.shape[0]) if not torch.equal(every[i], every[0])]
+
+
+def _differs_message(differing: list[int], first: int) -> str:
+    return (
+        f"the batch differs across the cp group: ranks {differing} hold other keys, shapes or values than "
+        f"rank {first}. Every rank of a cp group takes the same whole sequences (cpshard cuts them itself); "
+        "give different batches to different dp ranks only"
+    )
+
+
 def check_same_batch(batch, group) -> None:
     """Raise on every rank when the ranks of ``group`` hold different batches (before any other collective)."""
     from cpshard.collectives import all_gather_rows
 
-    # compared bit for bit, so that a NaN in the batch is equal to itself
-    every = all_gather_rows(fingerprint(batch), group, name="batch fingerprint").view(torch.int64)
+    every = all_gather_rows(fingerprint(batch), group, name="batch fingerprint")
     ranks = dist.get_process_group_ranks(group)
-    differing = [ranks[i] for i in range(every.shape[0]) if not torch.equal(every[i], every[0])]
+    differing = _differing(every, ranks)
     if differing:
+        raise BatchError(_differs_message(differing, ranks[0]))
+
+
+#: the mesh dimensions whose ranks take the same batch (a dp group is one ``cp x tp`` sub-mesh)
+SAME_BATCH_DIMS = ("cp", "tp")
+
+
+def _dp_groups(mesh) -> list[list[int]]:
+    """The global ranks of each dp group: those that differ only along cp and tp, in mesh order."""
+    names = mesh.mesh_dim_names or ()
+    same = [i for i, name in enumerate(names) if name in SAME_BATCH_DIMS]
+    other = [i for i in range(len(names)) if i not in same]
+    width = math.prod(mesh.mesh.shape[i] for i in same)
+    return mesh.mesh.permute(*other, *same).reshape(-1, width).tolist()
+
+
+def check_batch(batch, mesh) -> tuple[int, int]:
+    """:func:`validate` the batch and check it is the same on every rank of each dp group; return ``(B, L)``.
+
+    Every rank of the mesh raises, or none does: one all-gather over the whole mesh, before any other
+    collective, carries each rank's fingerprint and whether its batch is valid. A check within the cp
+    group alone would let the other dp groups go on into the loss and gradient all-reduces, where they
+    would wait for the failed ranks until the process group's timeout."""
+    from cpshard.collectives import all_gather_rows
+    from cpshard.mesh import group_over
+
+    try:
+        shape, error = validate(batch), None
+    except BatchError as raised:
+        shape, error = None, raised
+    group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))
+    if group is None:  # one rank
+        if error is not None:
+            raise error
+        return shape
+    row = fingerprint(batch)
+    if error is not None:  # marked in the key count (never negative there), so that no byte is added
+        row[0] = -1.0 - row[0]
+    every = all_gather_rows(row, group, name="batch fingerprint")
+    ranks = dist.get_process_group_ranks(group)
+    index = {rank: i for i, rank in enumerate(ranks)}
+    differing = {tuple(m): d for m in _dp_groups(mesh) if (d := _differing(every[[index[r] for r in m]], m))}
+    if differing:  # this rank's own dp group first, else the first one
+        members = next((m for m in differing if dist.get_rank() in m), next(iter(differing)))
+        message = _differs_message(differing[members], members[0])
+        if dist.get_rank() not in members:
+            message += f" (in the dp group of ranks {list(members)}; every rank stops, so that none waits in a collective)"
+        raise BatchError(message)
+    if error is not None:
+        raise error
+    invalid = [rank for rank in ranks if every[index[rank], 0] < 0]
+    if invalid:
         raise BatchError(
-            f"the batch differs across the cp group: ranks {differing} hold other keys, shapes or values than "
-            f"rank {ranks[0]}. Every rank of a cp group takes the same whole sequences (cpshard cuts them itself); "
-            "give different batches to different dp ranks only"
+            f"ranks {invalid} hold a batch that is not valid (their own errors say why); "
+            "every rank stops, so that none waits in a collective"
         )
+    return shape

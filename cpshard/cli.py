@@ -1,4 +1,4 @@
-"""The ``cpshard`` command line: one sub-command per job (``demo``, ``check``; ``bench`` later).
+"""The ``cpshard`` command line: one sub-command per job (``demo``, ``check``, ``bench``).
 
 Exit status: 0 on success, 1 when a check fails, 2 on bad usage (one line on stderr saying why).
 """
@@ -6,9 +6,12 @@ Exit status: 0 on success, 1 when a check fails, 2 on bad usage (one line on std
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from functools import partial
 
+from cpshard.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
+from cpshard.bench import UsageError as BenchUsageError
 from cpshard.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, UsageError, run_check
 from cpshard.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.forward import IMPLEMENTATIONS
@@ -77,11 +80,60 @@ def _run_check(args, parser: argparse.ArgumentParser) -> int:
         parser.error(str(error))
 
 
+def _add_bench(commands) -> None:
+    defaults = BenchConfig()
+    parser = commands.add_parser(
+        "bench",
+        help="time and measure cpshard's implementations against one process and other Ulysses implementations",
+        description="For each cp size and sequence length, time a training step (forward and backward) of cpshard's "
+        "ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp, and of Ulysses by DTensor "
+        "redistribute, DeepSpeed and yunchang (skipped with a note when not installed), alternated on local CPU "
+        "ranks; print median step time, tokens/s, per-rank peak memory and bytes communicated per rank.",
+    )
+    add = parser.add_argument
+    listed = lambda values: " ".join(map(str, values))  # noqa: E731
+    add("--seqs", type=int, nargs="+", default=list(defaults.seqs), help=f"sequence lengths (default {listed(defaults.seqs)})")
+    add("--cp", type=int, nargs="+", default=list(defaults.cps), dest="cps",
+        help=f"cp sizes: local CPU ranks (default {listed(defaults.cps)})")
+    sizes = dict(layers="decoder layers", hidden="hidden size (the MLP is 4x wider)", heads="attention heads",
+                 kv_heads="key/value heads", vocab="vocabulary size", repeats="timed steps per variant, after a warm-up",
+                 seed="seed of the weights and tokens")
+    for name, help in sizes.items():
+        default = getattr(defaults, name)
+        add("--" + name.replace("_", "-"), type=int, default=default, help=f"{help} (default {default})")
+    add("--variants", nargs="+", default=list(defaults.variants), metavar="VARIANT",
+        help=f"any of: {listed(VARIANTS)} (default all)")
+    add("--single-rank0-only", action="store_true",
+        help="run the one-process baseline on rank 0 alone, the other ranks waiting (half its memory on this machine)")
+    add("--json", metavar="FILE", help="write the rows as JSON")
+    add("--plot", metavar="FILE.png", help="draw step time and peak memory against the sequence length (needs matplotlib)")
+    parser.set_defaults(run=partial(_run_bench, parser=parser))
+
+
+def _run_bench(args, parser: argparse.ArgumentParser) -> int:
+    options = {name: getattr(args, name) for name in BenchConfig.__dataclass_fields__}
+    try:
+        config = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
+    except BenchUsageError as error:
+        parser.error(str(error))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib, which is not installed: pip install matplotlib (or cpshard[bench])")
+    rows = run_bench(config)
+    if args.json:
+        write_json(rows, config, args.json)
+        print(f"rows written to {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cpshard", description="Exact context parallelism for transformers models.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
     _add_demo(commands)
     _add_check(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -90,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
-        parser.error("choose a command: demo, check")
+        parser.error("choose a command: demo, check, bench")
     return args.run(args)
 
 

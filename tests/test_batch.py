@@ -10,6 +10,7 @@ import cpshard
 from cpshard.batch import (
     IGNORE_INDEX,
     BatchError,
+    check_batch,
     check_same_batch,
     continued_positions,
     fingerprint,
@@ -18,6 +19,7 @@ from cpshard.batch import (
     shifted_labels,
     validate,
 )
+from cpshard.tiny import tiny_batch, tiny_model
 
 B, L, D, VOCAB = 2, 5, 3, 50
 
@@ -252,3 +254,63 @@ def test_check_same_batch_names_global_ranks(ranks4):
     assert outcomes[:2] == [None, None]
     for message in outcomes[2:]:
         assert message is not None and "ranks [3]" in message and "rank 2" in message
+
+
+# ---- across a mesh larger than the cp group ------------------------------------------------------------------------
+
+
+def _dp_group_batch(case: str, rank: int) -> dict:
+    """On fsdp=2 x cp=2 (cp groups: ranks 0-1 and 2-3) the dp groups hold different batches; ``case`` spoils
+    the second one: rank 3 alone ("differs"), or both its ranks alike ("invalid")."""
+    batch = _batch(labels=_ids(B, L)) if rank < 2 else {"input_ids": _ids(B + 1, L + 2, seed=5)}
+    if case == "differs" and rank == 3:
+        batch["input_ids"] = batch["input_ids"] + 1
+    if case == "invalid" and rank >= 2:
+        batch["attention_mask"] = torch.ones(B + 1, 1, L + 2, L + 2)
+    return batch
+
+
+def _check_batch_on_fsdp_cp(case: str):
+    try:
+        return check_batch(_dp_group_batch(case, dist.get_rank()), cpshard.make_mesh(fsdp=2, cp=2))
+    except BatchError as error:
+        return str(error)
+
+
+def test_check_batch_passes_different_batches_in_different_dp_groups(ranks4):
+    assert ranks4.run(_check_batch_on_fsdp_cp, "fine") == [(B, L), (B, L), (B + 1, L + 2), (B + 1, L + 2)]
+
+
+def test_a_batch_differing_in_one_cp_group_stops_every_dp_group(ranks4):
+    own, other = "ranks [3] hold other keys, shapes or values than rank 2", "in the dp group of ranks [2, 3]"
+    messages = ranks4.run(_check_batch_on_fsdp_cp, "differs")
+    assert all(own in message and other in message for message in messages[:2]), messages
+    assert all(own in message and other not in message for message in messages[2:]), messages
+
+
+def test_an_invalid_batch_in_one_dp_group_stops_every_dp_group(ranks4):
+    messages = ranks4.run(_check_batch_on_fsdp_cp, "invalid")
+    assert all("ranks [2, 3] hold a batch that is not valid" in message for message in messages[:2]), messages
+    assert all("batch['attention_mask'] must be 2-D" in message for message in messages[2:]), messages
+
+
+def _step_on_fsdp_cp(case: str):
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, 2, 8, seed=1 + dist.get_rank() // 2)  # one batch per dp group
+    if case == "differs" and dist.get_rank() == 3:
+        batch["input_ids"] = batch["input_ids"] + 1
+    mesh = cpshard.make_mesh(fsdp=2, cp=2)
+    output, _ = cpshard.value_and_grad(cpshard.make_cp_forward(model))(cpshard.params_of(model), batch, mesh)
+    return output.loss.item()
+
+
+def test_a_step_whose_batch_differs_in_one_cp_group_raises_on_every_rank_without_hanging(ranks4):
+    """Checked within the cp group alone, ranks 0-1 went on into the loss all-reduce and waited there for
+    ranks 2-3 until the timeout; now every rank raises at once and the group stays usable."""
+    with pytest.raises(cpshard.RankError) as info:
+        ranks4.run(_step_on_fsdp_cp, "differs")
+    assert sorted(info.value.failures) == [0, 1, 2, 3], str(info.value)
+    assert all(f.kind == "BatchError" for f in info.value.failures.values())
+    assert ranks4.alive
+    losses = ranks4.run(_step_on_fsdp_cp, "same")
+    assert len(set(losses)) == 1

@@ -4,6 +4,7 @@ The shared ``ranks2`` group takes the failures it survives; a rank that exits or
 so those two get groups of their own.
 """
 
+import multiprocessing
 import os
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard import LocalRanks, RankError, launch
+from cpshard import LocalRanks, RankError, launch, processes
 
 
 def _identify(tag, scale=None):
@@ -76,6 +77,28 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def _write_pid_then(folder, action):
+    """Every rank records its pid; then rank 1 raises while rank 0 waits for it in a collective
+    ("raise"), or rank 1 stalls while rank 0 finishes ("stall")."""
+    rank = dist.get_rank()
+    Path(folder, f"{rank}.pid").write_text(str(os.getpid()))
+    if rank == 1 and action == "raise":
+        raise ValueError("rank 1 gives up")
+    if rank == 1 and action == "stall":
+        time.sleep(600)
+    if action == "raise":
+        dist.barrier()  # rank 1 never comes: only ending the group ends rank 0
+    return "done"
+
+
+def _left_behind(folder) -> list[int]:
+    """The pids the ranks wrote that still run, or are still children of this process."""
+    pids = [int(path.read_text()) for path in sorted(Path(folder).glob("*.pid"))]
+    assert len(pids) == 2, "both ranks started"
+    children = {child.pid for child in multiprocessing.active_children()}
+    return [pid for pid in pids if not _gone(pid) or pid in children]
 
 
 def test_results_in_rank_order(ranks2):
@@ -149,3 +172,24 @@ def test_an_exiting_rank_ends_the_launch(tmp_path):
     assert time.time() - exited.stat().st_mtime < 60  # noticed well before the 300 s timeout
     pids = [int((tmp_path / f"{rank}.pid").read_text()) for rank in (0, 1)]
     assert all(_gone(pid) for pid in pids), "a rank was left running"
+
+
+def test_a_raising_rank_ends_the_launch_while_the_others_wait_in_a_collective(tmp_path, monkeypatch):
+    monkeypatch.setattr(processes, "_GRACE_SECONDS", 2.0)  # how long the others get to report
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_write_pid_then, str(tmp_path), "raise", nprocs=2, timeout=300)
+    assert set(info.value.failures) == {1} and info.value.failures[1].message == "rank 1 gives up"
+    assert str(info.value).startswith("rank 1 raised ValueError: rank 1 gives up")
+    assert "ranks [0] did not finish, so the group was ended" in str(info.value)
+    assert time.monotonic() - start < 120, "ended long before the 300 s timeout"
+    assert not _left_behind(tmp_path), "a rank was left running"
+
+
+def test_a_stalled_rank_ends_the_launch_at_its_timeout(tmp_path):
+    timeout = 40.0  # room for the ranks to start on a loaded machine
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 40 s; the group was ended"):
+        launch(_write_pid_then, str(tmp_path), "stall", nprocs=2, timeout=timeout)
+    assert timeout <= time.monotonic() - start < timeout + 20
+    assert not _left_behind(tmp_path), "a rank was left running"
