@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
@@ -28,7 +29,8 @@ from cpshard.placement import expert_mesh
 from cpshard.recompute import recompute_in
 from cpshard.sequence import chunk_positions, chunks_per_rank
 from cpshard.tensor_parallel import check_tensor_parallel, install_tensor_parallel
-from cpshard.tiled_loss import head_of, tiled_loss_sum, token_loss_sum
+from cpshard.router_loss import expert_counts, load_balancing_loss, local_token_mask
+from cpshard.tiled_loss import head_of, tiled_loss_sum, token_loss_sum, transform_logits
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
 #: models already prepared, and the decoder-layer paths hooked in each (a registry of setup done)
@@ -142,21 +144,38 @@ class CPForward:
         )
         params = gather_params(params, mesh, self.layout)  # DTensor parameters (cpshard.parallelize) made whole
         with running(call), recompute_in(call, self.model), ExplicitRedistributionContext(enable=self.strict, strict=True):
-            local = self._local_outputs(params, padded.model_inputs)
+            local, router_logits = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
         loss, num_tokens = self._loss(local, params, padded, mesh, held)
+        if loss is not None and router_logits:
+            loss = loss + self._router_loss(router_logits, padded, call)
         return CPOutput(loss, self._logits(local, padded, mesh), num_tokens)
 
-    def _local_outputs(self, params: dict, inputs: dict) -> torch.Tensor:
-        """This rank's logits; with ``logits=False`` its final hidden states (the head runs in chunks)."""
+    def _local_outputs(self, params: dict, inputs: dict) -> tuple[torch.Tensor, tuple | None]:
+        """This rank's logits (with ``logits=False`` its final hidden states: the head runs in chunks), and
+        its MoE router logits where the config asks for the load-balancing loss (else None).
+
+        Such models run their decoder alone and the head here: the model's own forward would add the
+        load-balancing loss of this rank's slice, against the mask of the whole sequence."""
         inputs = {**inputs, "use_cache": False}
-        if self.keep_logits:
-            return torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True).logits
+        routed = bool(getattr(self.model.config, "output_router_logits", False))
+        if self.keep_logits and not routed:
+            return torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True).logits, None
         prefix = self.decoder_prefix + "."
         trunk = {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
-        decoder = self.model.get_decoder()
-        return torch.func.functional_call(decoder, trunk, (), inputs, strict=False, tie_weights=True).last_hidden_state
+        output = torch.func.functional_call(self.model.get_decoder(), trunk, (), inputs, strict=False, tie_weights=True)
+        local = output.last_hidden_state
+        if self.keep_logits:
+            local = transform_logits(F.linear(local, *head_of(self.model, params)), self.model.config)
+        return local, output.router_logits if routed else None
+
+    def _router_loss(self, router_logits: tuple, padded: PaddedBatch, call: CPCall) -> torch.Tensor:
+        """The config's coefficient times the load-balancing loss over the whole batch."""
+        rank = call.mesh.get_local_rank("cp") if call.cp_size > 1 else 0
+        mask = local_token_mask(padded, call.order, call.cp_size, rank)
+        aux = load_balancing_loss(router_logits, *expert_counts(self.model.config), mask, group_over(call.mesh, TOKEN_DIMS))
+        return self.model.config.router_aux_loss_coef * aux
 
     def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
         if self.keep_logits:

@@ -41,7 +41,7 @@ def _chunk_loss(hidden, labels, weight, bias, config):
 def tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, chunk by chunk."""
     step = max(1, chunk_elements // (hidden.shape[0] * weight.shape[0]))
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden[:, :0].sum(dtype=torch.float32)  # zero, yet in the graph on a rank that holds no token
     for start in range(0, hidden.shape[1], step):
         part = slice(start, start + step)
         total = total + checkpoint(_chunk_loss, hidden[:, part], labels[:, part], weight, bias, config, use_reentrant=False)

@@ -297,8 +297,5 @@ def test_check_experts_errors():
     check_experts(config, 4)
     with pytest.raises(ValueError, match=r"8 experts over ep=3 ranks.*choose ep among 1, 2, 4, 8"):
         check_experts(config, 3)
-    config.output_router_logits = True
-    with pytest.raises(ValueError, match="load-balancing.*set output_router_logits=False"):
-        check_experts(config, 2)
     with pytest.raises(ValueError, match="declares no num_experts"):
         check_experts(tiny_config("llama"), 2)

@@ -170,8 +170,7 @@ def test_an_exiting_rank_ends_the_launch(tmp_path):
     assert not isinstance(info.value, RankError)
     exited = tmp_path / "1.pid"
     assert time.time() - exited.stat().st_mtime < 60  # noticed well before the 300 s timeout
-    pids = [int((tmp_path / f"{rank}.pid").read_text()) for rank in (0, 1)]
-    assert all(_gone(pid) for pid in pids), "a rank was left running"
+    assert not _left_behind(tmp_path), "a rank was left running"
 
 
 def test_a_raising_rank_ends_the_launch_while_the_others_wait_in_a_collective(tmp_path, monkeypatch):
@@ -187,9 +186,9 @@ def test_a_raising_rank_ends_the_launch_while_the_others_wait_in_a_collective(tm
 
 
 def test_a_stalled_rank_ends_the_launch_at_its_timeout(tmp_path):
-    timeout = 40.0  # room for the ranks to start on a loaded machine
+    timeout = 30.0  # room for the ranks to start on a loaded machine (about 8 s on an idle one)
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 40 s; the group was ended"):
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 30 s; the group was ended"):
         launch(_write_pid_then, str(tmp_path), "stall", nprocs=2, timeout=timeout)
     assert timeout <= time.monotonic() - start < timeout + 20
     assert not _left_behind(tmp_path), "a rank was left running"
