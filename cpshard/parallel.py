@@ -10,7 +10,6 @@ backward reduce-scatters the gradients back to the shards; tp and ep blocks stay
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
