@@ -17,10 +17,10 @@ def _whole(params: dict) -> dict:
     return {name: value.full_tensor() if isinstance(value, DTensor) else value.detach() for name, value in params.items()}
 
 
-def run_save(path: str, folder: str, sizes: dict):
+def run_save(path: str, folder: str, sizes: dict, model_type: str = "llama"):
     """One AdamW step under ``sizes`` (values no fresh model has), then both kinds of save."""
     mesh = cpshard.make_mesh(**sizes)
-    model = tiny_model("llama", vocab_size=VOCAB)
+    model = tiny_model(model_type, vocab_size=VOCAB)
     params = cpshard.params_of(cpshard.parallelize(model, mesh))
     batch = tiny_batch(VOCAB, 2, 9, seed=mesh.get_local_rank("fsdp") + 1)
     _, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(params, batch, mesh)
@@ -30,10 +30,10 @@ def run_save(path: str, folder: str, sizes: dict):
     return _whole(params)
 
 
-def run_load(path: str, sizes: dict, parallel: bool):
+def run_load(path: str, sizes: dict, parallel: bool, model_type: str = "llama"):
     """Load into a model of other weights under ``sizes``: like the targets in all but values."""
     mesh = cpshard.make_mesh(**sizes)
-    model = tiny_model("llama", vocab_size=VOCAB, seed=5)
+    model = tiny_model(model_type, vocab_size=VOCAB, seed=5)
     targets = cpshard.params_of(cpshard.parallelize(model, mesh) if parallel else model)
     before = _whole(targets)
     loaded = cpshard.load_checkpoint(path, targets)
@@ -96,12 +96,19 @@ def test_save_pretrained_folder_loads_with_from_pretrained(saved):
     assert torch.equal(loaded(**batch).logits, reference.logits)
 
 
-def test_tensor_parallel_saves_load_on_one_process_and_with_from_pretrained(ranks4, tmp_path):
+@pytest.mark.parametrize(
+    "model_type, saved_under, loaded_under",
+    [("llama", dict(tp=2, cp=2), dict(fsdp=2, cp=2)), ("qwen3_moe", dict(fsdp=2, cp=2, ep=4), dict(dp_replicate=2, cp=2, ep=2))],
+    ids=["tp2xcp2-to-fsdp2xcp2", "moe-ep4-to-hsdp-ep2"],
+)
+def test_tp_and_ep_saves_load_anywhere_and_with_from_pretrained(ranks4, tmp_path, model_type, saved_under, loaded_under):
     path, folder = str(tmp_path / "dcp"), str(tmp_path / "pretrained")
-    values = ranks4.run(run_save, path, folder, dict(tp=2, cp=2))[0]
-    loaded = cpshard.load_checkpoint(path, cpshard.params_of(tiny_model("llama", vocab_size=VOCAB, seed=5)))
+    values = ranks4.run(run_save, path, folder, saved_under, model_type)[0]
+    loaded = cpshard.load_checkpoint(path, cpshard.params_of(tiny_model(model_type, vocab_size=VOCAB, seed=5)))
     assert _bitwise(loaded, values)
     assert _bitwise(cpshard.params_of(AutoModelForCausalLM.from_pretrained(folder)), values)
+    for alike, again in ranks4.run(run_load, path, loaded_under, True, model_type):
+        assert alike and _bitwise(again, values)
 
 
 def test_load_names_what_does_not_fit(saved):
