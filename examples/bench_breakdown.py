@@ -1,0 +1,110 @@
+"""Where a training step's time and memory go, per variant of ``cpshard bench``.
+
+    python examples/bench_breakdown.py --seq 4096 --variants single ulysses ulysses-nologits deepspeed
+
+For each variant, one step (after one warm-up step) on every rank of a cp=2 group; rank 0 reports
+(1) its self CPU time by kind of op (torch.profiler), and (2) its memory: the largest growth of
+the live tensors above the step's start, and the biggest tensors alive at that peak, with the op
+that made each. Same model, batch and step functions as the bench.
+"""
+
+import argparse
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from cpshard.bench import VARIANTS, BenchConfig, _steps
+from cpshard.forward import params_of
+from cpshard.mesh import make_mesh
+from cpshard.processes import LocalRanks
+from cpshard.tiny import tiny_batch, tiny_model
+
+KINDS = {  # first match wins
+    "collectives": ("all_to_all", "alltoall", "all_gather", "allgather", "all_reduce", "allreduce", "send", "recv", "wait", "gloo", "c10d"),
+    "attention": ("scaled_dot_product", "flash_attention", "efficient_attention"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "loss": ("log_softmax", "nll_loss", "cross_entropy"),
+    "copies": ("copy_", "aten::cat", "aten::stack", "aten::clone", "contiguous", "index_select", "_to_copy", "index", "scatter"),
+}
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, keys in KINDS.items() if any(key in name for key in keys)), "other")
+
+
+class LiveTensors(TorchDispatchMode):
+    """Tensors made inside the block: the peak of their total size, and the biggest ones alive at it."""
+
+    def __init__(self, top: int = 12):
+        super().__init__()
+        self.live, self.refs, self.total, self.peak, self.at_peak, self.top = {}, defaultdict(int), 0, 0, [], top
+
+    def _release(self, ptr: int) -> None:
+        self.refs[ptr] -= 1
+        if not self.refs[ptr]:
+            self.total -= self.live.pop(ptr)[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if type(t) is not torch.Tensor or t.device.type != "cpu":  # a collective's wrapper holds no storage
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.live:
+                self.live[ptr] = (storage.nbytes(), f"{func.overloadpacket.__name__} {list(t.shape)} {str(t.dtype)[6:]}")
+                self.total += storage.nbytes()
+            self.refs[ptr] += 1
+            weakref.finalize(t, self._release, ptr)
+        if self.total > self.peak + (1 << 20):
+            self.peak = self.total
+            self.at_peak = sorted(self.live.values(), reverse=True)[: self.top]
+        return out
+
+
+def breakdown(config: BenchConfig, seq: int, variants: tuple) -> dict:
+    mesh = make_mesh(cp=dist.get_world_size())
+    model_of = lambda: tiny_model("llama", seed=config.seed, **config.model_sizes())  # noqa: E731
+    steps, _ = _steps(model_of, variants, idle_single=False)
+    params, batch = params_of(model_of()), tiny_batch(config.vocab, 1, seq, seed=config.seed)
+    report = {}
+    for name, step in steps.items():
+        step(params, batch, mesh)  # warm-up
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(params, batch, mesh)
+        kinds = defaultdict(float)
+        for event in prof.key_averages():
+            kinds[kind_of(event.key)] += event.self_cpu_time_total / 1e6
+        dist.barrier()
+        with LiveTensors() as live:
+            step(params, batch, mesh)
+        report[name] = (dict(kinds), live.peak, live.at_peak)
+    return report
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--variants", nargs="+", default=["single", "ulysses", "ulysses-nologits", "deepspeed"], choices=VARIANTS)
+    parser.add_argument("--vocab", type=int, default=32000)
+    args = parser.parse_args()
+    config = BenchConfig(seqs=(args.seq,), vocab=args.vocab)
+    with LocalRanks(2) as ranks:
+        report = ranks.run(breakdown, config, args.seq, tuple(args.variants))[0]
+    for name, (kinds, peak, at_peak) in report.items():
+        total = sum(kinds.values())
+        split = ", ".join(f"{kind} {seconds:.2f}" for kind, seconds in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        print(f"\n{name}: self CPU {total:.2f} s on rank 0: {split}")
+        print(f"  peak of tensors made in the step: {peak / 2**20:.0f} MiB; the biggest alive then:")
+        for nbytes, what in at_peak:
+            print(f"    {nbytes / 2**20:8.1f} MiB  {what}")
+
+
+if __name__ == "__main__":
+    main()

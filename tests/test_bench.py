@@ -1,0 +1,102 @@
+"""cpshard bench: rows for every variant, bytes against the optimum, notes for absent baselines, usage errors."""
+
+import json
+import sys
+
+import pytest
+
+from cpshard import bench
+from cpshard.cli import main
+from cpshard.optimum import optimum_of
+from cpshard.tiny import tiny_model
+
+CONFIG = bench.BenchConfig(
+    seqs=(64,), cps=(2,), layers=1, hidden=32, heads=4, kv_heads=2, vocab=64, repeats=1,
+    variants=("single", "ulysses", "ring", "hybrid", "ulysses-nologits", "dtensor", "deepspeed", "yunchang"),
+)
+OPTIONAL = ("deepspeed", "yunchang")
+
+
+def rank_job_without_optional(config, seq, variants):
+    """On a rank: the bench's job with the optional baselines' packages made unimportable."""
+    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in OPTIONAL}
+    blocked = [*OPTIONAL, "deepspeed.sequence.layer", "yunchang.comm.all_to_all"]
+    sys.modules.update(dict.fromkeys(blocked))  # None in sys.modules: importing it raises ImportError
+    try:
+        return bench.rank_job(config, seq, variants)
+    finally:
+        for name in blocked:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def test_rows_times_bytes_and_optimum(ranks2):
+    rows, notes = bench.measure(ranks2, CONFIG, 64)
+    by_name = {row.variant: row for row in rows}
+    absent = {name for name in OPTIONAL if bench.missing(name)}
+    assert set(by_name) == set(CONFIG.variants) - absent - {"hybrid"}
+    assert len(notes) == 1 + len(absent)  # hybrid does not fit cp=2, and one line per absent baseline
+    for row in rows:
+        assert row.seconds > 0 and row.cpu_seconds > 0 and row.tokens_per_second > 0 and row.peak_mib >= 0
+        assert (row.bytes_sent > 0) == (row.variant != "single"), row
+    optimum = optimum_of(tiny_model("llama", **CONFIG.model_sizes()), 1, 64, 2)
+    ulysses = by_name["ulysses"]
+    assert ulysses.bytes_by_op["all_to_all"] == optimum.all_to_all
+    assert ulysses.bytes_by_op["all_reduce"] == optimum.all_reduce
+    assert ulysses.bytes_sent - ulysses.bytes_by_op.get("all_gather", 0) == optimum.total == ulysses.optimum
+    assert ulysses.bytes_by_op["counted"] == ulysses.bytes_sent  # what torch dispatched is what cpshard recorded
+    assert by_name["ring"].bytes_by_op["send"] > 0
+    for peer in set(bench.PEERS) - absent:  # the same all-gathered fingerprint, gradients and loss as cpshard
+        assert by_name[peer].bytes_by_op["all_reduce"] == optimum.all_reduce
+
+    bench.add_ratios(rows)
+    assert by_name["single"].memory_ratio == 1.0 and by_name["single"].time_ratio is None
+    assert min(by_name[p].time_ratio for p in set(bench.PEERS) - absent) == 1.0
+    table = bench.format_table(rows)
+    assert all(name in table for name in by_name) and "tokens/s" in table
+    assert any(line.startswith("  time, cp=2, L=64") for line in bench.targets(rows))
+
+
+def test_absent_baselines_give_notes(ranks2):
+    variants = ("ulysses", "deepspeed", "yunchang")
+    results = ranks2.run(rank_job_without_optional, CONFIG, 32, variants)
+    notes = results[0]["notes"]
+    assert [note.split()[0] for note in notes] == ["deepspeed", "yunchang"]
+    assert all("skipped" in note and "\n" not in note for note in notes)
+    rows = bench._rows(results, CONFIG, 32)
+    assert [row.variant for row in rows] == ["ulysses"]
+
+
+def test_json_file(tmp_path):
+    row = bench.Row("ulysses", 2, 64, 0.5, 0.6, 10.0, 100, 100, {"all_to_all": 100}, optimum=100)
+    bench.write_json([row], CONFIG, tmp_path / "rows.json")
+    written = json.loads((tmp_path / "rows.json").read_text())
+    assert written["rows"][0]["tokens_per_second"] == 128 and written["config"]["seqs"] == [64]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seqs", "0"], "--seqs"),
+        (["--cp", "1"], "--cp"),
+        (["--variants", "megatron"], "--variants megatron"),
+        (["--heads", "3"], "--heads=3 must divide --hidden=256"),
+        (["--repeats", "x"], "invalid int value"),
+    ],
+)
+def test_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", *argv])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_plot_without_matplotlib(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--plot", "out.png"])
+    assert exit.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err
