@@ -4,8 +4,9 @@
 - ``dtensor``, ``deepspeed``, ``yunchang``: Ulysses done by DTensor's ``redistribute``, by DeepSpeed's
   ``DistributedAttention`` and by yunchang's ``SeqAllToAll4D``. Each is an attention function
   registered in transformers' registry around the same sdpa function; the rest of the model is
-  split by cpshard's own machinery (the same cut, loss and gradient all-reduce), so a baseline
-  differs from cpshard's Ulysses in the attention's sequence/head exchange alone.
+  split by cpshard's own machinery (the same cut and gradient all-reduce), so a baseline differs
+  from cpshard's Ulysses in the attention's sequence/head exchange and in its loss: torch's
+  cross-entropy, as the peers' users compute it, where cpshard's own holds half the memory.
 
 Bytes are counted the same way for all: :class:`CollectiveCounter` sees every collective torch
 dispatches (functional or c10d) and sums the sizes of the tensors passed in.
@@ -18,6 +19,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -26,7 +28,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from cpshard.attention import _GroupedAs, kv_replication, without_padding_keys
 from cpshard.context import active_call
-from cpshard.forward import make_cp_forward
+from cpshard.batch import IGNORE_INDEX
+from cpshard.forward import CPForward
+from cpshard.layouts import resolve_layout
 from cpshard.grad import value_and_grad
 from cpshard.parity import reference
 
@@ -183,9 +187,22 @@ def baseline_step(name: str, model):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
-    cp_forward = make_cp_forward(model, implementation="ulysses")  # installs the cut, then we swap attention
+    cp_forward = TorchLossForward(model)  # installs the cut, then we swap attention
     model.set_attn_implementation(registered(name))
     return value_and_grad(cp_forward)
+
+
+class TorchLossForward(CPForward):
+    """cpshard's Ulysses forward with the loss the peers' users compute: torch's cross-entropy on the local
+    logits (cpshard's own fused one holds half the memory at its peak; a peer would not have it)."""
+
+    def __init__(self, model):
+        options = dict(ulysses_degree=None, sequence_order="auto")
+        super().__init__(model, resolve_layout(model), "ulysses", logits=True, strict=False, options=options)
+
+    def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
+        logits, labels = local.float().flatten(0, 1), labels.flatten()
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def barrier() -> None:

@@ -30,7 +30,8 @@ from cpshard.recompute import recompute_in
 from cpshard.sequence import chunk_positions, chunks_per_rank
 from cpshard.tensor_parallel import check_tensor_parallel, install_tensor_parallel
 from cpshard.router_loss import expert_counts, load_balancing_loss, local_token_mask
-from cpshard.tiled_loss import head_of, tiled_loss_sum, token_loss_sum, transform_logits
+from cpshard.cross_entropy import cross_entropy_sum
+from cpshard.tiled_loss import head_of, tiled_loss_sum, transform_logits
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
 #: models already prepared, and the decoder-layer paths hooked in each (a registry of setup done)
@@ -179,7 +180,7 @@ class CPForward:
 
     def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
         if self.keep_logits:
-            return token_loss_sum(local, labels)
+            return cross_entropy_sum(local, labels)
         return tiled_loss_sum(local, labels, *head_of(self.model, params), self.model.config)
 
     def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor):

@@ -41,8 +41,11 @@ class Layout:
     heads: str = "num_attention_heads"
     kv_heads: str = "num_key_value_heads"
     #: the tensor-parallel plan: module paths inside a decoder layer, split column-wise (output
-    #: features over ``tp``) or row-wise (input features; the outputs are summed over ``tp``)
+    #: features over ``tp``) or row-wise (input features; the outputs are summed over ``tp``), or
+    #: replicated but applied per head (each tp rank's heads add their share to the gradient)
     tensor_parallel: tuple[tuple[str, str], ...] = (
+        ("self_attn.q_norm", "per_head"),
+        ("self_attn.k_norm", "per_head"),
         ("self_attn.q_proj", "colwise"),
         ("self_attn.k_proj", "colwise"),
         ("self_attn.v_proj", "colwise"),

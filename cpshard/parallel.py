@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from cpshard.collectives import all_gather_shards
+from cpshard.collectives import all_gather_shards, sum_grads_over_group
 from cpshard.experts import check_expert_parallel
 from cpshard.layout import Layout
 from cpshard.layouts import resolve_layout
@@ -132,4 +132,9 @@ def gather_params(params: dict, mesh: DeviceMesh, layout: Layout) -> dict:
                 f"plain tensors or the layout cpshard.parallelize(model, mesh) gives: dims {target.mesh.mesh_dim_names} of "
                 f"sizes {tuple(target.mesh.shape)} with placements {target.placements}"
             )
-    return {**params, **full_tensors(sharded)}
+    whole = full_tensors(sharded)
+    if mesh_size(mesh, "tp") > 1:  # weights applied to this tp rank's heads alone: their gradients sum over tp
+        tp_group = mesh.get_group("tp")
+        for name in (n for n in whole if style_of(n, layout) == "per_head"):
+            whole[name] = sum_grads_over_group(whole[name], tp_group, f"tp {name}")
+    return {**params, **whole}

@@ -7,6 +7,8 @@ replicated over ``dp_replicate`` (HSDP). Inside that, the layout's plan may spli
 - ``colwise`` (tensor parallel, q/k/v/gate/up): dim 0 over ``tp``; the FSDP split then acts on
   this rank's tp block, which DTensor writes ``_StridedShard(0, split_factor=tp)``, as FSDP2 does;
 - ``rowwise`` (o/down): dim 1 over ``tp``, dim 0 over ``fsdp_cp``;
+- ``per_head`` (Qwen3's and Gemma3's q/k norms): placed as ``shard``, replicated over ``tp``; each
+  tp rank applies it to its own heads, so :func:`cpshard.parallel.gather_params` sums its gradient;
 - ``expert`` (MoE experts): dim 0 over ``ep``, the ranks of ``fsdp x cp`` regrouped as
   ``(efsdp, ep)`` with ep innermost, and the FSDP split over ``efsdp`` on this rank's experts.
 
@@ -30,7 +32,6 @@ from cpshard.mesh import expert_degree, mesh_size
 #: parameters are split over these, flattened; replicated over REPLICA_DIMS, whose ranks hold other batches
 SHARD_DIMS = ("fsdp", "cp")
 REPLICA_DIMS = ("dp_replicate",)
-STYLES = ("shard", "colwise", "rowwise", "expert")
 
 
 @lru_cache(maxsize=None)

@@ -29,7 +29,7 @@ def _checkpoint_in_call(checkpoint, call: CPCall, fn, *args, **kwargs):
 
 
 def checkpointing_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules whose forward transformers checkpoints now (``gradient_checkpointing_enable``)."""
+    """The modules whose forward transformers checkpoints now (``activation_checkpointing_enable``)."""
     return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) and callable(getattr(m, _FUNC, None))]
 
 

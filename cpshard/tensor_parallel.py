@@ -20,8 +20,15 @@ from cpshard.layout import Layout
 from cpshard.layouts import submodule
 
 
+#: how a layout's tensor-parallel plan may treat a module (see :mod:`cpshard.placement`)
+TP_STYLES = ("colwise", "rowwise", "per_head")
+
+
 def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
-    """Every count the tp plan splits must divide by ``tp``: a clear error naming it otherwise."""
+    """The plan names known styles, and every count it splits divides by ``tp``: a clear error otherwise."""
+    unknown = [f"{path}: {style!r}" for path, style in layout.tensor_parallel if style not in TP_STYLES]
+    if unknown:
+        raise ValueError(f"layout {layout.name!r}: unknown tensor-parallel styles ({'; '.join(unknown)}); use {TP_STYLES}")
     if tp == 1:
         return
     if layout.experts:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from cpshard.batch import IGNORE_INDEX
+from cpshard.cross_entropy import cross_entropy_sum
 
 #: logits per chunk: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
 CHUNK_ELEMENTS = 1 << 24
@@ -29,13 +29,8 @@ def transform_logits(logits: torch.Tensor, config) -> torch.Tensor:
     return logits
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of ``[B, S, V]`` logits, in fp32 as transformers computes it."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
 def _chunk_loss(hidden, labels, weight, bias, config):
-    return token_loss_sum(transform_logits(F.linear(hidden, weight, bias), config), labels)
+    return cross_entropy_sum(transform_logits(F.linear(hidden, weight, bias), config), labels)
 
 
 def tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:

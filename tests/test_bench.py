@@ -12,7 +12,7 @@ from cpshard.tiny import tiny_model
 
 CONFIG = bench.BenchConfig(
     seqs=(64,), cps=(2,), layers=1, hidden=32, heads=4, kv_heads=2, vocab=64, repeats=1,
-    variants=("single", "ulysses", "ring", "hybrid", "ulysses-nologits", "dtensor", "deepspeed", "yunchang"),
+    variants=("single", "ulysses", "ring", "hybrid", "ulysses-nologits", "ulysses-checkpointed", "dtensor", "deepspeed", "yunchang"),
 )
 OPTIONAL = ("deepspeed", "yunchang")
 

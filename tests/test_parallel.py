@@ -1,6 +1,7 @@
 """parallelize: FSDP2 (HSDP) over fsdp x cp; cp_forward and value_and_grad unchanged, against one process."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from cpshard.comms import recording
 from cpshard.optim import adamw_init, adamw_update
 from cpshard.parallel import block_shape, full_tensors, gather_axis
 from cpshard.placement import param_mesh
+from cpshard.layouts import resolve_layout
 from cpshard.parity import reference
 from cpshard.tiny import tiny_batch, tiny_model
 
@@ -57,7 +59,7 @@ def _gather_bytes(params: dict) -> tuple[int, int]:
     return gather, scatter
 
 
-def run_training(sizes: dict, tied: bool, model_type: str = "llama", config: dict | None = None):
+def run_training(sizes: dict, tied: bool, model_type: str = "llama", config: dict | None = None, forward: dict | None = None):
     """One step against one process on all the dp groups' batches, then three AdamW steps."""
     mesh = cpshard.make_mesh(**sizes)
     options = dict(vocab_size=VOCAB, tie_word_embeddings=tied, **(config or {}))
@@ -77,7 +79,7 @@ def run_training(sizes: dict, tied: bool, model_type: str = "llama", config: dic
         "same values": all(torch.equal(params[n].full_tensor(), ref_params[n]) for n in params),
         "tied stays tied": (model.lm_head.weight is model.model.embed_tokens.weight) == tied,
     }
-    grad_fn = cpshard.value_and_grad(cpshard.make_cp_forward(model))
+    grad_fn = cpshard.value_and_grad(cpshard.make_cp_forward(model, **(forward or {})))
     state, ref_state = adamw_init(params), adamw_init(ref_params)
     for step in range(STEPS):
         with recording() as log:
@@ -111,6 +113,7 @@ COMBINATIONS = {
     "hsdp2xcp2-tied": (dict(dp_replicate=2, cp=2), True, "llama"),
     "tp2xcp2": (dict(tp=2, cp=2), False, "llama"),
     "fsdp2xtp2-tied": (dict(fsdp=2, tp=2, cp=1), True, "llama"),
+    "tp2xcp2-qwen3-ring-nologits": (dict(tp=2, cp=2), False, "qwen3", {}, dict(implementation="ring", logits=False)),
     "moe-fsdp2xcp2-ep2": (dict(fsdp=2, cp=2, ep=2), False, "qwen3_moe"),
     "moe-fsdp2xcp2-ep4": (dict(fsdp=2, cp=2, ep=4), False, "qwen3_moe"),
     "moe-hsdp2xcp2-ep2": (dict(dp_replicate=2, cp=2, ep=2), False, "qwen3_moe"),
@@ -172,6 +175,9 @@ def bad_parallel(kind: str):
         cpshard.parallelize(tiny_model("qwen3_moe", num_experts=6), cpshard.make_mesh(cp=2, fsdp=2, ep=4))
     elif kind == "ep-dense-model":
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, fsdp=2, ep=2))
+    elif kind == "tp-unknown-style":
+        typo = replace(resolve_layout(model), tensor_parallel=(("self_attn.q_proj", "colwsie"),))
+        cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=typo)
     elif kind == "ep-with-tp":
         cpshard.make_mesh(cp=1, fsdp=2, tp=2, ep=2)
     elif kind == "world":
@@ -193,6 +199,7 @@ BAD = {
     "tp-plain-params": ("ValueError", "cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize"),
     "ep-experts": ("ValueError", "splits the 6 experts over ep=4 ranks, and 4 does not divide 6; choose ep among 1, 2, 3, 6"),
     "ep-dense-model": ("ValueError", "ep=2, but the layout 'llama' of model type 'llama' declares no experts"),
+    "tp-unknown-style": ("ValueError", "unknown tensor-parallel styles (self_attn.q_proj: 'colwsie')"),
     "ep-with-tp": ("NotImplementedError", "expert parallelism with tensor parallelism (ep=2, tp=2)"),
     "world": ("ValueError", "world size 4 != dp_replicate=1 * fsdp=3 * cp=2 * tp=1"),
     "no-dims": ("ValueError", "this mesh has dimensions dp, cp and lacks dp_replicate, fsdp"),

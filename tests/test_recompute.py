@@ -14,7 +14,7 @@ TOLERANCE = 1e-5
 def parity_with_checkpointing(implementation: str, logits: bool, checkpointing: bool):
     model = tiny_model("llama", num_hidden_layers=3).train()
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     funcs = {id(m): m._gradient_checkpointing_func for m in checkpointing_modules(model)}
     batch = tiny_batch(model.config.vocab_size, 2, 15, pad="right")
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
