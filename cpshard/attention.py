@@ -94,11 +94,22 @@ def _sequences_for_heads(output, layout, mesh, axis: str, path: str):
     return redistribute(output, *(_on_axis(spec, axis) for spec in layout.attn_output), mesh, name=f"{path} out")
 
 
-def _ulysses_attention(function, module, query, key, value, attention_mask, call, **kwargs):
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as sdpa turns it into floats (0 where allowed, -inf elsewhere): bit for bit the same
+    attention. sdpa saves its float copy for the backward, one ``B x L x L`` per layer; given this, it
+    saves this, and every layer keeps the same one."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def _ulysses_attention(inner: str, function, module, query, key, value, attention_mask, call, **kwargs):
     path = call.name_of(module)
     module, query, key, value = _heads_for_sequences(module, query, key, value, call.layout, call.mesh, "cp", path)
     if isinstance(attention_mask, torch.Tensor):
+        original = attention_mask
         key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
+        if inner == "sdpa" and attention_mask.dtype == torch.bool:
+            key_of = ("additive mask", id(original), query.dtype)
+            attention_mask = call.shared(key_of, lambda: additive_mask(attention_mask, query.dtype))
     output, weights = function(module, query, key, value, attention_mask, **kwargs)
     return _sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights
 
@@ -113,7 +124,9 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
     groups = mesh["cp_ring"].size()
     held = [group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree)) for g in range(groups)]
     tile = call.padded_length // (call.cp_size * chunks_per_rank(call.order))
-    blocks = ring_blocks(attention_mask, held, call.length, mesh.get_local_rank("cp_ring"), inner == "eager", tile)
+    rank, uniform = mesh.get_local_rank("cp_ring"), inner == "eager"
+    make_blocks = lambda: ring_blocks(attention_mask, held, call.length, rank, uniform, tile)  # noqa: E731
+    blocks = call.shared(("ring blocks", id(attention_mask), uniform), make_blocks)
     scale = kwargs.get("scaling") or module.scaling
     output = RingAttention.apply(query, key, value, blocks, scale, kwargs.get("softcap"), mesh.get_group("cp_ring"), f"{path} kv")
     output = output.transpose(1, 2)
@@ -129,7 +142,7 @@ def _cp_attention(inner: str):
         if call is None:
             return function(module, query, key, value, attention_mask, **kwargs)
         if call.implementation == "ulysses":
-            return _ulysses_attention(function, module, query, key, value, attention_mask, call, **kwargs)
+            return _ulysses_attention(inner, function, module, query, key, value, attention_mask, call, **kwargs)
         return _ring_attention(inner, module, query, key, value, attention_mask, call, **kwargs)
 
     attention.__doc__ = f"Context-parallel attention around {inner!r} attention (cpshard)."

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cpshard.layout import Layout
 
@@ -36,6 +36,16 @@ class CPCall:
     tp_group: object = None
     #: the process group of the ``ep`` ranks (expert parallelism), None when ep is 1
     expert_group: object = None
+
+    #: what every layer derives alike from the call's inputs, derived once (see :meth:`shared`)
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shared(self, key, make):
+        """``make()``, once per call and ``key``: a value every layer would derive alike (a mask in the form
+        the attention kernel keeps, the ring's block plan), so layers share one copy and one computation."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     def name_of(self, module) -> str:
         return self.module_names.get(id(module), type(module).__name__)
