@@ -122,7 +122,12 @@ class CPForward:
                 f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: num_attention_heads="
                 f"{heads * tp} must divide by tp * cp = {tp * cp}; implementation='ring' or 'hybrid' serve other sizes"
             )
-        implementation, degree = choose_implementation(self.implementation, heads, cp, self.ulysses_degree)
+        try:
+            implementation, degree = choose_implementation(self.implementation, heads, cp, self.ulysses_degree)
+        except ValueError as error:
+            if tp == 1:
+                raise
+            raise ValueError(f"{error} (under tp={tp}: the {heads} heads each tp rank holds)") from None
         order = self.sequence_order
         if order == "auto":
             order = "contiguous" if implementation == "ulysses" else "head_tail"
