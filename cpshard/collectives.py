@@ -25,16 +25,17 @@ def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, log, na
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
-class _AllToAll(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """An exchange whose backward is the same exchange reversed: what went to rank i comes back from it."""
+
     @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group, name):
-        ctx.dims, ctx.group, ctx.name, ctx.log = (scatter_dim, gather_dim), group, name, active_log()
-        return _exchange(x, scatter_dim, gather_dim, group, ctx.log, name, "forward")
+    def forward(ctx, x, exchange, there: tuple, back: tuple, group, name):
+        ctx.exchange, ctx.back, ctx.group, ctx.name, ctx.log = exchange, back, group, name, active_log()
+        return exchange(x, *there, group, ctx.log, name, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _exchange(grad, gather_dim, scatter_dim, ctx.group, ctx.log, ctx.name, "backward"), None, None, None, None
+        return ctx.exchange(grad, *ctx.back, ctx.group, ctx.log, ctx.name, "backward"), None, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: str = "") -> torch.Tensor:
@@ -44,7 +45,7 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: 
             f"{name or 'all_to_all'}: dimension {scatter_dim} of shape {tuple(x.shape)} does not divide "
             f"over {dist.get_world_size(group)} ranks"
         )
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group, name)
+    return _Exchange.apply(x, _exchange, (scatter_dim, gather_dim), (gather_dim, scatter_dim), group, name)
 
 
 def _summed(x: torch.Tensor, group, log, name: str, phase: str) -> torch.Tensor:
@@ -177,18 +178,6 @@ def _exchange_rows(x: torch.Tensor, send: list[int], receive: list[int], group, 
     return funcol.wait_tensor(funcol.all_to_all_single(x, receive, send, group))
 
 
-class _AllToAllRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, send, receive, group, name):
-        ctx.splits, ctx.group, ctx.name, ctx.log = (send, receive), group, name, active_log()
-        return _exchange_rows(x, send, receive, group, ctx.log, name, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, receive = ctx.splits
-        return _exchange_rows(grad, receive, send, ctx.group, ctx.log, ctx.name, "backward"), None, None, None, None
-
-
 def all_to_all_rows(x: torch.Tensor, send: list[int], receive: list[int], group, name: str = "") -> torch.Tensor:
     """Uneven all-to-all of dim-0 rows: ``send[i]`` rows to rank ``i``, ``receive[i]`` rows from it (both sides must
     agree: exchange the counts first). The backward sends the gradients back the same way reversed."""
@@ -198,4 +187,5 @@ def all_to_all_rows(x: torch.Tensor, send: list[int], receive: list[int], group,
             f"{name or 'all_to_all_rows'}: {x.shape[0]} rows split as send={send}, receive={receive} "
             f"over {size} ranks; each needs one count per rank and send must add up to the rows"
         )
-    return _AllToAllRows.apply(x, list(send), list(receive), group, name)
+    send, receive = list(send), list(receive)
+    return _Exchange.apply(x, _exchange_rows, (send, receive), (receive, send), group, name)
