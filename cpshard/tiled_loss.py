@@ -1,16 +1,17 @@
 """The loss without the logits: the LM head and cross-entropy, chunk by chunk of tokens.
 
-Each chunk's logits are computed, consumed and dropped, forward and (recomputed under
-checkpointing) backward, so a rank never holds its whole ``[L/cp, vocab]`` logits. The head
-is the model's own weights, with the model's own logit transforms (Gemma's final softcap,
-Granite's scaling) read from its config.
+Each chunk's logits are computed, consumed and dropped, so a rank never holds its whole
+``[L/cp, vocab]`` logits. Each chunk's gradients are computed in the forward, right after its
+loss, while its logits exist (as Liger's fused linear cross-entropy does): the backward only
+scales them, so no chunk's logits are computed twice, as recomputing under checkpointing would.
+The head is the model's own weights, with the model's own logit transforms (Gemma's final
+softcap, Granite's scaling) read from its config.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from cpshard.cross_entropy import cross_entropy_sum
 
@@ -33,14 +34,42 @@ def _chunk_loss(hidden, labels, weight, bias, config):
     return cross_entropy_sum(transform_logits(F.linear(hidden, weight, bias), config), labels)
 
 
+class _ChunkedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, config, step: int):
+        wanted = [need and x is not None for x, need in zip((hidden, weight, bias), ctx.needs_input_grad)]
+        grads = [torch.zeros_like(x) if want else None for x, want in zip((hidden, weight, bias), wanted)]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[1], step):
+            part = slice(start, start + step)
+            with torch.enable_grad():
+                leaves = [
+                    None if x is None else x.detach().requires_grad_(want)
+                    for x, want in zip((hidden[:, part], weight, bias), wanted)
+                ]
+                loss = _chunk_loss(leaves[0], labels[:, part], leaves[1], leaves[2], config)
+                if any(wanted):
+                    chunk_grads = iter(torch.autograd.grad(loss, [x for x, want in zip(leaves, wanted) if want]))
+                    if wanted[0]:
+                        grads[0][:, part] = next(chunk_grads)
+                    for i in (1, 2):
+                        if wanted[i]:
+                            grads[i] += next(chunk_grads)
+            total += loss.detach()
+        ctx.grads = grads
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = [None if g is None else g * grad.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return *grads, None, None, None
+
+
 def tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, chunk by chunk."""
     step = max(1, chunk_elements // (hidden.shape[0] * weight.shape[0]))
-    total = hidden[:, :0].sum(dtype=torch.float32)  # zero, yet in the graph on a rank that holds no token
-    for start in range(0, hidden.shape[1], step):
-        part = slice(start, start + step)
-        total = total + checkpoint(_chunk_loss, hidden[:, part], labels[:, part], weight, bias, config, use_reentrant=False)
-    return total
+    return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, config, step)
 
 
 def head_of(model, params: dict):

@@ -9,22 +9,28 @@ from cpshard.tiled_loss import tiled_loss_sum, transform_logits
 from cpshard.tiny import tiny_model
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(
     "config", [SimpleNamespace(), SimpleNamespace(final_logit_softcapping=3.0), SimpleNamespace(logits_scaling=4.0)]
 )
-def test_chunks_give_the_whole_loss_and_gradients(config):
+def test_chunks_give_the_whole_loss_and_gradients(config, with_bias):
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 13, 8, generator=generator, requires_grad=True)
     weight = torch.randn(50, 8, generator=generator, requires_grad=True)
+    bias = torch.randn(50, generator=generator, requires_grad=True) if with_bias else None
+    leaves = [x for x in (hidden, weight, bias) if x is not None]
     labels = torch.randint(0, 50, (2, 13), generator=generator)
     labels[:, ::4] = -100
-    whole = F.cross_entropy(transform_logits(hidden @ weight.T, config).flatten(0, 1), labels.flatten(), reduction="sum")
-    want = torch.autograd.grad(whole, (hidden, weight))
-    chunked = tiled_loss_sum(hidden, labels, weight, None, config, chunk_elements=2 * 50 * 3)  # 3 tokens a chunk
-    got = torch.autograd.grad(chunked, (hidden, weight))
+    logits = transform_logits(F.linear(hidden, weight, bias), config)
+    whole = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    want = torch.autograd.grad(0.3 * whole, leaves)
+    chunked = tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements=2 * 50 * 3)  # 3 tokens a chunk
+    got = torch.autograd.grad(0.3 * chunked, leaves)
     torch.testing.assert_close(chunked, whole)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    with torch.no_grad():  # the loss alone: no gradients computed on the way
+        torch.testing.assert_close(tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements=300), whole)
 
 
 def test_transforms_match_the_models_own_heads():
