@@ -154,17 +154,6 @@ def _differs_message(differing: list[int], first: int) -> str:
     )
 
 
-def check_same_batch(batch, group) -> None:
-    """Raise on every rank when the ranks of ``group`` hold different batches (before any other collective)."""
-    from cpshard.collectives import all_gather_rows
-
-    every = all_gather_rows(fingerprint(batch), group, name="batch fingerprint")
-    ranks = dist.get_process_group_ranks(group)
-    differing = _differing(every, ranks)
-    if differing:
-        raise BatchError(_differs_message(differing, ranks[0]))
-
-
 #: the mesh dimensions whose ranks take the same batch (a dp group is one ``cp x tp`` sub-mesh)
 SAME_BATCH_DIMS = ("cp", "tp")
 

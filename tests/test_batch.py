@@ -11,7 +11,6 @@ from cpshard.batch import (
     IGNORE_INDEX,
     BatchError,
     check_batch,
-    check_same_batch,
     continued_positions,
     fingerprint,
     pad_batch,
@@ -209,7 +208,7 @@ def _rank_batch(case: str, rank: int):
 
 
 def _check(case: str):
-    check_same_batch(_rank_batch(case, dist.get_rank()), dist.group.WORLD)
+    check_batch(_rank_batch(case, dist.get_rank()), cpshard.make_mesh(cp=dist.get_world_size()))
 
 
 def _check_every_case():
@@ -224,7 +223,7 @@ def _check_every_case():
     return outcomes
 
 
-def test_check_same_batch_raises_on_every_rank(ranks2):
+def test_a_batch_that_differs_in_the_cp_group_raises_on_every_rank(ranks2):
     with pytest.raises(cpshard.RankError) as info:
         ranks2.run(_check, "value")
     failures = info.value.failures
@@ -232,28 +231,11 @@ def test_check_same_batch_raises_on_every_rank(ranks2):
     for failure in failures.values():
         assert failure.kind == "BatchError"
         assert "ranks [1]" in failure.message and "rank 0" in failure.message and "dp ranks" in failure.message
-        assert "check_same_batch" in failure.traceback
+        assert "check_batch" in failure.traceback
     for outcomes in ranks2.run(_check_every_case):
         assert outcomes["same"] is None and outcomes["same with NaN"] is None
         for case in DIFFERENT:
             assert outcomes[case] is not None and "ranks [1]" in outcomes[case], case
-
-
-def _check_in_cp_rows():
-    """On a fsdp=2 x cp=2 mesh rank 3 alone holds another batch: only its cp row, ranks 2 and 3, raises."""
-    mesh = cpshard.make_mesh(cp=2, fsdp=2)
-    try:
-        check_same_batch(_rank_batch("value", int(dist.get_rank() == 3)), mesh.get_group("cp"))
-    except BatchError as error:
-        return str(error)
-    return None
-
-
-def test_check_same_batch_names_global_ranks(ranks4):
-    outcomes = ranks4.run(_check_in_cp_rows)
-    assert outcomes[:2] == [None, None]
-    for message in outcomes[2:]:
-        assert message is not None and "ranks [3]" in message and "rank 2" in message
 
 
 # ---- across a mesh larger than the cp group ------------------------------------------------------------------------
