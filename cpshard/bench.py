@@ -348,7 +348,8 @@ def write_json(rows: list[Row], config: BenchConfig, path: str) -> None:
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Step time and peak memory per rank against the sequence length, one line per variant and cp."""
+    """CPU time per step and peak memory per rank against the sequence length, one line per variant and cp
+    (CPU time: the wall clock of a shared machine moves with its other load)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -358,9 +359,9 @@ def plot(rows: list[Row], path: str) -> None:
     for key in sorted({(r.variant, r.cp) for r in rows}, key=lambda k: (k[1], VARIANTS.index(k[0]))):
         line = sorted((r for r in rows if (r.variant, r.cp) == key), key=lambda r: r.seq)
         label = f"{key[0]} (cp={key[1]})"
-        times.plot([r.seq for r in line], [r.seconds for r in line], marker="o", label=label)
+        times.plot([r.seq for r in line], [r.cpu_seconds for r in line], marker="o", label=label)
         memory.plot([r.seq for r in line], [r.peak_mib for r in line], marker="o", label=label)
-    for axes, ylabel in ((times, "median step time (s)"), (memory, "peak memory per rank (MiB)")):
+    for axes, ylabel in ((times, "CPU time per step and rank (s)"), (memory, "peak memory per rank (MiB)")):
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("sequence length (tokens)")

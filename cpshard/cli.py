@@ -106,7 +106,7 @@ def _add_bench(commands) -> None:
     add("--single-rank0-only", action="store_true",
         help="run the one-process baseline on rank 0 alone, the other ranks waiting (half its memory on this machine)")
     add("--json", metavar="FILE", help="write the rows as JSON")
-    add("--plot", metavar="FILE.png", help="draw step time and peak memory against the sequence length (needs matplotlib)")
+    add("--plot", metavar="FILE.png", help="draw CPU time per step and peak memory against the sequence length (needs matplotlib)")
     parser.set_defaults(run=partial(_run_bench, parser=parser))
 
 
