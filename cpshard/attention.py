@@ -16,6 +16,7 @@ import sys
 from functools import lru_cache
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -94,23 +95,49 @@ def _sequences_for_heads(output, layout, mesh, axis: str, path: str):
     return redistribute(output, *(_on_axis(spec, axis) for spec in layout.attn_output), mesh, name=f"{path} out")
 
 
+#: above this many bytes, sdpa's float mask is built per block of queries, never whole (see _blocked_sdpa);
+#: below, one whole float mask per call serves every layer
+MASK_BLOCK_BYTES = 1 << 26
+
+
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as sdpa turns it into floats (0 where allowed, -inf elsewhere): bit for bit the same
-    attention. sdpa saves its float copy for the backward, one ``B x L x L`` per layer; given this, it
-    saves this, and every layer keeps the same one."""
+    attention. Given a boolean mask, sdpa saves its own float copy for the backward, one ``B x L x L``
+    per layer; given this one, it saves this one, which the layers of a call can share."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def _sdpa_rows(function, module, query, key, value, mask, kwargs):
+    return function(module, query, key, value, additive_mask(mask, query.dtype), **kwargs)[0]
+
+
+def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
+    """sdpa over blocks of queries, each under activation checkpointing: the float form of the boolean
+    ``B x L x L`` mask (4 bytes an entry, which sdpa would keep for the backward in every layer) exists
+    one block of rows at a time, in the forward and again in the backward, at the price of computing
+    each block's attention twice. Each query's row is computed as sdpa computes it whole."""
+    rows = max(1, MASK_BLOCK_BYTES // (mask.shape[0] * mask.shape[-1] * query.element_size()))
+    blocks = [
+        checkpoint(_sdpa_rows, function, module, query[:, :, part], key, value, mask[..., part, :], kwargs, use_reentrant=False)
+        for part in (slice(start, start + rows) for start in range(0, query.shape[2], rows))
+    ]
+    return torch.cat(blocks, dim=1), None
 
 
 def _ulysses_attention(inner: str, function, module, query, key, value, attention_mask, call, **kwargs):
     path = call.name_of(module)
     module, query, key, value = _heads_for_sequences(module, query, key, value, call.layout, call.mesh, "cp", path)
+    boolean = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
     if isinstance(attention_mask, torch.Tensor):
         original = attention_mask
         key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
-        if inner == "sdpa" and attention_mask.dtype == torch.bool:
-            key_of = ("additive mask", id(original), query.dtype)
-            attention_mask = call.shared(key_of, lambda: additive_mask(attention_mask, query.dtype))
-    output, weights = function(module, query, key, value, attention_mask, **kwargs)
+    if inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
+        output, weights = _blocked_sdpa(function, module, query, key, value, attention_mask, **kwargs)
+    else:
+        if inner == "sdpa" and boolean:
+            shared = ("additive mask", id(original), query.dtype)
+            attention_mask = call.shared(shared, lambda: additive_mask(attention_mask, query.dtype))
+        output, weights = function(module, query, key, value, attention_mask, **kwargs)
     return _sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights
 
 

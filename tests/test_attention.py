@@ -8,7 +8,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cpshard
+from cpshard import attention
 from cpshard.attention import additive_mask, kv_replication, ulysses_name, without_padding_keys
+from cpshard.parity import check_parity
 from cpshard.tiny import tiny_batch, tiny_model
 
 
@@ -66,24 +68,35 @@ def test_additive_mask_is_what_sdpa_computes_from_the_boolean_one(fully_masked_r
     assert torch.equal(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
-def saved_mask_storages(implementation: str) -> tuple[int, int]:
-    """Distinct storages among the sequence x sequence tensors autograd keeps, and the decoder layers."""
-    model = tiny_model("llama", num_hidden_layers=3)
-    batch = tiny_batch(model.config.vocab_size, 2, 15, pad="right")
-    storages = set()
+def saved_masks(block_bytes: int) -> dict:
+    """Under Ulysses with right padding: parity, and the float sequence x sequence tensors that autograd
+    keeps (distinct storages), with sdpa's float mask built whole (shared) or per block of queries."""
+    attention.MASK_BLOCK_BYTES, before = block_bytes, attention.MASK_BLOCK_BYTES
+    try:
+        model = tiny_model("llama", num_hidden_layers=3)
+        batch = tiny_batch(model.config.vocab_size, 2, 15, pad="right")
+        mesh, cp_forward = cpshard.make_mesh(cp=dist.get_world_size()), cpshard.make_cp_forward(model)
+        storages = set()
 
-    def pack(tensor):
-        if tensor.dim() == 4 and tensor.shape[-2:] == (16, 15):  # queries padded to 16 for cp=2, real keys 15
-            storages.add(tensor.untyped_storage().data_ptr())
-        return tensor
+        def pack(tensor):
+            if tensor.is_floating_point() and tensor.dim() == 4 and tensor.shape[-2:] == (16, 15):  # 16 padded queries
+                storages.add(tensor.untyped_storage().data_ptr())
+            return tensor
 
-    cp_forward = cpshard.make_cp_forward(model, implementation=implementation)
-    params = {name: p.detach().requires_grad_(True) for name, p in cpshard.params_of(model).items()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        cp_forward(params, batch, cpshard.make_mesh(cp=dist.get_world_size()))
-    return len(storages), model.config.num_hidden_layers
+        params = {name: p.detach().requires_grad_(True) for name, p in cpshard.params_of(model).items()}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            cp_forward(params, batch, mesh)
+        parity = check_parity(model, batch, mesh, cp_forward)
+        return dict(storages=len(storages), layers=model.config.num_hidden_layers, worst=parity.worst)
+    finally:
+        attention.MASK_BLOCK_BYTES = before
 
 
-def test_layers_keep_one_mask_between_them_not_one_each(ranks2):
-    for storages, layers in ranks2.run(saved_mask_storages, "ulysses"):
-        assert layers > 1 and storages == 1, f"{storages} masks kept for the backward by {layers} layers"
+@pytest.mark.parametrize("block_bytes, kept", [(1 << 26, 1), (2 * 3 * 15 * 4, 0)], ids=["shared", "blocked"])
+def test_layers_keep_one_float_mask_between_them_or_none(ranks2, block_bytes, kept):
+    """Small masks: one float copy serves every layer. Above MASK_BLOCK_BYTES (here: 3 rows of 15 keys a
+    block of the 2 rows of the batch), the float rows exist one block at a time and none is kept; parity
+    is exact either way."""
+    for result in ranks2.run(saved_masks, block_bytes):
+        assert result["layers"] > 1 and result["storages"] == kept, result
+        assert result["worst"] <= 1e-5, result
