@@ -24,10 +24,9 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 
 from cpshard.collectives import all_to_all, all_to_all_rows
 from cpshard.context import current_call
+from cpshard.router_loss import expert_counts
 
 PREFIX = "cpshard_ep_"
-#: the expert-weight parameters of transformers' experts modules, by name inside the module
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj_bias")
 
 
 @dataclass(frozen=True)
@@ -209,7 +208,7 @@ def install_experts(model: torch.nn.Module) -> str:
 def check_experts(config, ep: int) -> None:
     """Raise a ValueError when ``config``'s MoE cannot run under cp with expert parallelism over ``ep`` ranks."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    experts = expert_counts(config)[0]
     if not isinstance(experts, int):
         raise ValueError(f"model type {getattr(config, 'model_type', '?')!r} declares no num_experts: it has no experts for ep={ep}")
     if experts % ep:
