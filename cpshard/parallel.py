@@ -38,8 +38,9 @@ def check_mesh(mesh: DeviceMesh) -> None:
 def placements_of(params: dict, layout: Layout | None, mesh: DeviceMesh) -> dict[str, Placed]:
     """Where :func:`parallelize` puts each of ``params`` (no layout: all FSDP alone); a clear error for
     what cannot be laid out so."""
-    where = {name: placed(style_of(name, layout), mesh) for name in params}
-    problems = [placement_problem(name, tuple(p.shape), style_of(name, layout), where[name]) for name, p in params.items()]
+    styles = {name: style_of(name, layout) for name in params}
+    where = {name: placed(style, mesh) for name, style in styles.items()}
+    problems = [placement_problem(name, tuple(p.shape), styles[name], where[name]) for name, p in params.items()]
     problems = [p for p in problems if p]
     if problems:
         raise ValueError(f"parallelize cannot lay out these parameters on this mesh: {'; '.join(problems)}")
