@@ -29,7 +29,7 @@ from cpshard.forward import choose_implementation, make_cp_forward, params_of
 from cpshard.grad import value_and_grad
 from cpshard.memory import current_rss, peak_rss, reset_peak_rss
 from cpshard.mesh import make_mesh
-from cpshard.optimum import optimum_of, ring_optimum_of
+from cpshard.optimum import optimum_for
 from cpshard.processes import LocalRanks
 from cpshard.tiny import tiny_batch, tiny_model
 
@@ -215,12 +215,7 @@ class Row:
 
 
 def _optimum(variant: str, model, seq: int, cp: int) -> int | None:
-    if variant == "single":
-        return None
-    implementation, degree = choose_implementation(_implementation(variant), model.config.num_attention_heads, cp)
-    if implementation != "ulysses":
-        return ring_optimum_of(model, 1, seq, cp, degree, "head_tail").total
-    return optimum_of(model, 1, seq, cp).total
+    return None if variant == "single" else optimum_for(model, 1, seq, cp, _implementation(variant)).total
 
 
 def _rows(results: list[dict], config: BenchConfig, seq: int) -> list[Row]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from cpshard.attention import kv_replication
 from cpshard.batch import padded_length
-from cpshard.forward import params_of
+from cpshard.forward import choose_implementation, params_of
 from cpshard.layouts import resolve_layout
 from cpshard.sequence import chunk_positions, padded_length_for, positions
 
@@ -100,3 +100,13 @@ def ring_optimum_of(model, batch: int, length: int, cp: int, degree: int, order:
         batch=batch, length=length, cp=cp, degree=degree, order=order, hidden=model.config.hidden_size, rank=rank,
         **_sizes(model),
     )
+
+
+def optimum_for(model, batch: int, length: int, cp: int, implementation: str = "auto", sequence_order: str = "auto") -> CommOptimum:
+    """Rank 0's optimum for ``make_cp_forward(model, implementation=..., sequence_order=...)``: the
+    implementation and Ulysses degree it would choose for this cp, and its sequence order."""
+    heads = getattr(model.config, resolve_layout(model).heads)
+    chosen, degree = choose_implementation(implementation, heads, cp)
+    if chosen == "ulysses":
+        return optimum_of(model, batch, length, cp)
+    return ring_optimum_of(model, batch, length, cp, degree, "head_tail" if sequence_order == "auto" else sequence_order)

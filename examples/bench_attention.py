@@ -17,7 +17,7 @@ import torch
 import cpshard
 from cpshard.blocks import ring_blocks
 from cpshard.comms import recording
-from cpshard.optimum import optimum_of, ring_optimum_of
+from cpshard.optimum import optimum_for
 from cpshard.ring import _grouped, tiled_attention, tiled_grads
 from cpshard.sequence import chunks_per_rank, padded_length_for, positions
 from cpshard.tiny import tiny_batch, tiny_model
@@ -112,10 +112,7 @@ def main():
 def _optimum(name: str, model, seq: int, cp: int) -> int:
     """Rank 0's optimum for one variant (the fingerprint check's few hundred bytes are not in it)."""
     options = VARIANTS[name]
-    if options["implementation"] == "ulysses":
-        return optimum_of(model, 1, seq, cp).total
-    degree = 2 if options["implementation"] == "hybrid" else 1
-    return ring_optimum_of(model, 1, seq, cp, degree, options.get("sequence_order", "head_tail")).total
+    return optimum_for(model, 1, seq, cp, options["implementation"], options.get("sequence_order", "auto")).total
 
 
 if __name__ == "__main__":
