@@ -207,7 +207,9 @@ class Row:
     time_ratio: float | None = None
     cpu_ratio: float | None = None
     memory_ratio: float | None = None
+    #: per round (repeat): the slowest rank's wall seconds and the busiest rank's CPU seconds
     step_seconds: list = field(default_factory=list)
+    step_cpu_seconds: list = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -224,7 +226,7 @@ def _rows(results: list[dict], config: BenchConfig, seq: int) -> list[Row]:
     rows = []
     for name in first["times"]:
         slowest = [max(r["times"][name][i] for r in results) for i in range(config.repeats)]
-        cpu = statistics.median(max(r["cpus"][name][i] for r in results) for i in range(config.repeats))
+        busiest = [max(r["cpus"][name][i] for r in results) for i in range(config.repeats)]
         growth = max(statistics.median(r["growths"][name]) for r in results)
         sent, received, by_op = first["counted"][name]
         if name in CPSHARD:  # cpshard's own record of its collectives (the counter agrees; see the json)
@@ -232,7 +234,8 @@ def _rows(results: list[dict], config: BenchConfig, seq: int) -> list[Row]:
             sent = sum(first["recorded"][name].values())
         seconds, variant_cp = statistics.median(slowest), 1 if name == "single" else cp
         optimum = _optimum(name, model, seq, cp)
-        rows.append(Row(name, variant_cp, seq, seconds, cpu, growth / MIB, sent, received, by_op, optimum, step_seconds=slowest))
+        rows.append(Row(name, variant_cp, seq, seconds, statistics.median(busiest), growth / MIB, sent, received, by_op,
+                        optimum, step_seconds=slowest, step_cpu_seconds=busiest))
     return rows
 
 
@@ -246,14 +249,22 @@ def measure(ranks: LocalRanks, config: BenchConfig, seq: int, single: bool = Tru
     return _rows(results, config, seq), notes + results[0]["notes"]
 
 
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median over rounds of ``ours / theirs`` within each round: the variants of a round run back to
+    back, so a slow spell of a shared machine slows both sides of the ratio alike and drops out."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
 def add_ratios(rows: list[Row]) -> None:
-    """Time against the fastest peer at the same (cp, L); peak memory against one process at the same L."""
+    """Time against the fastest peer at the same (cp, L) (the one with the least median), round by round;
+    peak memory against one process at the same L."""
     for row in rows:
         peers = [r for r in rows if r.variant in PEERS and (r.cp, r.seq) == (row.cp, row.seq)]
         single = [r.peak_mib for r in rows if r.variant == "single" and r.seq == row.seq]
         if peers and row.variant != "single":
-            row.time_ratio = row.seconds / min(r.seconds for r in peers)
-            row.cpu_ratio = row.cpu_seconds / min(r.cpu_seconds for r in peers)
+            fastest, least = min(peers, key=lambda r: r.seconds), min(peers, key=lambda r: r.cpu_seconds)
+            row.time_ratio = paired_ratio(row.step_seconds, fastest.step_seconds)
+            row.cpu_ratio = paired_ratio(row.step_cpu_seconds, least.step_cpu_seconds)
         row.memory_ratio = row.peak_mib / single[0] if single and single[0] > 0 else None
 
 

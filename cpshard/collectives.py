@@ -18,11 +18,11 @@ from cpshard.comms import active_log, record
 
 def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, log, name: str, phase: str) -> torch.Tensor:
     """Send chunk ``i`` of ``scatter_dim`` to rank ``i``; concatenate what arrives along ``gather_dim``."""
-    size = dist.get_world_size(group)
-    send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    size, scatter_dim, gather_dim = dist.get_world_size(group), scatter_dim % x.dim(), gather_dim % x.dim()
+    send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()  # a view when x allows
     record(log, "all_to_all", name, phase, send, size)
     received = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)  # copies only where it must
 
 
 class _Exchange(torch.autograd.Function):

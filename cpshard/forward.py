@@ -11,7 +11,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
@@ -31,7 +30,8 @@ from cpshard.sequence import chunk_positions, chunks_per_rank
 from cpshard.tensor_parallel import check_tensor_parallel, install_tensor_parallel
 from cpshard.router_loss import expert_counts, load_balancing_loss, local_token_mask
 from cpshard.cross_entropy import cross_entropy_sum
-from cpshard.tiled_loss import head_of, tiled_loss_sum, transform_logits
+from cpshard.head import head_matches, head_of, own_logits
+from cpshard.tiled_loss import tiled_loss_sum
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
 #: models already prepared, and the decoder-layer paths hooked in each (a registry of setup done)
@@ -168,12 +168,23 @@ class CPForward:
         routed = bool(getattr(self.model.config, "output_router_logits", False))
         if self.keep_logits and not routed:
             return torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True).logits, None
+        if not head_matches(self.model, params):
+            why, instead = (
+                ("for the router loss (output_router_logits=True)", "without the router loss")
+                if routed
+                else ("to compute the loss chunk by chunk (logits=False)", "with logits=True")
+            )
+            raise ValueError(
+                f"{type(self.model).__name__}'s LM head gives other logits than its projection with the transforms cpshard "
+                f"knows (logits_scaling, final_logit_softcapping), and cpshard would run the head itself {why}; "
+                f"{instead}, cp_forward uses the model's own head"
+            )
         prefix = self.decoder_prefix + "."
         trunk = {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
         output = torch.func.functional_call(self.model.get_decoder(), trunk, (), inputs, strict=False, tie_weights=True)
         local = output.last_hidden_state
         if self.keep_logits:
-            local = transform_logits(F.linear(local, *head_of(self.model, params)), self.model.config)
+            local = own_logits(self.model, params, local)
         return local, output.router_logits if routed else None
 
     def _router_loss(self, router_logits: tuple, padded: PaddedBatch, call: CPCall) -> torch.Tensor:

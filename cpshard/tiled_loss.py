@@ -14,20 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from cpshard.cross_entropy import cross_entropy_sum
+from cpshard.head import transform_logits
 
 #: logits per chunk: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
 CHUNK_ELEMENTS = 1 << 24
-
-
-def transform_logits(logits: torch.Tensor, config) -> torch.Tensor:
-    """What the model's LM head does after the projection (Granite's scaling, Gemma's softcap)."""
-    scaling = getattr(config, "logits_scaling", None)
-    if scaling:
-        logits = logits / scaling
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
 
 
 def _chunk_loss(hidden, labels, weight, bias, config):
@@ -71,10 +61,3 @@ def tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements: int = C
     step = max(1, chunk_elements // (hidden.shape[0] * weight.shape[0]))
     return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, config, step)
 
-
-def head_of(model, params: dict):
-    """The LM head's weight and bias among ``params`` (a tied weight under the name params has for it)."""
-    head = model.get_output_embeddings()
-    canonical = {id(p): name for name, p in model.named_parameters()}
-    names = {local: canonical[id(p)] for local, p in head.named_parameters()}
-    return params[names["weight"]], params[names["bias"]] if "bias" in names else None

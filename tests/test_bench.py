@@ -51,7 +51,8 @@ def test_rows_times_bytes_and_optimum(ranks2):
 
     bench.add_ratios(rows)
     assert by_name["single"].memory_ratio == 1.0 and by_name["single"].time_ratio is None
-    assert min(by_name[p].time_ratio for p in set(bench.PEERS) - absent) == 1.0
+    peers = [by_name[p] for p in set(bench.PEERS) - absent]
+    assert min(peers, key=lambda r: r.seconds).time_ratio == 1.0 and min(peers, key=lambda r: r.cpu_seconds).cpu_ratio == 1.0
     table = bench.format_table(rows)
     assert all(name in table for name in by_name) and "tokens/s" in table
     assert any(line.startswith("  time, cp=2, L=64") for line in bench.targets(rows))
@@ -65,6 +66,12 @@ def test_absent_baselines_give_notes(ranks2):
     assert all("skipped" in note and "\n" not in note for note in notes)
     rows = bench._rows(results, CONFIG, 32)
     assert [row.variant for row in rows] == ["ulysses"]
+
+
+def test_paired_ratio_takes_each_round_against_its_own():
+    ours, theirs = [0.9, 1.8, 1.8], [1.0, 2.0, 1.0]  # rounds' ratios 0.9, 0.9, 1.8; the medians' ratio would be 1.8
+    assert bench.paired_ratio(ours, theirs) == pytest.approx(0.9)
+    assert bench.paired_ratio([0.9, 2.7], [1.0, 3.0]) == pytest.approx(0.9)
 
 
 def test_json_file(tmp_path):

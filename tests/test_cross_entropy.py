@@ -1,37 +1,85 @@
-"""The fused cross-entropy against torch's: loss and logit gradients, ignored labels, bf16 logits."""
+"""The blocked cross-entropy against torch's: loss and logit gradients, ignored labels, bf16 logits,
+blocks that do not divide the rows, and how many buffers of the logits' size a step makes."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from cpshard.batch import IGNORE_INDEX
-from cpshard.cross_entropy import cross_entropy_sum
+from cpshard.cross_entropy import cross_entropy_sum, row_blocks
+
+VOCAB = 50
 
 
-def _both(logits: torch.Tensor, labels: torch.Tensor, scale: float = 1.0):
-    results = []
-    for loss_fn in (
-        cross_entropy_sum,
-        lambda x, y: F.cross_entropy(x.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"),
-    ):
-        leaf = logits.detach().clone().requires_grad_(True)
-        loss = loss_fn(leaf, labels)
-        (loss * scale).backward()
-        results.append((loss.detach(), leaf.grad))
-    return results
+def _torch_loss(logits, labels):
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _loss_and_grad(loss_fn, logits, labels, scale: float = 1.0):
+    leaf = logits.detach().clone().requires_grad_(True)
+    loss = loss_fn(leaf, labels)
+    (loss * scale).backward()
+    return loss.detach(), leaf.grad
+
+
+def _case(seed: int, ignored: float, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (4 * torch.randn(3, 17, VOCAB, generator=generator)).to(dtype)
+    labels = torch.randint(0, VOCAB, (3, 17), generator=generator)
+    labels[torch.rand(3, 17, generator=generator) < ignored] = IGNORE_INDEX
+    return logits, labels
+
+
+@pytest.mark.parametrize("block_rows", [1, 2, 5, 51, 1000])  # 51 rows in all: one block, blocks that do not divide
 @pytest.mark.parametrize("ignored", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_torch(ignored, dtype):
-    generator = torch.Generator().manual_seed(int(ignored * 10))
-    logits = (4 * torch.randn(3, 17, 50, generator=generator)).to(dtype)
-    labels = torch.randint(0, 50, (3, 17), generator=generator)
-    labels[torch.rand(3, 17, generator=generator) < ignored] = IGNORE_INDEX
-    (ours, our_grad), (theirs, their_grad) = _both(logits, labels, scale=0.7)
+def test_matches_torch(block_rows, ignored, dtype):
+    logits, labels = _case(int(ignored * 10) + block_rows, ignored, dtype)
+    ours, our_grad = _loss_and_grad(lambda x, y: cross_entropy_sum(x, y, block_rows * VOCAB), logits, labels, scale=0.7)
+    theirs, their_grad = _loss_and_grad(_torch_loss, logits, labels, scale=0.7)
     assert our_grad.dtype == dtype
     assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-5), (ours, theirs)
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the gradient is rounded to bf16 either way
     assert (our_grad.float() - their_grad.float()).abs().max() <= tolerance
     if ignored == 1.0:
         assert ours == 0 and not our_grad.any()
+
+
+def test_row_blocks_cover_every_row_once():
+    for rows, width, elements in ((51, 50, 100), (51, 50, 1), (0, 50, 100), (7, 3, 1 << 20)):
+        covered = [r for block in row_blocks(rows, width, elements) for r in range(rows)[block]]
+        assert covered == list(range(rows))
+    assert len(row_blocks(51, 50, 100)) == 26  # two rows a block, the last one alone
+
+
+class _LogitsSizedBuffers(TorchDispatchMode):
+    """The storages of at least ``nbytes`` bytes, other than ``existing``'s, that the ops inside the block create."""
+
+    def __init__(self, nbytes: int, existing: torch.Tensor):
+        super().__init__()
+        self.nbytes, self.seen, self.made = nbytes, {existing.untyped_storage().data_ptr()}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            if storage is not None and storage.nbytes() >= self.nbytes and storage.data_ptr() not in self.seen:
+                self.seen.add(storage.data_ptr())
+                self.made.append(func.overloadpacket.__name__)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_buffer_of_the_logits_size(dtype):
+    """torch's cross-entropy makes three (five for bf16 logits: their fp32 copy, and the gradient cast back);
+    this one makes the gradient only."""
+    logits, labels = _case(0, 0.3, dtype)
+    counts = []
+    for loss_fn in (lambda x, y: cross_entropy_sum(x, y, 4 * VOCAB), _torch_loss):
+        leaf = logits.detach().clone().requires_grad_(True)
+        with _LogitsSizedBuffers(logits.numel() * logits.element_size(), leaf) as counter:
+            loss_fn(leaf, labels).backward()
+        counts.append(len(counter.made))
+    assert counts == [1, 3 if dtype == torch.float32 else 5], counts

@@ -1,0 +1,49 @@
+"""cpshard's LM head against the models' own: the known transforms, and the check that finds the others."""
+
+import pytest
+import torch
+
+from cpshard.forward import make_cp_forward, params_of
+from cpshard.head import head_matches, own_logits
+from cpshard.mesh import make_mesh
+from cpshard.parity import check_parity
+from cpshard.tiny import tiny_batch, tiny_model
+
+HEADS = [
+    ("llama", {}, True),
+    ("gemma3_text", {"final_logit_softcapping": 2.0}, True),
+    ("granite", {"logits_scaling": 3.0}, True),
+    ("qwen3_moe", {"output_router_logits": True}, True),
+    ("llama", {"tie_word_embeddings": True}, True),
+    ("cohere", {"logit_scale": 0.5}, False),  # Cohere multiplies its logits by logit_scale: unknown to cpshard
+]
+
+
+@pytest.mark.parametrize("model_type,options,known", HEADS)
+def test_own_logits_are_the_models_where_the_check_says_so(model_type, options, known):
+    model = tiny_model(model_type, **options)
+    params = params_of(model)
+    ids = torch.randint(3, 128, (1, 6))
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+    expected = model(input_ids=ids, output_router_logits=False).logits
+    assert head_matches(model, params) is known
+    assert torch.allclose(own_logits(model, params, hidden), expected, atol=1e-6) is known
+    assert model.get_decoder() is not None and type(model.get_decoder()).__name__.endswith("Model")  # put back
+
+
+def run_unknown_head():
+    """On each rank of a cp=2 group: parity with logits=True, and the error logits=False raises."""
+    model = tiny_model("cohere", logit_scale=0.5)
+    batch, mesh = tiny_batch(model.config.vocab_size, 2, 9), make_mesh(cp=2)
+    parity = check_parity(model, batch, mesh, make_cp_forward(model))
+    try:
+        make_cp_forward(model, logits=False)(params_of(model), batch, mesh)
+    except ValueError as error:
+        return parity, str(error)
+    return parity, None
+
+
+def test_a_head_cpshard_does_not_know_serves_logits_true_and_refuses_logits_false(ranks2):
+    for parity, error in ranks2.run(run_unknown_head):
+        assert parity.worst <= 1e-5 and parity.comm_bytes > 0, parity.diffs
+        assert error and "CohereForCausalLM's LM head gives other logits" in error and "with logits=True" in error, error
