@@ -6,7 +6,8 @@
   registered in transformers' registry around the same sdpa function; the rest of the model is
   split by cpshard's own machinery (the same cut and gradient all-reduce), so a baseline differs
   from cpshard's Ulysses in the attention's sequence/head exchange and in its loss: torch's
-  cross-entropy, as the peers' users compute it, where cpshard's own holds half the memory.
+  cross-entropy, as the peers' users compute it, where cpshard's own makes one buffer of the logits'
+  size instead of three.
 
 Bytes are counted the same way for all: :class:`CollectiveCounter` sees every collective torch
 dispatches (functional or c10d) and sums the sizes of the tensors passed in.
@@ -194,7 +195,7 @@ def baseline_step(name: str, model):
 
 class TorchLossForward(CPForward):
     """cpshard's Ulysses forward with the loss the peers' users compute: torch's cross-entropy on the local
-    logits (cpshard's own fused one holds half the memory at its peak; a peer would not have it)."""
+    logits (cpshard's own makes one buffer of the logits' size instead of three; a peer would not have it)."""
 
     def __init__(self, model):
         options = dict(ulysses_degree=None, sequence_order="auto")

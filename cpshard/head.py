@@ -1,11 +1,11 @@
 """The model's LM head as cpshard computes it, and the check that it is the model's own.
 
 cpshard runs the head itself where the model's forward cannot serve: the loss without the logits
-(:mod:`cpshard.tiled_loss`), and MoE models whose forward would add a slice-local router loss. It knows the transforms transformers'
-heads apply after the projection (Granite's scaling, Gemma's final softcap). A head that does
-anything else (Cohere's ``logit_scale``, say) would be silently wrong, so before cpshard uses its
-own head on a model it runs the model's own forward once on two tokens with the decoder stood in
-for by fixed hidden states, and compares.
+(:mod:`cpshard.tiled_loss`), and MoE models whose forward would add a slice-local router loss. It
+knows the transforms transformers' heads apply after the projection (Granite's scaling, Gemma's
+final softcap). A head that does anything else (Cohere's ``logit_scale``, say) would give a wrong
+loss of the right shape, so before cpshard uses its own head on a model it runs the model's own
+forward once on two tokens, with the decoder stood in for by fixed hidden states, and compares.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_row_blocks_cover_every_row_once():
 
 
 class _LogitsSizedBuffers(TorchDispatchMode):
-    """The storages of at least ``nbytes`` bytes, other than ``existing``'s, that the ops inside the block create."""
+    """The storages (and one tensor of each) of at least ``nbytes`` bytes, other than ``existing``'s, that the ops inside the block create."""
 
     def __init__(self, nbytes: int, existing: torch.Tensor):
         super().__init__()
@@ -67,14 +67,14 @@ class _LogitsSizedBuffers(TorchDispatchMode):
             storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
             if storage is not None and storage.nbytes() >= self.nbytes and storage.data_ptr() not in self.seen:
                 self.seen.add(storage.data_ptr())
-                self.made.append(func.overloadpacket.__name__)
+                self.made.append((func.overloadpacket.__name__, t))  # kept alive: no later buffer reuses its address
         return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_buffer_of_the_logits_size(dtype):
-    """torch's cross-entropy makes three (five for bf16 logits: their fp32 copy, and the gradient cast back);
-    this one makes the gradient only."""
+    """torch's cross-entropy makes at least three (log-probs, nll's gradient, the logits' gradient; bf16 adds
+    the fp32 copy and the casts back); this one makes the gradient only."""
     logits, labels = _case(0, 0.3, dtype)
     counts = []
     for loss_fn in (lambda x, y: cross_entropy_sum(x, y, 4 * VOCAB), _torch_loss):
@@ -82,4 +82,4 @@ def test_one_buffer_of_the_logits_size(dtype):
         with _LogitsSizedBuffers(logits.numel() * logits.element_size(), leaf) as counter:
             loss_fn(leaf, labels).backward()
         counts.append(len(counter.made))
-    assert counts == [1, 3 if dtype == torch.float32 else 5], counts
+    assert counts[0] == 1 and counts[1] >= 3, counts
