@@ -24,7 +24,7 @@ from cpshard.blocks import ring_blocks
 from cpshard.context import active_call
 from cpshard.redistribute import redistribute
 from cpshard.ring import RingAttention
-from cpshard.sequence import chunks_per_rank, group_positions
+from cpshard.sequence import chunks_per_rank, group_positions, row_blocks
 from cpshard.spec import Dim, Spec
 
 PREFIX = "cpshard_"
@@ -116,10 +116,10 @@ def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
     ``B x L x L`` mask (4 bytes an entry, which sdpa would keep for the backward in every layer) exists
     one block of rows at a time, in the forward and again in the backward, at the price of computing
     each block's attention twice. Each query's row is computed as sdpa computes it whole."""
-    rows = max(1, MASK_BLOCK_BYTES // (mask.shape[0] * mask.shape[-1] * query.element_size()))
+    row_bytes = mask.shape[0] * mask.shape[-1] * query.element_size()
     blocks = [
         checkpoint(_sdpa_rows, function, module, query[:, :, part], key, value, mask[..., part, :], kwargs, use_reentrant=False)
-        for part in (slice(start, start + rows) for start in range(0, query.shape[2], rows))
+        for part in row_blocks(query.shape[2], row_bytes, MASK_BLOCK_BYTES)
     ]
     return torch.cat(blocks, dim=1), None
 

@@ -16,15 +16,10 @@ from __future__ import annotations
 import torch
 
 from cpshard.batch import IGNORE_INDEX
+from cpshard.sequence import row_blocks
 
 #: fp32 values per block of rows: 2^19 (2 MiB), which stays in cache between the passes over it
 BLOCK_ELEMENTS = 1 << 19
-
-
-def row_blocks(rows: int, width: int, block_elements: int) -> list[slice]:
-    """Slices of ``rows`` rows of ``width`` values, each holding about ``block_elements`` values (at least a row)."""
-    step = max(1, block_elements // max(1, width))
-    return [slice(start, start + step) for start in range(0, rows, step)]
 
 
 class _CrossEntropySum(torch.autograd.Function):

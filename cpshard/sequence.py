@@ -60,3 +60,10 @@ def padded_length_for(length: int, size: int, order: str) -> int:
     """The smallest length >= ``length`` that splits into equal chunks for ``order`` over ``size`` ranks."""
     pieces = size * chunks_per_rank(order)
     return -(-length // pieces) * pieces
+
+
+def row_blocks(rows: int, width: int, budget: int) -> list[slice]:
+    """Slices of ``rows`` rows of ``width`` each (values, bytes), each within about ``budget`` (at least a row):
+    how the work done a block of tokens or queries at a time is cut."""
+    step = max(1, budget // max(1, width))
+    return [slice(start, start + step) for start in range(0, rows, step)]

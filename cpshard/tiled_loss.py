@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from cpshard.cross_entropy import cross_entropy_sum
 from cpshard.head import transform_logits
+from cpshard.sequence import row_blocks
 
 #: logits per chunk: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
 CHUNK_ELEMENTS = 1 << 24
@@ -26,12 +27,11 @@ def _chunk_loss(hidden, labels, weight, bias, config):
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, config, step: int):
+    def forward(ctx, hidden, weight, bias, labels, config, parts: list[slice]):
         wanted = [need and x is not None for x, need in zip((hidden, weight, bias), ctx.needs_input_grad)]
         grads = [torch.zeros_like(x) if want else None for x, want in zip((hidden, weight, bias), wanted)]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[1], step):
-            part = slice(start, start + step)
+        for part in parts:
             with torch.enable_grad():
                 leaves = [
                     None if x is None else x.detach().requires_grad_(want)
@@ -58,6 +58,6 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 def tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, chunk by chunk."""
-    step = max(1, chunk_elements // (hidden.shape[0] * weight.shape[0]))
-    return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, config, step)
+    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], chunk_elements)
+    return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, config, parts)
 

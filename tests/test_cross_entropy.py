@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from cpshard.batch import IGNORE_INDEX
-from cpshard.cross_entropy import cross_entropy_sum, row_blocks
+from cpshard.cross_entropy import cross_entropy_sum
 
 VOCAB = 50
 
@@ -45,13 +45,6 @@ def test_matches_torch(block_rows, ignored, dtype):
     assert (our_grad.float() - their_grad.float()).abs().max() <= tolerance
     if ignored == 1.0:
         assert ours == 0 and not our_grad.any()
-
-
-def test_row_blocks_cover_every_row_once():
-    for rows, width, elements in ((51, 50, 100), (51, 50, 1), (0, 50, 100), (7, 3, 1 << 20)):
-        covered = [r for block in row_blocks(rows, width, elements) for r in range(rows)[block]]
-        assert covered == list(range(rows))
-    assert len(row_blocks(51, 50, 100)) == 26  # two rows a block, the last one alone
 
 
 class _LogitsSizedBuffers(TorchDispatchMode):

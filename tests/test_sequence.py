@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cpshard.sequence import chunk_positions, exchange_plan, group_positions, positions
+from cpshard.sequence import chunk_positions, exchange_plan, group_positions, positions, row_blocks
 
 
 @pytest.mark.parametrize("order", ["contiguous", "head_tail"])
@@ -49,3 +49,10 @@ def test_exchange_plan_moves_every_token_to_its_new_holder():
             _, receive = plans[receiver]
             got[receive[sender]] = src[sender][send[receiver]]
         assert torch.equal(got, dst[receiver])
+
+
+def test_row_blocks_cover_every_row_once():
+    for rows, width, elements in ((51, 50, 100), (51, 50, 1), (0, 50, 100), (7, 3, 1 << 20)):
+        covered = [r for block in row_blocks(rows, width, elements) for r in range(rows)[block]]
+        assert covered == list(range(rows))
+    assert len(row_blocks(51, 50, 100)) == 26  # two rows a block, the last one alone
