@@ -1,16 +1,21 @@
-"""cpshard: exact context parallelism for transformers models, with a JAX-style functional API."""
+"""cpshard: exact context parallelism for transformers models, with a JAX-style functional API.
 
-from cpshard.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
-from cpshard.forward import CPOutput, make_cp_forward, params_of
-from cpshard.grad import value_and_grad
-from cpshard.layout import Layout
-from cpshard.mesh import make_mesh
-from cpshard.parallel import parallelize
-from cpshard.processes import LocalRanks, RankError, launch
-from cpshard.spec import Spec, SpecError
-from cpshard import debug  # last: it sits on top of everything above
+This facade holds the public names (API.md); ``cpshard.debug`` is public too. Every other module is
+private: its names may move between releases.
+"""
+
+from cpshard import debug
+from cpshard.layouts.layout import Layout
+from cpshard.parallel.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from cpshard.parallel.fsdp import parallelize
+from cpshard.parallel.mesh import make_mesh
+from cpshard.parallel.processes import LocalRanks, RankError, launch
+from cpshard.runtime.forward import CPOutput, make_cp_forward, params_of
+from cpshard.runtime.grad import value_and_grad
+from cpshard.spec.notation import Spec, SpecError
 
 __all__ = [
+    "debug",
     "CPOutput",
     "Layout",
     "LocalRanks",

@@ -15,14 +15,22 @@ import time
 import torch
 
 import cpshard
-from cpshard.blocks import ring_blocks
-from cpshard.comms import recording
-from cpshard.optimum import optimum_for
-from cpshard.ring import _grouped, tiled_attention, tiled_grads
-from cpshard.sequence import chunks_per_rank, padded_length_for, positions
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.attention.blocks import ring_blocks
+from cpshard.attention.ring import _grouped, tiled_attention, tiled_grads
+from cpshard.comm.record import recording
+from cpshard.debug.optimum import optimum_for
+from cpshard.spec.sequence import chunks_per_rank, padded_length_for, positions
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
-MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=1024)
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    vocab_size=1024,
+)
 VARIANTS = {
     "ulysses": dict(implementation="ulysses"),
     "ring": dict(implementation="ring", sequence_order="head_tail"),
@@ -41,7 +49,11 @@ def step_times(seq: int, repeats: int):
     model = tiny_model("llama", **MODEL)
     batch = tiny_batch(model.config.vocab_size, 1, seq)
     mesh, params = cpshard.make_mesh(cp=cp), cpshard.params_of(model)
-    steps = {name: cpshard.value_and_grad(cpshard.make_cp_forward(model, **options)) for name, options in VARIANTS.items() if fits(name, cp)}
+    steps = {
+        name: cpshard.value_and_grad(cpshard.make_cp_forward(model, **options))
+        for name, options in VARIANTS.items()
+        if fits(name, cp)
+    }
     times, sent = {name: [] for name in steps}, {}
     for repeat in range(repeats + 1):
         for name, step in steps.items():
@@ -77,7 +89,22 @@ def ring_compute_per_rank(seq: int, cp: int, order: str, repeats: int = 3) -> li
             grad_q, grad_kv, delta = torch.zeros_like(q), torch.zeros(2, *k.shape), (out * out).sum(-1)
             for source in range(cp):
                 if blocks.needed[rank][source]:
-                    tiled_grads(grad_q, grad_kv, q, k, v, blocks.masks[source], lse, out, out, delta, 0.25, None, None, tile)
+                    tiled_grads(
+                        grad_q,
+                        grad_kv,
+                        q,
+                        k,
+                        v,
+                        blocks.masks[source],
+                        lse,
+                        out,
+                        out,
+                        delta,
+                        0.25,
+                        None,
+                        None,
+                        tile,
+                    )
             runs.append(time.perf_counter() - start)
         seconds.append(statistics.median(runs))
     return seconds
@@ -100,19 +127,28 @@ def main():
                 for name, seconds in medians.items():
                     total = sum(sent[name].values())
                     optimum = _optimum(name, model, seq, nprocs)
-                    print(f"| {nprocs} | {seq} | {name} | {seconds:.3f} | {seconds / medians['ulysses']:.2f} | {total:,} | {optimum:,} | {total / optimum:.4f} |", flush=True)
+                    print(
+                        f"| {nprocs} | {seq} | {name} | {seconds:.3f} | {seconds / medians['ulysses']:.2f} | {total:,} | {optimum:,} | {total / optimum:.4f} |",
+                        flush=True,
+                    )
     print("\nring attention compute per rank alone (forward + backward), max/min over ranks:")
     for nprocs in args.nprocs:
         for seq in args.seqs:
-            spread = {order: ring_compute_per_rank(seq, nprocs, order) for order in ("contiguous", "head_tail")}
-            text = ", ".join(f"{order}: max {max(s):.3f} s, max/min {max(s) / min(s):.2f}" for order, s in spread.items())
+            spread = {
+                order: ring_compute_per_rank(seq, nprocs, order) for order in ("contiguous", "head_tail")
+            }
+            text = ", ".join(
+                f"{order}: max {max(s):.3f} s, max/min {max(s) / min(s):.2f}" for order, s in spread.items()
+            )
             print(f"  {nprocs} ranks, L={seq}: {text}", flush=True)
 
 
 def _optimum(name: str, model, seq: int, cp: int) -> int:
     """Rank 0's optimum for one variant (the fingerprint check's few hundred bytes are not in it)."""
     options = VARIANTS[name]
-    return optimum_for(model, 1, seq, cp, options["implementation"], options.get("sequence_order", "auto")).total
+    return optimum_for(
+        model, 1, seq, cp, options["implementation"], options.get("sequence_order", "auto")
+    ).total
 
 
 if __name__ == "__main__":

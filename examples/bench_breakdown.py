@@ -18,18 +18,40 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cpshard.bench import VARIANTS, BenchConfig, _steps
-from cpshard.forward import params_of
-from cpshard.mesh import make_mesh
-from cpshard.processes import LocalRanks
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.parallel.mesh import make_mesh
+from cpshard.parallel.processes import LocalRanks
+from cpshard.runtime.forward import params_of
+from cpshard.tools.bench import VARIANTS, BenchConfig, _steps
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 KINDS = {  # first match wins
-    "collectives": ("all_to_all", "alltoall", "all_gather", "allgather", "all_reduce", "allreduce", "send", "recv", "wait", "gloo", "c10d"),
+    "collectives": (
+        "all_to_all",
+        "alltoall",
+        "all_gather",
+        "allgather",
+        "all_reduce",
+        "allreduce",
+        "send",
+        "recv",
+        "wait",
+        "gloo",
+        "c10d",
+    ),
     "attention": ("scaled_dot_product", "flash_attention", "efficient_attention"),
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
     "loss": ("log_softmax", "nll_loss", "cross_entropy"),
-    "copies": ("copy_", "aten::cat", "aten::stack", "aten::clone", "contiguous", "index_select", "_to_copy", "index", "scatter"),
+    "copies": (
+        "copy_",
+        "aten::cat",
+        "aten::stack",
+        "aten::clone",
+        "contiguous",
+        "index_select",
+        "_to_copy",
+        "index",
+        "scatter",
+    ),
 }
 
 
@@ -42,7 +64,14 @@ class LiveTensors(TorchDispatchMode):
 
     def __init__(self, top: int = 12):
         super().__init__()
-        self.live, self.refs, self.total, self.peak, self.at_peak, self.top = {}, defaultdict(int), 0, 0, [], top
+        self.live, self.refs, self.total, self.peak, self.at_peak, self.top = (
+            {},
+            defaultdict(int),
+            0,
+            0,
+            [],
+            top,
+        )
 
     def _release(self, ptr: int) -> None:
         self.refs[ptr] -= 1
@@ -52,12 +81,17 @@ class LiveTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if type(t) is not torch.Tensor or t.device.type != "cpu":  # a collective's wrapper holds no storage
+            if (
+                type(t) is not torch.Tensor or t.device.type != "cpu"
+            ):  # a collective's wrapper holds no storage
                 continue
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in self.live:
-                self.live[ptr] = (storage.nbytes(), f"{func.overloadpacket.__name__} {list(t.shape)} {str(t.dtype)[6:]}")
+                self.live[ptr] = (
+                    storage.nbytes(),
+                    f"{func.overloadpacket.__name__} {list(t.shape)} {str(t.dtype)[6:]}",
+                )
                 self.total += storage.nbytes()
             self.refs[ptr] += 1
             weakref.finalize(t, self._release, ptr)
@@ -91,7 +125,12 @@ def breakdown(config: BenchConfig, seq: int, variants: tuple) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--variants", nargs="+", default=["single", "ulysses", "ulysses-nologits", "deepspeed"], choices=VARIANTS)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["single", "ulysses", "ulysses-nologits", "deepspeed"],
+        choices=VARIANTS,
+    )
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
     config = BenchConfig(seqs=(args.seq,), vocab=args.vocab)
@@ -99,7 +138,9 @@ def main():
         report = ranks.run(breakdown, config, args.seq, tuple(args.variants))[0]
     for name, (kinds, peak, at_peak) in report.items():
         total = sum(kinds.values())
-        split = ", ".join(f"{kind} {seconds:.2f}" for kind, seconds in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        split = ", ".join(
+            f"{kind} {seconds:.2f}" for kind, seconds in sorted(kinds.items(), key=lambda kv: -kv[1])
+        )
         print(f"\n{name}: self CPU {total:.2f} s on rank 0: {split}")
         print(f"  peak of tensors made in the step: {peak / 2**20:.0f} MiB; the biggest alive then:")
         for nbytes, what in at_peak:

@@ -10,9 +10,8 @@ import argparse
 import statistics
 import time
 
-
 import cpshard
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def plain_step(model, batch):
@@ -26,14 +25,23 @@ def cp_step(grad_fn, params, batch, mesh):
 
 def measure(args):
     model = tiny_model(
-        "llama", hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 64, head_dim=32, vocab_size=4096,
+        "llama",
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 32,
+        num_key_value_heads=args.hidden // 64,
+        head_dim=32,
+        vocab_size=4096,
     )
     batch = tiny_batch(model.config.vocab_size, 1, args.seq)
     mesh = cpshard.make_mesh(cp=1)
     grad_fn = cpshard.value_and_grad(cpshard.make_cp_forward(model))
     params = cpshard.params_of(model)
-    runs = {"plain": lambda: plain_step(model, batch), "cp_forward": lambda: cp_step(grad_fn, params, batch, mesh)}
+    runs = {
+        "plain": lambda: plain_step(model, batch),
+        "cp_forward": lambda: cp_step(grad_fn, params, batch, mesh),
+    }
     times = {name: [] for name in runs}
     for _ in range(2):  # warm-up
         for run in runs.values():
@@ -55,8 +63,10 @@ def main():
     args = parser.parse_args()
     medians = cpshard.launch(measure, args, nprocs=1)[0]
     ratio = medians["cp_forward"] / medians["plain"]
-    print(f"seq {args.seq}: plain {medians['plain'] * 1e3:.1f} ms, cp_forward(cp=1) {medians['cp_forward'] * 1e3:.1f} ms,"
-          f" ratio {ratio:.3f} (median of {args.repeats}, alternated)")
+    print(
+        f"seq {args.seq}: plain {medians['plain'] * 1e3:.1f} ms, cp_forward(cp=1) {medians['cp_forward'] * 1e3:.1f} ms,"
+        f" ratio {ratio:.3f} (median of {args.repeats}, alternated)"
+    )
 
 
 if __name__ == "__main__":

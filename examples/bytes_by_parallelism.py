@@ -4,14 +4,14 @@
 
 Four local CPU ranks; for each mesh, one ``value_and_grad`` step of a small model (Qwen3-MoE for
 the meshes with ``ep``, llama otherwise) on whole sequences; rank 0's bytes put into collectives,
-counted by :meth:`cpshard.comms.CommsLog.bytes_by_parallelism`.
+counted by :meth:`cpshard.comm.record.CommsLog.bytes_by_parallelism`.
 """
 
 import argparse
 
 import cpshard
-from cpshard.comms import recording
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.comm.record import recording
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 MESHES = {
     "fsdp2 x cp2": dict(fsdp=2, cp=2),

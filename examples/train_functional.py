@@ -5,7 +5,7 @@ over the params pytree. Each step returns new params; nothing is changed in plac
     python examples/train_functional.py --nprocs 2
 
 The sequence is split over every rank (a cp mesh); loss and gradients are exactly those of one
-process on the whole sequence. AdamW is ``cpshard.optim.adamw_update``: optree.tree_map over
+process on the whole sequence. AdamW is ``cpshard.runtime.optim.adamw_update``: optree.tree_map over
 params, grads and moments.
 """
 
@@ -15,8 +15,8 @@ import os
 import torch
 
 import cpshard
-from cpshard.optim import adamw_init, adamw_update
-from cpshard.tiny import tiny_model
+from cpshard.runtime.optim import adamw_init, adamw_update
+from cpshard.tools.tiny import tiny_model
 
 
 def train(steps: int, seq: int, lr: float) -> float:

@@ -8,15 +8,24 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cpshard
-from cpshard import attention
-from cpshard.attention import additive_mask, kv_replication, ulysses_name, without_padding_keys
-from cpshard.parity import check_parity
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.attention import cp_attention as attention
+from cpshard.attention.cp_attention import additive_mask, kv_replication, ulysses_name, without_padding_keys
+from cpshard.tools.parity import check_parity
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 @pytest.mark.parametrize(
     "heads,kv_heads,cp,replicas",
-    [(4, 4, 2, 1), (4, 2, 2, 1), (4, 1, 2, 2), (4, 2, 4, 2), (4, 1, 4, 4), (8, 2, 4, 2), (6, 3, 2, 2), (6, 2, 3, 3)],
+    [
+        (4, 4, 2, 1),
+        (4, 2, 2, 1),
+        (4, 1, 2, 2),
+        (4, 2, 4, 2),
+        (4, 1, 4, 4),
+        (8, 2, 4, 2),
+        (6, 3, 2, 2),
+        (6, 2, 3, 3),
+    ],
 )
 def test_kv_replication_lets_every_rank_find_its_kv_heads(heads, kv_heads, cp, replicas):
     assert kv_replication(heads, kv_heads, cp) == replicas
@@ -33,7 +42,9 @@ def test_kv_replication_lets_every_rank_find_its_kv_heads(heads, kv_heads, cp, r
 
 
 def test_kv_replication_names_the_cp_sizes_that_work():
-    with pytest.raises(ValueError, match=r"num_attention_heads=6 is not divisible by cp=4; cp sizes that work: 1, 2, 3, 6"):
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads=6 is not divisible by cp=4; cp sizes that work: 1, 2, 3, 6"
+    ):
         kv_replication(6, 2, 4)
 
 
@@ -41,7 +52,11 @@ def test_without_padding_keys_keeps_the_real_sequence():
     key, value = torch.randn(2, 3, 8, 4), torch.randn(2, 3, 8, 4)
     mask = torch.randn(2, 1, 8, 8)
     k, v, m = without_padding_keys(key, value, mask, 5)
-    assert torch.equal(k, key[:, :, :5]) and torch.equal(v, value[:, :, :5]) and torch.equal(m, mask[:, :, :, :5])
+    assert (
+        torch.equal(k, key[:, :, :5])
+        and torch.equal(v, value[:, :, :5])
+        and torch.equal(m, mask[:, :, :, :5])
+    )
 
 
 @pytest.mark.parametrize("inner", ["sdpa", "eager"])
@@ -79,7 +94,9 @@ def saved_masks(block_bytes: int) -> dict:
         storages = set()
 
         def pack(tensor):
-            if tensor.is_floating_point() and tensor.dim() == 4 and tensor.shape[-2:] == (16, 15):  # 16 padded queries
+            if (
+                tensor.is_floating_point() and tensor.dim() == 4 and tensor.shape[-2:] == (16, 15)
+            ):  # 16 padded queries
                 storages.add(tensor.untyped_storage().data_ptr())
             return tensor
 

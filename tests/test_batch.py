@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.batch import (
+from cpshard.runtime.batch import (
     IGNORE_INDEX,
     BatchError,
     check_batch,
@@ -18,7 +18,7 @@ from cpshard.batch import (
     shifted_labels,
     validate,
 )
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 B, L, D, VOCAB = 2, 5, 3, 50
 
@@ -37,14 +37,20 @@ def _batch(**extra):
 @pytest.mark.parametrize(
     "batch, words",
     [
-        ({"input_ids": _ids(B, L), "inputs_embeds": torch.zeros(B, L, D)}, ["exactly one", "input_ids", "inputs_embeds"]),
+        (
+            {"input_ids": _ids(B, L), "inputs_embeds": torch.zeros(B, L, D)},
+            ["exactly one", "input_ids", "inputs_embeds"],
+        ),
         ({"labels": _ids(B, L)}, ["exactly one", "neither"]),
         ({}, ["exactly one", "neither"]),
         ({"input_ids": None, "inputs_embeds": None}, ["neither"]),
         (_batch(labels=_ids(B, L + 1)), ["'labels'", "[2, 6]", "[2, 5]"]),
         (_batch(shift_labels=_ids(B + 1, L)), ["'shift_labels'", "[3, 5]", "[2, 5]"]),
         (_batch(position_ids=_ids(3, L)), ["'position_ids'", "[3, 5]"]),
-        (_batch(attention_mask=torch.ones(B, 1, L, L)), ["'attention_mask'", "2-D", "[2, 1, 5, 5]", "4-D mask"]),
+        (
+            _batch(attention_mask=torch.ones(B, 1, L, L)),
+            ["'attention_mask'", "2-D", "[2, 1, 5, 5]", "4-D mask"],
+        ),
         (_batch(attention_mask=[[1] * L] * B), ["'attention_mask'", "tensor", "list"]),
         (_batch(foo=1, token_type_ids=_ids(B, L)), ["unknown batch keys", "'foo'", "'token_type_ids'"]),
         ({"input_ids": _ids(B, L), 3: 1}, ["unknown batch keys", "3"]),
@@ -134,7 +140,9 @@ def test_pad_batch_input_ids(cp, pad_token_id):
     length = padded_length(L, cp)
     assert (padded.length, padded.padded_length) == (L, length)
     assert set(padded.model_inputs) == {"input_ids", "attention_mask", "position_ids"}
-    assert torch.equal(padded.model_inputs["input_ids"], _padded(batch["input_ids"], length, pad_token_id or 0))
+    assert torch.equal(
+        padded.model_inputs["input_ids"], _padded(batch["input_ids"], length, pad_token_id or 0)
+    )
     assert torch.equal(padded.model_inputs["attention_mask"], _padded(mask, length, 0))
     assert torch.equal(padded.model_inputs["position_ids"], continued_positions(positions, length - L))
     assert torch.equal(padded.shift_labels, _padded(shifted_labels(batch["labels"]), length, IGNORE_INDEX))
@@ -168,11 +176,17 @@ def _long_row_swapped():
 DIFFERENT = {
     "value": ({"input_ids": _ids(B, L)}, {"input_ids": _ids(B, L).index_fill(1, torch.tensor(4), 1)}),
     "shape": ({"input_ids": _ids(B, L)}, {"input_ids": _ids(B, L + 1)}),
-    "shape, same values": ({"input_ids": torch.arange(12).reshape(2, 6)}, {"input_ids": torch.arange(12).reshape(3, 4)}),
+    "shape, same values": (
+        {"input_ids": torch.arange(12).reshape(2, 6)},
+        {"input_ids": torch.arange(12).reshape(3, 4)},
+    ),
     "key": (_batch(), _batch(labels=_ids(B, L))),
     "key name": (_batch(labels=_ids(B, L)), _batch(shift_labels=_ids(B, L))),
     "unknown key": (_batch(), _batch(extra=1)),
-    "embeds": ({"inputs_embeds": torch.ones(B, L, D)}, {"inputs_embeds": torch.ones(B, L, D).index_fill(2, torch.tensor(2), 2)}),
+    "embeds": (
+        {"inputs_embeds": torch.ones(B, L, D)},
+        {"inputs_embeds": torch.ones(B, L, D).index_fill(2, torch.tensor(2), 2)},
+    ),
     "swapped 997 apart": _long_row_swapped(),
 }
 
@@ -230,7 +244,9 @@ def test_a_batch_that_differs_in_the_cp_group_raises_on_every_rank(ranks2):
     assert sorted(failures) == [0, 1]
     for failure in failures.values():
         assert failure.kind == "BatchError"
-        assert "ranks [1]" in failure.message and "rank 0" in failure.message and "dp ranks" in failure.message
+        assert (
+            "ranks [1]" in failure.message and "rank 0" in failure.message and "dp ranks" in failure.message
+        )
         assert "check_batch" in failure.traceback
     for outcomes in ranks2.run(_check_every_case):
         assert outcomes["same"] is None and outcomes["same with NaN"] is None

@@ -5,14 +5,31 @@ import sys
 
 import pytest
 
-from cpshard import bench
-from cpshard.cli import main
-from cpshard.optimum import optimum_of
-from cpshard.tiny import tiny_model
+from cpshard.debug.optimum import optimum_of
+from cpshard.tools import bench
+from cpshard.tools.cli import main
+from cpshard.tools.tiny import tiny_model
 
 CONFIG = bench.BenchConfig(
-    seqs=(64,), cps=(2,), layers=1, hidden=32, heads=4, kv_heads=2, vocab=64, repeats=1,
-    variants=("single", "ulysses", "ring", "hybrid", "ulysses-nologits", "ulysses-checkpointed", "dtensor", "deepspeed", "yunchang"),
+    seqs=(64,),
+    cps=(2,),
+    layers=1,
+    hidden=32,
+    heads=4,
+    kv_heads=2,
+    vocab=64,
+    repeats=1,
+    variants=(
+        "single",
+        "ulysses",
+        "ring",
+        "hybrid",
+        "ulysses-nologits",
+        "ulysses-checkpointed",
+        "dtensor",
+        "deepspeed",
+        "yunchang",
+    ),
 )
 OPTIONAL = ("deepspeed", "yunchang")
 
@@ -44,7 +61,9 @@ def test_rows_times_bytes_and_optimum(ranks2):
     assert ulysses.bytes_by_op["all_to_all"] == optimum.all_to_all
     assert ulysses.bytes_by_op["all_reduce"] == optimum.all_reduce
     assert ulysses.bytes_sent - ulysses.bytes_by_op.get("all_gather", 0) == optimum.total == ulysses.optimum
-    assert ulysses.bytes_by_op["counted"] == ulysses.bytes_sent  # what torch dispatched is what cpshard recorded
+    assert (
+        ulysses.bytes_by_op["counted"] == ulysses.bytes_sent
+    )  # what torch dispatched is what cpshard recorded
     assert by_name["ring"].bytes_by_op["send"] > 0
     for peer in set(bench.PEERS) - absent:  # the same all-gathered fingerprint, gradients and loss as cpshard
         assert by_name[peer].bytes_by_op["all_reduce"] == optimum.all_reduce
@@ -52,7 +71,10 @@ def test_rows_times_bytes_and_optimum(ranks2):
     bench.add_ratios(rows)
     assert by_name["single"].memory_ratio == 1.0 and by_name["single"].time_ratio is None
     peers = [by_name[p] for p in set(bench.PEERS) - absent]
-    assert min(peers, key=lambda r: r.seconds).time_ratio == 1.0 and min(peers, key=lambda r: r.cpu_seconds).cpu_ratio == 1.0
+    assert (
+        min(peers, key=lambda r: r.seconds).time_ratio == 1.0
+        and min(peers, key=lambda r: r.cpu_seconds).cpu_ratio == 1.0
+    )
     table = bench.format_table(rows)
     assert all(name in table for name in by_name) and "tokens/s" in table
     assert any(line.startswith("  time, cp=2, L=64") for line in bench.targets(rows))
@@ -69,7 +91,10 @@ def test_absent_baselines_give_notes(ranks2):
 
 
 def test_paired_ratio_takes_each_round_against_its_own():
-    ours, theirs = [0.9, 1.8, 1.8], [1.0, 2.0, 1.0]  # rounds' ratios 0.9, 0.9, 1.8; the medians' ratio would be 1.8
+    ours, theirs = (
+        [0.9, 1.8, 1.8],
+        [1.0, 2.0, 1.0],
+    )  # rounds' ratios 0.9, 0.9, 1.8; the medians' ratio would be 1.8
     assert bench.paired_ratio(ours, theirs) == pytest.approx(0.9)
     assert bench.paired_ratio([0.9, 2.7], [1.0, 3.0]) == pytest.approx(0.9)
 
@@ -103,7 +128,9 @@ def test_plot_without_matplotlib(monkeypatch, capsys):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
     with pytest.raises(SystemExit) as exit:
         main(["bench", "--plot", "out.png"])
     assert exit.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from cpshard.blocks import allowed, ring_blocks, rows_without_keys
-from cpshard.sequence import positions
+from cpshard.attention.blocks import allowed, ring_blocks, rows_without_keys
+from cpshard.spec.sequence import positions
 
 
 def causal(length: int) -> torch.Tensor:

@@ -7,12 +7,20 @@ import sys
 import pytest
 import torch
 
-from cpshard.check import CheckConfig, build_model, check_job, exit_status, format_report, plan, resolve_source
-from cpshard.cli import main
-from cpshard.layout import Layout
-from cpshard.parity import Parity
-from cpshard.spec import Spec
-from cpshard.tiny import tiny_model
+from cpshard.layouts.layout import Layout
+from cpshard.spec.notation import Spec
+from cpshard.tools.check import (
+    CheckConfig,
+    build_model,
+    check_job,
+    exit_status,
+    format_report,
+    plan,
+    resolve_source,
+)
+from cpshard.tools.cli import main
+from cpshard.tools.parity import Parity
+from cpshard.tools.tiny import tiny_model
 
 #: cuts the sequence but never moves q, k, v: each rank attends within its own slice only
 BROKEN = Layout(
@@ -53,13 +61,22 @@ def test_broken_layout_fails_with_exit_1_naming_the_rows(ranks2, dtype):
 
 
 def test_pass_rule_is_relative_to_each_rows_scale():
-    diffs, scales = {"loss": 1e-6, "logits": 1e-6, "grad lm_head": 0.0}, {"loss": 1.0, "logits": 1e-3, "grad lm_head": 0.0}
+    diffs, scales = (
+        {"loss": 1e-6, "logits": 1e-6, "grad lm_head": 0.0},
+        {"loss": 1.0, "logits": 1e-3, "grad lm_head": 0.0},
+    )
     parity = Parity(diffs, scales, comm_bytes=0)
     assert parity.passes() == {"loss": True, "logits": False, "grad lm_head": True}
     assert parity.passes(rtol=1e-2)["logits"]
     config = CheckConfig("llama")
-    assert exit_status(config, [parity]) == 1 and exit_status(CheckConfig("llama", dtype="bfloat16"), [parity]) == 0
-    assert format_report(config, [parity]).splitlines()[-1] == "FAIL: 1 of 3 rows differ beyond 1e-05 x scale: logits"
+    assert (
+        exit_status(config, [parity]) == 1
+        and exit_status(CheckConfig("llama", dtype="bfloat16"), [parity]) == 0
+    )
+    assert (
+        format_report(config, [parity]).splitlines()[-1]
+        == "FAIL: 1 of 3 rows differ beyond 1e-05 x scale: logits"
+    )
 
 
 def test_local_folders_with_and_without_weights(ranks2, tmp_path):

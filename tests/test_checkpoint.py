@@ -7,14 +7,17 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import cpshard
-from cpshard.optim import adamw_init, adamw_update
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.runtime.optim import adamw_init, adamw_update
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 VOCAB = 130  # uneven shards over 4 ranks
 
 
 def _whole(params: dict) -> dict:
-    return {name: value.full_tensor() if isinstance(value, DTensor) else value.detach() for name, value in params.items()}
+    return {
+        name: value.full_tensor() if isinstance(value, DTensor) else value.detach()
+        for name, value in params.items()
+    }
 
 
 def run_save(path: str, folder: str, sizes: dict, model_type: str = "llama"):
@@ -40,7 +43,10 @@ def run_load(path: str, sizes: dict, parallel: bool, model_type: str = "llama"):
     alike = all(
         isinstance(loaded[n], DTensor) == isinstance(t, DTensor)
         and (loaded[n].shape, loaded[n].dtype) == (t.shape, t.dtype)
-        and (not isinstance(t, DTensor) or (loaded[n].device_mesh, loaded[n].placements) == (t.device_mesh, t.placements))
+        and (
+            not isinstance(t, DTensor)
+            or (loaded[n].device_mesh, loaded[n].placements) == (t.device_mesh, t.placements)
+        )
         for n, t in targets.items()
     )
     untouched = all(torch.equal(before[n], value) for n, value in _whole(targets).items())
@@ -53,7 +59,9 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 def _bitwise(a: dict, b: dict) -> bool:
     """Same keys, dtypes and values to the last bit."""
-    return list(a) == list(b) and all(a[n].dtype == b[n].dtype and torch.equal(_bits(a[n]), _bits(b[n])) for n in a)
+    return list(a) == list(b) and all(
+        a[n].dtype == b[n].dtype and torch.equal(_bits(a[n]), _bits(b[n])) for n in a
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +106,20 @@ def test_save_pretrained_folder_loads_with_from_pretrained(saved):
 
 @pytest.mark.parametrize(
     "model_type, saved_under, loaded_under",
-    [("llama", dict(tp=2, cp=2), dict(fsdp=2, cp=2)), ("qwen3_moe", dict(fsdp=2, cp=2, ep=4), dict(dp_replicate=2, cp=2, ep=2))],
+    [
+        ("llama", dict(tp=2, cp=2), dict(fsdp=2, cp=2)),
+        ("qwen3_moe", dict(fsdp=2, cp=2, ep=4), dict(dp_replicate=2, cp=2, ep=2)),
+    ],
     ids=["tp2xcp2-to-fsdp2xcp2", "moe-ep4-to-hsdp-ep2"],
 )
-def test_tp_and_ep_saves_load_anywhere_and_with_from_pretrained(ranks4, tmp_path, model_type, saved_under, loaded_under):
+def test_tp_and_ep_saves_load_anywhere_and_with_from_pretrained(
+    ranks4, tmp_path, model_type, saved_under, loaded_under
+):
     path, folder = str(tmp_path / "dcp"), str(tmp_path / "pretrained")
     values = ranks4.run(run_save, path, folder, saved_under, model_type)[0]
-    loaded = cpshard.load_checkpoint(path, cpshard.params_of(tiny_model(model_type, vocab_size=VOCAB, seed=5)))
+    loaded = cpshard.load_checkpoint(
+        path, cpshard.params_of(tiny_model(model_type, vocab_size=VOCAB, seed=5))
+    )
     assert _bitwise(loaded, values)
     assert _bitwise(cpshard.params_of(AutoModelForCausalLM.from_pretrained(folder)), values)
     for alike, again in ranks4.run(run_load, path, loaded_under, True, model_type):

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.collectives import all_gather_rows, all_reduce_flat, all_to_all, sum_over_group
-from cpshard.comms import recording
+from cpshard.comm.collectives import all_gather_rows, all_reduce_flat, all_to_all, sum_over_group
+from cpshard.comm.record import recording
 
 #: (scatter_dim, gather_dim) pairs, negative dims included
 EXCHANGES = [(1, 2), (2, 1), (0, 1), (-1, 0)]
@@ -86,14 +86,20 @@ def _reductions_case(group):
     for t in mine:
         bucket_bytes[t.dtype] = bucket_bytes.get(t.dtype, 0) + t.nbytes
     checks["flat events"] = (sorted(e.nbytes for e in log.events), sorted(bucket_bytes.values()))
-    checks["flat ops"] = ({(e.op, e.name, e.group_size) for e in log.events}, {("all_reduce", "gradients", size)})
+    checks["flat ops"] = (
+        {(e.op, e.name, e.group_size) for e in log.events},
+        {("all_reduce", "gradients", size)},
+    )
 
     # all_gather_rows: every rank's tensor, stacked in group order
     row = _data(rank, 2, 3, dtype=torch.float32)
     with recording() as log:
         rows = all_gather_rows(row, group, name="fingerprint")
     checks["rows"] = (rows, torch.stack([_data(r, 2, 3, dtype=torch.float32) for r in members]))
-    checks["rows events"] = ([(e.op, e.nbytes, e.group_size) for e in log.events], [("all_gather", row.nbytes, size)])
+    checks["rows events"] = (
+        [(e.op, e.nbytes, e.group_size) for e in log.events],
+        [("all_gather", row.nbytes, size)],
+    )
     return checks
 
 
@@ -101,7 +107,9 @@ def _collective_cases():
     cases = {}
     for label, group in _groups().items():
         for scatter_dim, gather_dim in EXCHANGES:
-            cases[f"{label} all_to_all {scatter_dim}->{gather_dim}"] = _all_to_all_case(group, scatter_dim, gather_dim)
+            cases[f"{label} all_to_all {scatter_dim}->{gather_dim}"] = _all_to_all_case(
+                group, scatter_dim, gather_dim
+            )
         cases[f"{label} reductions"] = _reductions_case(group)
         try:
             all_to_all(torch.zeros(2, 3), 1, 0, group, name="q proj")
@@ -121,6 +129,9 @@ def test_collectives(world, request):
                     assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
                     torch.testing.assert_close(actual, expected, msg=where)
                 elif what == "message":
-                    assert actual.startswith(expected) and f"over {world if 'world' in case else 2} ranks" in actual, where
+                    assert (
+                        actual.startswith(expected)
+                        and f"over {world if 'world' in case else 2} ranks" in actual
+                    ), where
                 else:
                     assert actual == expected, f"{where}: {actual} != {expected}"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cpshard.comms import CommEvent, CommsLog, active_log, record, recording
+from cpshard.comm.record import CommEvent, CommsLog, active_log, record, recording
 
 #: (op, name, phase, tensor, group size), as the collectives report them
 LAUNCHES = [
@@ -45,7 +45,10 @@ def test_events_in_launch_order():
         assert active_log() is log
         _launch(LAUNCHES)
     assert active_log() is None
-    expected = [CommEvent(op, name, phase, t.numel() * t.element_size(), size) for op, name, phase, t, size in LAUNCHES]
+    expected = [
+        CommEvent(op, name, phase, t.numel() * t.element_size(), size)
+        for op, name, phase, t, size in LAUNCHES
+    ]
     assert log.events == expected
     assert [e.nbytes for e in log.events] == [256, 256, 8, 20, 24]
 
@@ -63,7 +66,9 @@ def test_sums_by_field(field, key):
 def test_empty_recording():
     with recording() as log:
         pass
-    assert log.events == [] and log.total_bytes == 0 and log.bytes_by("op") == {} and log.count_by("phase") == {}
+    assert (
+        log.events == [] and log.total_bytes == 0 and log.bytes_by("op") == {} and log.count_by("phase") == {}
+    )
 
 
 def test_nested_recordings_each_see_what_ran_inside_them():

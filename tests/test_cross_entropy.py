@@ -7,14 +7,15 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cpshard.batch import IGNORE_INDEX
-from cpshard.cross_entropy import cross_entropy_sum
+from cpshard.loss.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 
 VOCAB = 50
 
 
 def _torch_loss(logits, labels):
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def _loss_and_grad(loss_fn, logits, labels, scale: float = 1.0):
@@ -32,12 +33,16 @@ def _case(seed: int, ignored: float, dtype=torch.float32):
     return logits, labels
 
 
-@pytest.mark.parametrize("block_rows", [1, 2, 5, 51, 1000])  # 51 rows in all: one block, blocks that do not divide
+@pytest.mark.parametrize(
+    "block_rows", [1, 2, 5, 51, 1000]
+)  # 51 rows in all: one block, blocks that do not divide
 @pytest.mark.parametrize("ignored", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_torch(block_rows, ignored, dtype):
     logits, labels = _case(int(ignored * 10) + block_rows, ignored, dtype)
-    ours, our_grad = _loss_and_grad(lambda x, y: cross_entropy_sum(x, y, block_rows * VOCAB), logits, labels, scale=0.7)
+    ours, our_grad = _loss_and_grad(
+        lambda x, y: cross_entropy_sum(x, y, block_rows * VOCAB), logits, labels, scale=0.7
+    )
     theirs, their_grad = _loss_and_grad(_torch_loss, logits, labels, scale=0.7)
     assert our_grad.dtype == dtype
     assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-5), (ours, theirs)
@@ -58,9 +63,15 @@ class _LogitsSizedBuffers(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
-            if storage is not None and storage.nbytes() >= self.nbytes and storage.data_ptr() not in self.seen:
+            if (
+                storage is not None
+                and storage.nbytes() >= self.nbytes
+                and storage.data_ptr() not in self.seen
+            ):
                 self.seen.add(storage.data_ptr())
-                self.made.append((func.overloadpacket.__name__, t))  # kept alive: no later buffer reuses its address
+                self.made.append(
+                    (func.overloadpacket.__name__, t)
+                )  # kept alive: no later buffer reuses its address
         return out
 
 

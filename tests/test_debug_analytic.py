@@ -7,8 +7,8 @@ import torch
 
 from cpshard.debug.analytic import attention_paths, attention_steps, cut_steps, step
 from cpshard.debug.table import table
-from cpshard.layout import Layout
-from cpshard.spec import Spec
+from cpshard.layouts.layout import Layout
+from cpshard.spec.notation import Spec
 
 LAYOUT = Layout("test")
 CONFIG = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, head_dim=32, hidden_size=256)
@@ -18,7 +18,10 @@ def test_attention_bytes_per_token_with_kv_heads_repeated():
     q, k, v, out = attention_steps(CONFIG, LAYOUT, {"cp": 4}, torch.bfloat16)
     # bf16 = 2 bytes; 2 kv heads over cp=4 are repeated twice: 4 kv heads reach the all-to-all
     assert [(s.tensor, s.collectives, s.bytes_per_token) for s in (q, k, v, out)] == [
-        ("q", 1, 8 * 32 * 2), ("k", 1, 4 * 32 * 2), ("v", 1, 4 * 32 * 2), ("out", 1, 8 * 32 * 2),
+        ("q", 1, 8 * 32 * 2),
+        ("k", 1, 4 * 32 * 2),
+        ("v", 1, 4 * 32 * 2),
+        ("out", 1, 8 * 32 * 2),
     ]
     assert q.describe() == "all_to_all over cp"
     with pytest.raises(ValueError, match="not divisible by cp=3"):
@@ -26,17 +29,30 @@ def test_attention_bytes_per_token_with_kv_heads_repeated():
 
 
 def test_cuts_are_free_and_unknown_sizes_stay_unknown():
-    assert [(s.tensor, s.describe(), s.bytes_per_token) for s in cut_steps(CONFIG, LAYOUT, {"cp": 2}, torch.float32)] == [
-        ("hidden_states", "slice over cp", 0), ("position_embeddings", "slice over cp", 0), ("position_ids", "slice over cp", 0),
+    assert [
+        (s.tensor, s.describe(), s.bytes_per_token)
+        for s in cut_steps(CONFIG, LAYOUT, {"cp": 2}, torch.float32)
+    ] == [
+        ("hidden_states", "slice over cp", 0),
+        ("position_embeddings", "slice over cp", 0),
+        ("position_ids", "slice over cp", 0),
     ]
     # an all-to-all over a dim whose size nobody gave: no number rather than a wrong one
     moved = step("x", Spec("b s@cp e"), Spec("b s e@cp"), {}, LAYOUT, {"cp": 2}, 4)
     assert moved.collectives == 1 and moved.bytes_per_token is None
-    assert step("x", Spec("b s@cp e"), Spec("b s e@cp"), {"e": 6}, LAYOUT, {"cp": 2}, 4).bytes_per_token == 6 * 4
+    assert (
+        step("x", Spec("b s@cp e"), Spec("b s e@cp"), {"e": 6}, LAYOUT, {"cp": 2}, 4).bytes_per_token == 6 * 4
+    )
 
 
 def test_attention_paths_in_layer_order():
-    names = ["", "model.layers.10.self_attn", "model.layers.2.self_attn", "model.layers.2.self_attn.q_proj", "model.layers.2.mlp"]
+    names = [
+        "",
+        "model.layers.10.self_attn",
+        "model.layers.2.self_attn",
+        "model.layers.2.self_attn.q_proj",
+        "model.layers.2.mlp",
+    ]
     assert attention_paths(names, LAYOUT) == ["model.layers.2.self_attn", "model.layers.10.self_attn"]
 
 

@@ -4,15 +4,20 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.batch import fingerprint
-from cpshard.collectives import all_to_all
+from cpshard.comm.collectives import all_to_all
 from cpshard.debug import trace_comms
 from cpshard.debug.comms_report import split_name
-from cpshard.tiny import SMALL, tiny_batch, tiny_model
+from cpshard.runtime.batch import fingerprint
+from cpshard.tools.tiny import SMALL, tiny_batch, tiny_model
 
 F32 = 4
 V, D, I = SMALL["vocab_size"], SMALL["hidden_size"], SMALL["intermediate_size"]
-H, KV, HD, LAYERS = SMALL["num_attention_heads"], SMALL["num_key_value_heads"], SMALL["head_dim"], SMALL["num_hidden_layers"]
+H, KV, HD, LAYERS = (
+    SMALL["num_attention_heads"],
+    SMALL["num_key_value_heads"],
+    SMALL["head_dim"],
+    SMALL["num_hidden_layers"],
+)
 
 
 def llama_param_count() -> int:
@@ -25,9 +30,18 @@ def traced_step(rows: int, length: int):
     model = tiny_model("llama")
     batch = tiny_batch(model.config.vocab_size, rows, length)
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
-    report = trace_comms(cpshard.value_and_grad(cpshard.make_cp_forward(model)), cpshard.params_of(model), batch, mesh)
+    report = trace_comms(
+        cpshard.value_and_grad(cpshard.make_cp_forward(model)), cpshard.params_of(model), batch, mesh
+    )
     output, grads = report.result
-    return report.as_dict(), str(report), report.total_bytes, fingerprint(batch).numel() * 8, output.loss.item(), sorted(grads) == sorted(cpshard.params_of(model))
+    return (
+        report.as_dict(),
+        str(report),
+        report.total_bytes,
+        fingerprint(batch).numel() * 8,
+        output.loss.item(),
+        sorted(grads) == sorted(cpshard.params_of(model)),
+    )
 
 
 def test_llama_cp2_bytes_by_hand(ranks2):
@@ -49,10 +63,25 @@ def test_llama_cp2_bytes_by_hand(ranks2):
             (f"model.layers.{i}.self_attn", phase) for i in range(LAYERS) for phase in ("forward", "backward")
         ]
         for group in attention:
-            assert (group["count"], group["nbytes"]) == (group["optimum_count"], group["optimum_bytes"]) == (4, per_module)
+            assert (
+                (group["count"], group["nbytes"])
+                == (group["optimum_count"], group["optimum_bytes"])
+                == (4, per_module)
+            )
         lines = text.splitlines()
-        row = next(line for line in lines if line.startswith("model.layers.1.self_attn") and "backward" in line)
-        assert row.split() == ["model.layers.1.self_attn", "all_to_all", "backward", "4", f"{per_module:,}", "4", f"{per_module:,}", "ok"]
+        row = next(
+            line for line in lines if line.startswith("model.layers.1.self_attn") and "backward" in line
+        )
+        assert row.split() == [
+            "model.layers.1.self_attn",
+            "all_to_all",
+            "backward",
+            "4",
+            f"{per_module:,}",
+            "4",
+            f"{per_module:,}",
+            "ok",
+        ]
         assert lines[-1].split() == ["total", str(LAYERS * 8 + 3), f"{total:,}"]
 
 
@@ -69,7 +98,10 @@ def traced_forward_with_extra():
         return output.loss
 
     report = trace_comms(step)
-    return [(g.module, g.phase, g.count, g.nbytes, g.optimum_count, g.optimum_bytes, g.verdict) for g in report.groups], report.matches_optimum
+    return [
+        (g.module, g.phase, g.count, g.nbytes, g.optimum_count, g.optimum_bytes, g.verdict)
+        for g in report.groups
+    ], report.matches_optimum
 
 
 def test_kv_replication_and_an_extra_collective(ranks4):
@@ -100,7 +132,9 @@ def traced_ring_step():
     model = tiny_model("llama")
     batch = tiny_batch(model.config.vocab_size, 2, 8)
     cp_forward = cpshard.make_cp_forward(model, implementation="ring")
-    report = trace_comms(cpshard.value_and_grad(cp_forward), cpshard.params_of(model), batch, cpshard.make_mesh(cp=2))
+    report = trace_comms(
+        cpshard.value_and_grad(cp_forward), cpshard.params_of(model), batch, cpshard.make_mesh(cp=2)
+    )
     return report.as_dict()
 
 
@@ -108,5 +142,9 @@ def test_ring_is_traced_without_claiming_a_ulysses_optimum(ranks2):
     for as_dict in ranks2.run(traced_ring_step):
         attention = [g for g in as_dict["groups"] if g["module"].startswith("model.layers.")]
         assert {g["module"] for g in attention} == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
-        assert "all_to_all" not in {g["op"] for g in attention} and all(g["optimum_bytes"] is None for g in attention)
-        assert as_dict["matches_optimum"] and as_dict["total_bytes"] == sum(g["nbytes"] for g in as_dict["groups"])
+        assert "all_to_all" not in {g["op"] for g in attention} and all(
+            g["optimum_bytes"] is None for g in attention
+        )
+        assert as_dict["matches_optimum"] and as_dict["total_bytes"] == sum(
+            g["nbytes"] for g in as_dict["groups"]
+        )

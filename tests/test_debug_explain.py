@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.debug import explain
-from cpshard.tiny import SMALL, tiny_model
+from cpshard.tools.tiny import SMALL, tiny_model
 
 F32 = 4
 H, KV, HD = SMALL["num_attention_heads"], SMALL["num_key_value_heads"], SMALL["head_dim"]
@@ -13,8 +13,18 @@ H, KV, HD = SMALL["num_attention_heads"], SMALL["num_key_value_heads"], SMALL["h
 def explained(model_type: str, implementation: str = "auto", **config):
     model = tiny_model(model_type, **config)
     found = explain(model, cpshard.make_mesh(cp=dist.get_world_size()), implementation=implementation)
-    moves = {s.tensor: (str(s.src), str(s.dst), s.describe(), s.bytes_per_token) for s in found.cuts + found.attention}
-    return found.layout.name, found.implementation, found.kv_replication, moves, found.attention_modules, str(found)
+    moves = {
+        s.tensor: (str(s.src), str(s.dst), s.describe(), s.bytes_per_token)
+        for s in found.cuts + found.attention
+    }
+    return (
+        found.layout.name,
+        found.implementation,
+        found.kv_replication,
+        moves,
+        found.attention_modules,
+        str(found),
+    )
 
 
 def test_llama_on_cp2(ranks2):
@@ -32,12 +42,32 @@ def test_llama_on_cp2(ranks2):
             "out": ("b s h@cp d", "b s@cp h d", "all_to_all over cp", H * HD * F32),
         }
         per_module = 2 * H * HD * F32 + 2 * KV * HD * F32
-        assert "registered for model type 'llama'" in text and "num_attention_heads=4 divides over cp=2" in text
+        assert (
+            "registered for model type 'llama'" in text and "num_attention_heads=4 divides over cp=2" in text
+        )
         assert f"per attention module: 4 collectives, {per_module:,} bytes/token forward" in text
-        assert f"over 2 modules: {2 * per_module:,} bytes/token forward, {4 * per_module:,} forward and backward" in text
+        assert (
+            f"over 2 modules: {2 * per_module:,} bytes/token forward, {4 * per_module:,} forward and backward"
+            in text
+        )
         row = next(line for line in text.splitlines() if line.split()[2:3] == ["k"])
-        assert row.split() == ["model.layers.{0..1}.self_attn", "(each)", "k", "b", "h", "s@cp", "d", "b", "h@cp", "s", "d",
-                               "all_to_all", "over", "cp", str(KV * HD * F32)]
+        assert row.split() == [
+            "model.layers.{0..1}.self_attn",
+            "(each)",
+            "k",
+            "b",
+            "h",
+            "s@cp",
+            "d",
+            "b",
+            "h@cp",
+            "s",
+            "d",
+            "all_to_all",
+            "over",
+            "cp",
+            str(KV * HD * F32),
+        ]
 
 
 def test_generic_layout_and_heads_that_do_not_divide(ranks2):
@@ -51,7 +81,10 @@ def test_generic_layout_and_heads_that_do_not_divide(ranks2):
         assert "num_attention_heads=3 is not divisible by cp=2; k and v travel a ring of 2 ranks" in text
     for _, implementation, _, moves, _, text in ranks2.run(explained, "llama", "ulysses", **three_heads):
         assert implementation == "none" and "q" not in moves
-        assert "cp_forward would raise at its first call" in text and "num_attention_heads=3 is not divisible by cp=2" in text
+        assert (
+            "cp_forward would raise at its first call" in text
+            and "num_attention_heads=3 is not divisible by cp=2" in text
+        )
 
 
 def test_kv_heads_repeated_on_cp4(ranks4):

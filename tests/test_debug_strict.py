@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import cpshard
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def run_planted(strict: bool, plant: bool) -> float:
@@ -41,5 +41,7 @@ def test_strict_raises_on_a_planted_redistribution(ranks2):
 
 
 def test_without_strict_it_runs_and_strict_has_no_false_alarm(ranks2):
-    for plain, planted, strict_clean in zip(*(ranks2.run(run_planted, s, p) for s, p in ((False, False), (False, True), (True, False)))):
+    for plain, planted, strict_clean in zip(
+        *(ranks2.run(run_planted, s, p) for s, p in ((False, False), (False, True), (True, False)))
+    ):
         assert planted == plain == strict_clean

@@ -11,14 +11,25 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import cpshard
 from cpshard.debug import typeof
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
-@pytest.mark.parametrize("dtype, name", [
-    (torch.float32, "f32"), (torch.bfloat16, "bf16"), (torch.float16, "f16"), (torch.float64, "f64"),
-    (torch.int32, "i32"), (torch.int64, "i64"), (torch.bool, "bool"), (torch.uint8, "u8"), (torch.int8, "i8"),
-    (torch.complex64, "c64"), (torch.float8_e4m3fn, "f8_e4m3fn"),
-])
+@pytest.mark.parametrize(
+    "dtype, name",
+    [
+        (torch.float32, "f32"),
+        (torch.bfloat16, "bf16"),
+        (torch.float16, "f16"),
+        (torch.float64, "f64"),
+        (torch.int32, "i32"),
+        (torch.int64, "i64"),
+        (torch.bool, "bool"),
+        (torch.uint8, "u8"),
+        (torch.int8, "i8"),
+        (torch.complex64, "c64"),
+        (torch.float8_e4m3fn, "f8_e4m3fn"),
+    ],
+)
 def test_dtype_names_as_jax_writes_them(dtype, name):
     assert typeof(torch.zeros(2, 3, dtype=dtype)) == f"{name}[2, 3]"
 
@@ -36,14 +47,25 @@ class Pair:
 
 
 def test_pytree_is_a_table_of_paths_and_types():
-    tree = {"params": {"w": torch.zeros(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}, "steps": [torch.tensor(2), None]}
+    tree = {
+        "params": {"w": torch.zeros(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)},
+        "steps": [torch.tensor(2), None],
+    }
     lines = typeof(tree).splitlines()
     # optree orders dict keys; every row: path, padding to one column, type
     assert [line.split(None, 1) for line in lines] == [
-        ["params.b", "bf16[4]"], ["params.w", "f32[3, 4]"], ["steps[0]", "i64[]"], ["steps[1]", "None"],
+        ["params.b", "bf16[4]"],
+        ["params.w", "f32[3, 4]"],
+        ["steps[0]", "i64[]"],
+        ["steps[1]", "None"],
     ]
-    assert len({line.index(line.split(None, 1)[1]) for line in lines}) == 1, "types are not aligned in one column"
-    assert [line.split(None, 1) for line in typeof(Pair(torch.zeros(1), 3)).splitlines()] == [["first", "f32[1]"], ["second", "int"]]
+    assert len({line.index(line.split(None, 1)[1]) for line in lines}) == 1, (
+        "types are not aligned in one column"
+    )
+    assert [line.split(None, 1) for line in typeof(Pair(torch.zeros(1), 3)).splitlines()] == [
+        ["first", "f32[1]"],
+        ["second", "int"],
+    ]
 
 
 def placements_2x2():
@@ -53,15 +75,20 @@ def placements_2x2():
     rank = dist.get_rank()
     # cp splits first (major), fsdp within: the block index of rank (f, c) is c * 2 + f
     strided = DTensor.from_local(
-        torch.full((2, 4), float(rank)), mesh, [_StridedShard(0, split_factor=2), Shard(0)],
-        shape=torch.Size((8, 4)), stride=(4, 1),
+        torch.full((2, 4), float(rank)),
+        mesh,
+        [_StridedShard(0, split_factor=2), Shard(0)],
+        shape=torch.Size((8, 4)),
+        stride=(4, 1),
     )
     holders = strided.full_tensor()[::2, 0].tolist()  # the rank holding each of the 4 row blocks
     return {
         "both on dim 1": typeof(distribute_tensor(full, mesh, [Shard(1), Shard(1)])),
         "one each": typeof(distribute_tensor(full, mesh, [Shard(1), Shard(0)])),
         "partial + shard": typeof(DTensor.from_local(torch.zeros(4, 4), mesh, [Partial(), Shard(1)])),
-        "partial both": typeof(DTensor.from_local(torch.zeros(4, 8, dtype=torch.bfloat16), mesh, [Partial(), Partial()])),
+        "partial both": typeof(
+            DTensor.from_local(torch.zeros(4, 8, dtype=torch.bfloat16), mesh, [Partial(), Partial()])
+        ),
         "partial max": typeof(DTensor.from_local(torch.zeros(2, 8), mesh, [Shard(0), Partial("max")])),
         "replicated": typeof(distribute_tensor(full, mesh, [Replicate(), Replicate()])),
         "strided": typeof(strided),
@@ -93,9 +120,11 @@ def cp_output_types():
 
 
 def test_cp_output(ranks2):
-    vocab = 128  # cpshard.tiny.SMALL
+    vocab = 128  # cpshard.tools.tiny.SMALL
     for logits, table in ranks2.run(cp_output_types):
         assert logits == f"f32[2, 13@cp, {vocab}]"
         assert [line.split(None, 1) for line in table.splitlines()] == [
-            ["loss", "f32[]"], ["logits", f"f32[2, 13@cp, {vocab}]"], ["num_tokens", "i64[]"],
+            ["loss", "f32[]"],
+            ["logits", f"f32[2, 13@cp, {vocab}]"],
+            ["num_tokens", "i64[]"],
         ]

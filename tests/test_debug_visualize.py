@@ -33,22 +33,29 @@ def test_two_ranks(ranks2):
     for pictures in ranks2.run(two_ranks):
         assert all(ok for _, ok in pictures.values()), "a rank's local data is not the block drawn for it"
         # rank 0 holds columns 0:4, rank 1 columns 4:8; every row; each box is its label plus 4 wide
-        assert pictures["columns"][0] == "\n".join([
-            "f32[4, 8@cp]",
-            "rows x columns: dim 0 x dim 1; each box names the ranks holding it",
-            "       0:4     4:8",
-            "    ┌───────┬───────┐",
-            "0:4 │   0   │   1   │",
-            "    └───────┴───────┘",
-        ])
+        assert pictures["columns"][0] == "\n".join(
+            [
+                "f32[4, 8@cp]",
+                "rows x columns: dim 0 x dim 1; each box names the ranks holding it",
+                "       0:4     4:8",
+                "    ┌───────┬───────┐",
+                "0:4 │   0   │   1   │",
+                "    └───────┴───────┘",
+            ]
+        )
         # DTensor chunks 5 rows as ceil(5/2) = 3, then 2
         uneven = pictures["uneven rows"][0].splitlines()
         assert [line.split("│")[0].strip() for line in uneven if "│" in line] == ["0:3", "3:5"]
         assert [line.split("│")[1].strip() for line in uneven if "│" in line] == ["0", "1"]
         three = pictures["3-D"][0].splitlines()
-        assert three[1].startswith("rows x columns: dim 0 x dim 1") and three[2] == "dim 2 is whole (3) in every block"
+        assert (
+            three[1].startswith("rows x columns: dim 0 x dim 1")
+            and three[2] == "dim 2 is whole (3) in every block"
+        )
         assert "│   0   │   1   │" in pictures["3-D"][0]
-        assert "│  0,1  │" in pictures["replicated"][0] and pictures["replicated"][0].startswith("f32[5]\ncolumns: dim 0")
+        assert "│  0,1  │" in pictures["replicated"][0] and pictures["replicated"][0].startswith(
+            "f32[5]\ncolumns: dim 0"
+        )
 
 
 def four_ranks():

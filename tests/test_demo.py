@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cpshard.demo import DemoConfig, demo_job, demo_passed, format_report
+from cpshard.tools.demo import DemoConfig, demo_job, demo_passed, format_report
 
 TINY = dict(nprocs=2, steps=2, layers=2, hidden=64, heads=4, vocab=128)
 
@@ -32,7 +32,12 @@ def test_demo_job_is_exact_and_communicates_the_optimum(ranks2, config):
 
 @pytest.mark.parametrize(
     "change, flag",
-    [({"seq": 0}, "--seq"), ({"nprocs": 3}, "--nprocs"), ({"kv_heads": 3}, "--kv-heads"), ({"lr": 0.0}, "--lr")],
+    [
+        ({"seq": 0}, "--seq"),
+        ({"nprocs": 3}, "--nprocs"),
+        ({"kv_heads": 3}, "--kv-heads"),
+        ({"lr": 0.0}, "--lr"),
+    ],
 )
 def test_bad_options_name_the_flag(change, flag):
     with pytest.raises(ValueError, match=flag):

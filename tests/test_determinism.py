@@ -5,12 +5,14 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def _step(model, forward: dict, batch: dict):
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
-    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model, **forward))(cpshard.params_of(model), batch, mesh)
+    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model, **forward))(
+        cpshard.params_of(model), batch, mesh
+    )
     return output.loss, output.logits.to_local(), grads
 
 
@@ -18,7 +20,10 @@ def run_twice(forward: dict):
     """Two steps on one model and batch (left padding and packed documents); which parts are bit-identical."""
     model = tiny_model("gemma3_text", sliding_window=5)  # mixed sliding and full layers
     batch = tiny_batch(model.config.vocab_size, 3, 21, pad="left", packed=True)
-    (loss, logits, grads), (loss2, logits2, grads2) = _step(model, forward, batch), _step(model, forward, batch)
+    (loss, logits, grads), (loss2, logits2, grads2) = (
+        _step(model, forward, batch),
+        _step(model, forward, batch),
+    )
     return {
         "loss": torch.equal(loss, loss2),
         "logits": torch.equal(logits, logits2),

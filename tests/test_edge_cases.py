@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.batch import IGNORE_INDEX
-from cpshard.parity import check_parity, failing_rows, reference
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.loss.cross_entropy import IGNORE_INDEX
+from cpshard.tools.parity import check_parity, failing_rows, reference
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 #: bf16 rows (cp bf16 against one-process bf16, and against fp32): largest difference over the row's scale
 BF16_RTOL = 5e-2
@@ -38,7 +38,9 @@ def _parity(model, batch: dict, forward: dict):
 
 
 def _assert_parity(parities, what):
-    assert not failing_rows(parities), f"{what}: rows over RTOL: {failing_rows(parities)}; {parities[0].diffs}"
+    assert not failing_rows(parities), (
+        f"{what}: rows over RTOL: {failing_rows(parities)}; {parities[0].diffs}"
+    )
     assert all(math.isfinite(p.diffs["loss"]) for p in parities), f"{what}: the loss is not finite"
 
 
@@ -66,7 +68,9 @@ PADDING_FORWARDS = {
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("forward", PADDING_FORWARDS)
 def test_rows_and_ranks_of_padding_only_match_one_process(ranks4, forward, side, attn):
-    _assert_parity(ranks4.run(run_padding_only, side, PADDING_FORWARDS[forward], attn), f"{forward} {side} {attn}")
+    _assert_parity(
+        ranks4.run(run_padding_only, side, PADDING_FORWARDS[forward], attn), f"{forward} {side} {attn}"
+    )
 
 
 # ---- no label token at all ----------------------------------------------------------------------------------------
@@ -90,7 +94,9 @@ def run_without_label_tokens(kind: str, forward: dict):
     params, batch = cpshard.params_of(model), _without_label_tokens(kind, model.config.vocab_size)
     ref_loss, ref_logits, _ = reference(model, params, batch)
     output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model, **forward))(params, batch, _mesh())
-    logits_ok = output.logits is None or torch.allclose(output.logits.full_tensor(), ref_logits, rtol=0, atol=1e-5)
+    logits_ok = output.logits is None or torch.allclose(
+        output.logits.full_tensor(), ref_logits, rtol=0, atol=1e-5
+    )
     return {
         "one process loss is NaN": math.isnan(ref_loss.item()),  # transformers' mean over no tokens
         "loss": output.loss.item(),
@@ -150,7 +156,9 @@ def run_shorter_than_cp(length: int, forward: dict):
 @pytest.mark.parametrize("length", [2, 3])
 @pytest.mark.parametrize("forward", PADDING_FORWARDS)
 def test_sequences_shorter_than_cp_match_one_process(ranks4, length, forward):
-    _assert_parity(ranks4.run(run_shorter_than_cp, length, PADDING_FORWARDS[forward]), f"{forward} L={length}")
+    _assert_parity(
+        ranks4.run(run_shorter_than_cp, length, PADDING_FORWARDS[forward]), f"{forward} L={length}"
+    )
 
 
 def run_without_logits_shorter_than_cp(length: int):
@@ -171,7 +179,10 @@ def _relative_rows(ours: tuple, theirs: tuple) -> dict[str, float]:
     (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = ours, theirs
     pairs = {"loss": (loss, ref_loss), "logits": (logits, ref_logits)}
     pairs.update({f"grad {name}": (grads[name], ref) for name, ref in ref_grads.items()})
-    return {row: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for row, (a, b) in pairs.items()}
+    return {
+        row: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        for row, (a, b) in pairs.items()
+    }
 
 
 def run_bf16(forward: dict):

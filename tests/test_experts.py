@@ -11,10 +11,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 import cpshard
-from cpshard.collectives import all_reduce_flat, all_to_all_rows
-from cpshard.comms import parallelism_of, recording
-from cpshard.context import CPCall, running
-from cpshard.experts import (
+from cpshard.call import CPCall, running
+from cpshard.comm.collectives import all_reduce_flat, all_to_all_rows
+from cpshard.comm.record import parallelism_of, recording
+from cpshard.layouts.decoder import LAYOUT
+from cpshard.parallel.experts import (
     check_experts,
     ep_bytes,
     ep_experts,
@@ -26,8 +27,7 @@ from cpshard.experts import (
     rank_counts,
     route,
 )
-from cpshard.layouts.decoder import LAYOUT
-from cpshard.tiny import tiny_config, tiny_model
+from cpshard.tools.tiny import tiny_config, tiny_model
 
 E, K, H, I = 8, 2, 16, 8
 ROWS, LENGTH = 2, 12  # a batch of 2 sequences; each rank holds LENGTH / ep positions of both, as under cp
@@ -42,7 +42,9 @@ _GROUPS: dict = {}
 
 
 def _config(implementation: str = "eager"):
-    config = tiny_config("qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K)
+    config = tiny_config(
+        "qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K
+    )
     config._experts_implementation = implementation
     return config
 
@@ -103,9 +105,14 @@ def _ep_case(ep: int, skew: str, inner: str) -> dict:
     data = _whole(seed, skew, ep)
     expected = _reference(data)
     module = data["experts"]
-    module.config._experts_implementation = experts_name(inner)  # the registry path, as install_experts sets it
+    module.config._experts_implementation = experts_name(
+        inner
+    )  # the registry path, as install_experts sets it
     block = slice(rank * E // ep, (rank + 1) * E // ep)
-    local = {name: getattr(module, name)[block].detach().clone().requires_grad_(True) for name in ("gate_up_proj", "down_proj")}
+    local = {
+        name: getattr(module, name)[block].detach().clone().requires_grad_(True)
+        for name in ("gate_up_proj", "down_proj")
+    }
     hidden = _mine(data["hidden"], rank, ep).requires_grad_(True)
     weights = _mine(data["weights"], rank, ep).requires_grad_(True)
     index = _mine(data["index"], rank, ep)
@@ -135,7 +142,10 @@ def _ep_case(ep: int, skew: str, inner: str) -> dict:
     return dict(
         checks=checks,
         events=(events, expected_events),
-        analytic=((by_phase.get("forward"), by_phase.get("backward")), (analytic["forward"], analytic["backward"])),
+        analytic=(
+            (by_phase.get("forward"), by_phase.get("backward")),
+            (analytic["forward"], analytic["backward"]),
+        ),
         received=received,
         ops={(e.op, e.group_size) for e in log.events},
     )
@@ -179,7 +189,9 @@ def _model_case() -> dict:
     ids = torch.randint(3, 128, (ep, 10), generator=torch.Generator().manual_seed(5))
 
     def loss_of(logits, labels):
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
+        )
 
     whole = model(input_ids=ids).logits
     params = dict(model.named_parameters())
@@ -187,19 +199,30 @@ def _model_case() -> dict:
     install_experts(model)
     experts = [name for name in params if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     block = slice(rank * E // ep, (rank + 1) * E // ep)
-    mine = {name: (p[block] if name in experts else p).detach().clone().requires_grad_(True) for name, p in params.items()}
+    mine = {
+        name: (p[block] if name in experts else p).detach().clone().requires_grad_(True)
+        for name, p in params.items()
+    }
     with running(_call(group)), recording() as log:  # no module names: the class name stands in
         logits = torch.func.functional_call(model, mine, (ids[rank : rank + 1],)).logits
-        grads = dict(zip(mine, torch.autograd.grad(loss_of(logits, ids[rank : rank + 1]), list(mine.values()))))
+        grads = dict(
+            zip(mine, torch.autograd.grad(loss_of(logits, ids[rank : rank + 1]), list(mine.values())))
+        )
     checks = {"logits": (logits.detach(), whole[rank : rank + 1].detach())}
     checks["counted as ep"] = ({parallelism_of(e) for e in log.events}, {"ep"})
-    checks["collectives"] = (len(log.events), 5)  # one sparse layer: counts, dispatch, return, and their backward
+    checks["collectives"] = (
+        len(log.events),
+        5,
+    )  # one sparse layer: counts, dispatch, return, and their backward
     for name in experts:
         checks[name] = (grads[name], expected[name][block])
     others = [name for name in mine if name not in experts]
     for name, summed in zip(others, all_reduce_flat([grads[name] for name in others], group)):
         checks[name] = (summed, expected[name])
-    checks["sparse layers"] = (experts, ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"])
+    checks["sparse layers"] = (
+        experts,
+        ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"],
+    )
     return checks
 
 
@@ -208,11 +231,15 @@ def _error_case() -> dict:
     module = Qwen3MoeExperts(_config())
     messages = {}
     try:  # the whole expert stack where this rank's block belongs
-        ep_experts(None, module, torch.zeros(3, H), torch.zeros(3, K, dtype=torch.long), torch.zeros(3, K), group)
+        ep_experts(
+            None, module, torch.zeros(3, H), torch.zeros(3, K, dtype=torch.long), torch.zeros(3, K), group
+        )
     except ValueError as error:
         messages["full weights"] = str(error)
     try:
-        all_to_all_rows(torch.zeros(3, H), [1] * dist.get_world_size(), [0] * dist.get_world_size(), group, name="probe")
+        all_to_all_rows(
+            torch.zeros(3, H), [1] * dist.get_world_size(), [0] * dist.get_world_size(), group, name="probe"
+        )
     except ValueError as error:
         messages["bad counts"] = str(error)
     return messages
@@ -230,10 +257,10 @@ def _outside_case() -> bool:
 
 
 def _run_cases(ep: int) -> dict:
-    cases = {f"{skew} {inner}": _ep_case(ep, skew, inner) for skew in SKEWS for inner in ("eager", "grouped_mm")}
-    return dict(
-        cases=cases, routing=_routing_case(ep), errors=_error_case(), outside=_outside_case()
-    )
+    cases = {
+        f"{skew} {inner}": _ep_case(ep, skew, inner) for skew in SKEWS for inner in ("eager", "grouped_mm")
+    }
+    return dict(cases=cases, routing=_routing_case(ep), errors=_error_case(), outside=_outside_case())
 
 
 def _assert_same(actual, expected, where):
@@ -265,7 +292,9 @@ def test_expert_parallel_matches_one_process(world, ep, request):
         received = [result["cases"][case]["received"] for result in results]
         groups = [received[g : g + ep] for g in range(0, world, ep)]
         assert all(sum(g) == ROWS * LENGTH * K for g in groups), f"{case}: rows received {received}"
-        assert len(set(received)) > 1, f"{case}: every rank received {received[0]} rows; the case is not uneven"
+        assert len(set(received)) > 1, (
+            f"{case}: every rank received {received[0]} rows; the case is not uneven"
+        )
         if case.startswith("starved") and ep == 2:
             assert received[1::2] == [0] * (world // 2), f"{case}: the upper owner received {received}"
 

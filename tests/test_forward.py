@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import cpshard
-from cpshard.parity import check_parity
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.tools.parity import check_parity
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 TOLERANCE = 1e-5
 LAYOUT_TYPES = ("llama", "mistral", "qwen3", "gemma3_text", "qwen2")  # qwen2: the generic decoder layout
@@ -29,7 +29,14 @@ class Case:
         return f"{self.model_type}-L{self.length}-{options}"
 
     def using(self, implementation: str) -> "Case":
-        return Case(self.model_type, self.length, self.batch, self.config, self.rows, {"implementation": implementation})
+        return Case(
+            self.model_type,
+            self.length,
+            self.batch,
+            self.config,
+            self.rows,
+            {"implementation": implementation},
+        )
 
 
 def run_case(case: Case):
@@ -67,10 +74,27 @@ CASES_2 = [Case(t, **v) for t in LAYOUT_TYPES for v in BATCH_VARIANTS.values()] 
     Case("mistral", 16, config=dict(sliding_window=3)),
     Case("mistral", 16, dict(pad="right"), dict(sliding_window=12), rows=3),
     Case("mistral", 16, dict(packed=True), dict(sliding_window=5, attn_implementation="eager")),
-    Case("qwen3", 16, config=dict(use_sliding_window=True, sliding_window=3, layer_types=["sliding_attention", "full_attention"])),
-    Case("gemma3_text", 16, config=dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"])),
-    Case("gemma3_text", 19, dict(pad="left"), dict(sliding_window=12, num_hidden_layers=3,
-         layer_types=["sliding_attention", "full_attention", "sliding_attention"]), rows=3),
+    Case(
+        "qwen3",
+        16,
+        config=dict(
+            use_sliding_window=True, sliding_window=3, layer_types=["sliding_attention", "full_attention"]
+        ),
+    ),
+    Case(
+        "gemma3_text", 16, config=dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"])
+    ),
+    Case(
+        "gemma3_text",
+        19,
+        dict(pad="left"),
+        dict(
+            sliding_window=12,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        rows=3,
+    ),
     Case("llama", 12, config=dict(num_key_value_heads=1)),
     Case("qwen2", 12, dict(pad="left"), dict(num_key_value_heads=1, attn_implementation="eager"), rows=3),
     Case("llama", 2, dict(pad="right"), rows=3),
@@ -78,16 +102,35 @@ CASES_2 = [Case(t, **v) for t in LAYOUT_TYPES for v in BATCH_VARIANTS.values()] 
 
 CASES_4 = [
     Case("llama", 10),
-    Case("gemma3_text", 10, dict(pad="left"), dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"]), rows=3),
+    Case(
+        "gemma3_text",
+        10,
+        dict(pad="left"),
+        dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"]),
+        rows=3,
+    ),
     Case("llama", 5, dict(pad="right")),  # rank 3 holds padding only
     Case("llama", 12, config=dict(num_key_value_heads=2)),  # kv heads replicated 2x
     Case("qwen3", 9, dict(packed=True), dict(num_key_value_heads=1)),
-    Case("mistral", 13, dict(shift=True), dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, attn_implementation="eager")),
+    Case(
+        "mistral",
+        13,
+        dict(shift=True),
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, attn_implementation="eager"),
+    ),
     Case("llama", 3),  # L smaller than cp
 ]
 
 
-CASES_4 += [Case("llama", 14, dict(pad="left"), dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96), rows=3)]
+CASES_4 += [
+    Case(
+        "llama",
+        14,
+        dict(pad="left"),
+        dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96),
+        rows=3,
+    )
+]
 
 
 @pytest.mark.parametrize("case", [c.using(i) for i in ("ulysses", "ring") for c in CASES_2], ids=str)
@@ -97,7 +140,13 @@ def test_parity_cp2(ranks2, case):
 
 WITHOUT_LOGITS = [
     Case("llama", 13, dict(pad="right"), dict(tie_word_embeddings=True), rows=3, forward=dict(logits=False)),
-    Case("gemma3_text", 14, dict(packed=True), dict(final_logit_softcapping=3.0), forward=dict(logits=False, implementation="ring")),
+    Case(
+        "gemma3_text",
+        14,
+        dict(packed=True),
+        dict(final_logit_softcapping=3.0),
+        forward=dict(logits=False, implementation="ring"),
+    ),
     Case("granite", 11, config=dict(logits_scaling=2.0), forward=dict(logits=False)),
 ]
 
@@ -138,7 +187,12 @@ def test_no_label_tokens_gives_zero_loss_not_nan(ranks2):
 def bad_call(kind: str):
     """Make one kind of bad call; every rank must raise before any collective could hang."""
     rank = dist.get_rank()
-    model = tiny_model("llama", **({"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48} if kind == "heads" else {}))
+    model = tiny_model(
+        "llama",
+        **(
+            {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48} if kind == "heads" else {}
+        ),
+    )
     batch = tiny_batch(model.config.vocab_size, 2, 8)
     mesh = cpshard.make_mesh(cp=2)
     if kind == "no-cp-axis":
@@ -164,14 +218,20 @@ def bad_call(kind: str):
         cpshard.make_cp_forward(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
     elif kind == "implementation":
         cpshard.make_cp_forward(model, implementation="magic")
-    forward_options = {"heads": dict(implementation="ulysses"), "hybrid-degree": dict(implementation="hybrid")}
+    forward_options = {
+        "heads": dict(implementation="ulysses"),
+        "hybrid-degree": dict(implementation="hybrid"),
+    }
     cpshard.make_cp_forward(model, **forward_options.get(kind, {}))(cpshard.params_of(model), batch, mesh)
 
 
 BAD_INPUTS = {
     "no-cp-axis": ("ValueError", "no 'cp' dimension (its dimensions: dp)"),
     "heads": ("ValueError", "num_attention_heads=3 is not divisible by cp=2; cp sizes that work: 1, 3"),
-    "hybrid-degree": ("ValueError", "hybrid needs a Ulysses degree that divides cp=2 and num_attention_heads=4"),
+    "hybrid-degree": (
+        "ValueError",
+        "hybrid needs a Ulysses degree that divides cp=2 and num_attention_heads=4",
+    ),
     "both-inputs": ("BatchError", "exactly one of input_ids or inputs_embeds"),
     "no-inputs": ("BatchError", "exactly one of input_ids or inputs_embeds, got neither"),
     "shapes": ("BatchError", "batch['labels'] has shape [2, 5] but the inputs are [B, L] = [2, 8]"),
@@ -199,7 +259,10 @@ def test_bad_input_fails_clearly_on_every_rank(ranks2, kind):
 def run_outside_and_pure(attn: str):
     """After setup and a cp call, the model and the params are as they were and the model's
     own forward gives bit-identical results to an untouched twin."""
-    model, twin = tiny_model("gemma3_text", attn_implementation=attn), tiny_model("gemma3_text", attn_implementation=attn)
+    model, twin = (
+        tiny_model("gemma3_text", attn_implementation=attn),
+        tiny_model("gemma3_text", attn_implementation=attn),
+    )
     batch = tiny_batch(model.config.vocab_size, 3, 11, pad="left")
     params = {name: p.detach().clone() for name, p in cpshard.params_of(model).items()}
     before = {name: p.clone() for name, p in params.items()}
@@ -210,7 +273,8 @@ def run_outside_and_pure(attn: str):
     return {
         "outside": torch.equal(ours.logits, theirs.logits) and torch.equal(ours.loss, theirs.loss),
         "params unchanged": all(torch.equal(params[n], before[n]) for n in params),
-        "repeatable": torch.equal(first.logits.to_local(), second.logits.to_local()) and torch.equal(first.loss, second.loss),
+        "repeatable": torch.equal(first.logits.to_local(), second.logits.to_local())
+        and torch.equal(first.loss, second.loss),
         "no grad flags changed": not any(p.requires_grad for p in params.values()),
     }
 

@@ -5,7 +5,7 @@ batch size (1-3), the length (1-24: lengths cp does not divide and lengths below
 padding on either side with any amount per row (whole rows of padding included), packed documents
 (position_ids that restart), labels or shift_labels, the implementation (Ulysses and ring; hybrid
 at cp=4), the sequence order, and logits=False. Every example is one ``ranks.run`` call that
-compares loss, logits and every gradient with the plain model at ``cpshard.parity.RTOL``.
+compares loss, logits and every gradient with the plain model at ``cpshard.tools.parity.RTOL``.
 Batches without a single label token are left to tests/test_edge_cases.py (one process's loss is
 NaN there, cpshard's is 0 by contract).
 """
@@ -21,13 +21,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import cpshard
-from cpshard.batch import IGNORE_INDEX, shifted_labels
-from cpshard.parity import check_parity, failing_rows
-from cpshard.tiny import tiny_model
+from cpshard.loss.cross_entropy import IGNORE_INDEX
+from cpshard.runtime.batch import shifted_labels
+from cpshard.tools.parity import check_parity, failing_rows
+from cpshard.tools.tiny import tiny_model
 
 EXAMPLES_PER_CP = 50  # 100 in all
 MAX_LENGTH = 24
-VOCAB = 128  # cpshard.tiny.SMALL
+VOCAB = 128  # cpshard.tools.tiny.SMALL
 MODEL_TYPES = ("llama", "qwen3", "mistral", "gemma3_text")
 SLIDING = ("mistral", "gemma3_text")  # a sliding window is a plain config option for these
 IMPLEMENTATIONS = {2: ("ring", "ulysses"), 4: ("hybrid", "ring", "ulysses")}
@@ -42,7 +43,9 @@ class FuzzCase:
 
     def __repr__(self):  # whole, so that a failing example printed by hypothesis is its own reproduction
         batch = ", ".join(f"{key!r}: torch.tensor({value.tolist()})" for key, value in self.batch.items())
-        return f"FuzzCase({self.model_type!r}, config={self.config}, forward={self.forward}, batch={{{batch}}})"
+        return (
+            f"FuzzCase({self.model_type!r}, config={self.config}, forward={self.forward}, batch={{{batch}}})"
+        )
 
 
 def _positions(starts: list[bool]) -> list[int]:
@@ -69,7 +72,9 @@ def batches(draw) -> dict:
         batch["attention_mask"] = mask
         labels[mask == 0] = IGNORE_INDEX
     if draw(st.booleans()):  # packed documents
-        starts = draw(st.lists(st.lists(st.booleans(), min_size=length, max_size=length), min_size=rows, max_size=rows))
+        starts = draw(
+            st.lists(st.lists(st.booleans(), min_size=length, max_size=length), min_size=rows, max_size=rows)
+        )
         batch["position_ids"] = torch.tensor([_positions(row) for row in starts])
     if draw(st.booleans()):
         batch["shift_labels"] = shifted_labels(labels)

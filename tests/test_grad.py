@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.parity import reference
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.tools.parity import reference
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def run_requires_grad_does_not_matter():
@@ -50,12 +50,19 @@ def run_data_parallel_batches():
     batches[1]["labels"][:, :6] = -100  # different token counts: a mean of means would be wrong
     mesh = cpshard.make_mesh(dp_replicate=2, cp=2)
     mine = batches[mesh.get_local_rank("dp_replicate")]
-    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(cpshard.params_of(model), mine, mesh)
+    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(
+        cpshard.params_of(model), mine, mesh
+    )
     whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
     ref_loss, _, ref_grads = reference(model, cpshard.params_of(model), whole)
     count = int((whole["labels"][:, 1:] != -100).sum())
     worst = max((grads[name] - ref_grads[name]).abs().max().item() for name in grads)
-    return abs(output.loss.item() - ref_loss.item()), worst, output.num_tokens.item() == count, dist.get_rank()
+    return (
+        abs(output.loss.item() - ref_loss.item()),
+        worst,
+        output.num_tokens.item() == count,
+        dist.get_rank(),
+    )
 
 
 def test_data_parallel_loss_and_gradients_are_one_process_over_all_batches(ranks4):

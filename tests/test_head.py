@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from cpshard.forward import make_cp_forward, params_of
-from cpshard.head import head_matches, own_logits
-from cpshard.mesh import make_mesh
-from cpshard.parity import check_parity
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.loss.head import head_matches, own_logits
+from cpshard.parallel.mesh import make_mesh
+from cpshard.runtime.forward import make_cp_forward, params_of
+from cpshard.tools.parity import check_parity
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 HEADS = [
     ("llama", {}, True),
@@ -15,7 +15,11 @@ HEADS = [
     ("granite", {"logits_scaling": 3.0}, True),
     ("qwen3_moe", {"output_router_logits": True}, True),
     ("llama", {"tie_word_embeddings": True}, True),
-    ("cohere", {"logit_scale": 0.5}, False),  # Cohere multiplies its logits by logit_scale: unknown to cpshard
+    (
+        "cohere",
+        {"logit_scale": 0.5},
+        False,
+    ),  # Cohere multiplies its logits by logit_scale: unknown to cpshard
 ]
 
 
@@ -28,7 +32,9 @@ def test_own_logits_are_the_models_where_the_check_says_so(model_type, options, 
     expected = model(input_ids=ids, output_router_logits=False).logits
     assert head_matches(model, params) is known
     assert torch.allclose(own_logits(model, params, hidden), expected, atol=1e-6) is known
-    assert model.get_decoder() is not None and type(model.get_decoder()).__name__.endswith("Model")  # put back
+    assert model.get_decoder() is not None and type(model.get_decoder()).__name__.endswith(
+        "Model"
+    )  # put back
 
 
 def run_unknown_head():
@@ -46,4 +52,8 @@ def run_unknown_head():
 def test_a_head_cpshard_does_not_know_serves_logits_true_and_refuses_logits_false(ranks2):
     for parity, error in ranks2.run(run_unknown_head):
         assert parity.worst <= 1e-5 and parity.comm_bytes > 0, parity.diffs
-        assert error and "CohereForCausalLM's LM head gives other logits" in error and "with logits=True" in error, error
+        assert (
+            error
+            and "CohereForCausalLM's LM head gives other logits" in error
+            and "with logits=True" in error
+        ), error

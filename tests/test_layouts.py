@@ -5,10 +5,19 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from cpshard import Layout
-from cpshard.layouts import BY_NAME, REGISTERED, resolve_layout, structure_problems
-from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3
-from cpshard.redistribute import plan
-from cpshard.tiny import tiny_model
+from cpshard.comm.redistribute import plan
+from cpshard.layouts.registry import (
+    BY_NAME,
+    REGISTERED,
+    decoder,
+    gemma3,
+    llama,
+    mistral,
+    qwen3,
+    resolve_layout,
+    structure_problems,
+)
+from cpshard.tools.tiny import tiny_model
 
 SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")
 
@@ -23,7 +32,12 @@ def models():
 
 @pytest.mark.parametrize(
     "model_type, layout",
-    [("llama", llama.LAYOUT), ("mistral", mistral.LAYOUT), ("qwen3", qwen3.LAYOUT), ("gemma3_text", gemma3.LAYOUT)],
+    [
+        ("llama", llama.LAYOUT),
+        ("mistral", mistral.LAYOUT),
+        ("qwen3", qwen3.LAYOUT),
+        ("gemma3_text", gemma3.LAYOUT),
+    ],
 )
 def test_registered_types_get_their_file(models, model_type, layout):
     assert resolve_layout(models[model_type]) is layout
@@ -87,7 +101,9 @@ def test_structure_problems_name_each_misfit(models):
         "its config has no n_heads",
         "its config has no n_kv",
     ]
-    assert structure_problems(model, Layout("x", decoder_layers="lm_head")) == ["no list of decoder layers at 'lm_head'"]
+    assert structure_problems(model, Layout("x", decoder_layers="lm_head")) == [
+        "no list of decoder layers at 'lm_head'"
+    ]
 
 
 @pytest.mark.parametrize("layout", [decoder.LAYOUT, *REGISTERED.values()], ids=lambda layout: layout.name)

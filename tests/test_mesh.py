@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import cpshard
-from cpshard.mesh import MESH_DIMS, TOKEN_DIMS, cp_size, group_over, split_cp
+from cpshard.parallel.mesh import MESH_DIMS, TOKEN_DIMS, cp_size, group_over, split_cp
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,9 @@ def test_make_mesh_without_a_launcher(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(RuntimeError) as info:
         cpshard.make_mesh(cp=1, device_type="cpu")
-    assert "RANK, WORLD_SIZE, MASTER_ADDR are not set" in str(info.value) and "cpshard.launch" in str(info.value)
+    assert "RANK, WORLD_SIZE, MASTER_ADDR are not set" in str(info.value) and "cpshard.launch" in str(
+        info.value
+    )
     assert not dist.is_initialized()
 
 
@@ -53,15 +55,35 @@ def _group_ranks(group):
 #: meshes and the dims to group over, for 2 and 4 ranks
 MESHES = {
     2: [dict(cp=2)],
-    4: [dict(cp=2, fsdp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, dp_replicate=2), dict(cp=1, fsdp=2, tp=2)],
+    4: [
+        dict(cp=2, fsdp=2),
+        dict(cp=4),
+        dict(cp=2, tp=2),
+        dict(cp=2, dp_replicate=2),
+        dict(cp=1, fsdp=2, tp=2),
+    ],
 }
-DIMS = [("cp",), ("fsdp",), ("tp",), ("fsdp", "cp"), ("cp", "fsdp"), TOKEN_DIMS, ("dp_replicate", "tp"), (), ("ep",)]
+DIMS = [
+    ("cp",),
+    ("fsdp",),
+    ("tp",),
+    ("fsdp", "cp"),
+    ("cp", "fsdp"),
+    TOKEN_DIMS,
+    ("dp_replicate", "tp"),
+    (),
+    ("ep",),
+]
 
 
 def _split_cases(world: int, rank: int) -> list:
     """``split_cp``: Ulysses groups of consecutive cp ranks, rings across them."""
     cases = []
-    splits = [(dict(cp=world), world // 2, 2), (dict(cp=world), world, 1), (dict(cp=2, fsdp=world // 2), 1, 2)]
+    splits = [
+        (dict(cp=world), world // 2, 2),
+        (dict(cp=world), world, 1),
+        (dict(cp=2, fsdp=world // 2), 1, 2),
+    ]
     for sizes, ring, ulysses in splits:
         mesh = cpshard.make_mesh(**sizes)
         split = split_cp(mesh, ring, ulysses)
@@ -95,7 +117,9 @@ def _mesh_cases():
             wide = [d for d in dims if full.get(d, 1) > 1]
             expected = _members(full, rank, dims) if wide else None
             for attempt in range(2):  # a second call finds the same group
-                cases.append((f"{sizes} group_over{dims} #{attempt}", _group_ranks(group_over(mesh, dims)), expected))
+                cases.append(
+                    (f"{sizes} group_over{dims} #{attempt}", _group_ranks(group_over(mesh, dims)), expected)
+                )
     cases += _split_cases(world, rank)
     errors = []
     for wrong in [dict(cp=2, fsdp=3), dict(cp=1), dict(cp=world, tp=2)]:
@@ -103,7 +127,10 @@ def _mesh_cases():
             cpshard.make_mesh(**wrong)
         except ValueError as error:
             errors.append(str(error))
-    for mesh in [init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), init_device_mesh("cpu", (world,))]:
+    for mesh in [
+        init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
+        init_device_mesh("cpu", (world,)),
+    ]:
         try:
             cp_size(mesh)
         except ValueError as error:
@@ -119,6 +146,8 @@ def test_meshes_on_ranks(world, request):
         assert len(errors) == 5, errors
         assert errors[0].startswith(f"world size {world} != dp_replicate=1 * fsdp=3 * cp=2 * tp=1"), errors[0]
         assert errors[1].startswith(f"world size {world} != dp_replicate=1 * fsdp=1 * cp=1 * tp=1"), errors[1]
-        assert errors[2].startswith(f"world size {world} != dp_replicate=1 * fsdp=1 * cp={world} * tp=2"), errors[2]
+        assert errors[2].startswith(f"world size {world} != dp_replicate=1 * fsdp=1 * cp={world} * tp=2"), (
+            errors[2]
+        )
         assert "no 'cp' dimension" in errors[3] and "dp" in errors[3] and "make_mesh(cp=N)" in errors[3]
         assert "no 'cp' dimension" in errors[4] and "unnamed" in errors[4]

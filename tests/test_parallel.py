@@ -12,13 +12,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import cpshard
-from cpshard.comms import recording
-from cpshard.optim import adamw_init, adamw_update
-from cpshard.parallel import block_shape, full_tensors, gather_axis
-from cpshard.placement import param_mesh
-from cpshard.layouts import resolve_layout
-from cpshard.parity import reference
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.comm.record import recording
+from cpshard.layouts.registry import resolve_layout
+from cpshard.parallel.fsdp import block_shape, full_tensors, gather_axis
+from cpshard.parallel.placement import param_mesh
+from cpshard.runtime.optim import adamw_init, adamw_update
+from cpshard.tools.parity import reference
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 TOLERANCE = 1e-5
 STEPS = 3
@@ -59,7 +59,13 @@ def _gather_bytes(params: dict) -> tuple[int, int]:
     return gather, scatter
 
 
-def run_training(sizes: dict, tied: bool, model_type: str = "llama", config: dict | None = None, forward: dict | None = None):
+def run_training(
+    sizes: dict,
+    tied: bool,
+    model_type: str = "llama",
+    config: dict | None = None,
+    forward: dict | None = None,
+):
     """One step against one process on all the dp groups' batches, then three AdamW steps."""
     mesh = cpshard.make_mesh(**sizes)
     options = dict(vocab_size=VOCAB, tie_word_embeddings=tied, **(config or {}))
@@ -89,7 +95,9 @@ def run_training(sizes: dict, tied: bool, model_type: str = "llama", config: dic
             checks["loss"] = abs(output.loss.item() - ref_loss.item())
             checks["grads"] = max((grads[n].full_tensor() - ref_grads[n]).abs().max().item() for n in grads)
             checks["grad layout"] = all(
-                isinstance(g, DTensor) and g.placements == params[n].placements and g.device_mesh == params[n].device_mesh
+                isinstance(g, DTensor)
+                and g.placements == params[n].placements
+                and g.device_mesh == params[n].device_mesh
                 for n, g in grads.items()
             )
             checks["bytes"] = {
@@ -113,7 +121,13 @@ COMBINATIONS = {
     "hsdp2xcp2-tied": (dict(dp_replicate=2, cp=2), True, "llama"),
     "tp2xcp2": (dict(tp=2, cp=2), False, "llama"),
     "fsdp2xtp2-tied": (dict(fsdp=2, tp=2, cp=1), True, "llama"),
-    "tp2xcp2-qwen3-ring-nologits": (dict(tp=2, cp=2), False, "qwen3", {}, dict(implementation="ring", logits=False)),
+    "tp2xcp2-qwen3-ring-nologits": (
+        dict(tp=2, cp=2),
+        False,
+        "qwen3",
+        {},
+        dict(implementation="ring", logits=False),
+    ),
     "moe-fsdp2xcp2-ep2": (dict(fsdp=2, cp=2, ep=2), False, "qwen3_moe"),
     "moe-fsdp2xcp2-ep4": (dict(fsdp=2, cp=2, ep=4), False, "qwen3_moe"),
     "moe-hsdp2xcp2-ep2": (dict(dp_replicate=2, cp=2, ep=2), False, "qwen3_moe"),
@@ -139,8 +153,14 @@ def test_parallel_training_is_one_process_over_all_batches(ranks4, name):
 def run_uneven_shards():
     """Shards of 1, 1, 1 and 0 rows: whole again after the gather; gradients summed over the group."""
     mesh = cpshard.make_mesh(fsdp=2, cp=2)
-    values = {"a": torch.arange(6.0).view(3, 2), "b": torch.arange(5.0) - 2, "c": torch.arange(4.0).view(1, 4)}
-    module = cpshard.parallelize(nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in values.items()}), mesh)
+    values = {
+        "a": torch.arange(6.0).view(3, 2),
+        "b": torch.arange(5.0) - 2,
+        "c": torch.arange(4.0).view(1, 4),
+    }
+    module = cpshard.parallelize(
+        nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in values.items()}), mesh
+    )
     leaves = {name: p.detach().requires_grad_(True) for name, p in cpshard.params_of(module).items()}
     whole = full_tensors(leaves)
     scale = dist.get_rank() + 1  # each rank's share of the loss differs
@@ -196,15 +216,27 @@ def bad_parallel(kind: str):
 BAD = {
     "tp-kv-heads": ("ValueError", "tp=4 must divide num_key_value_heads=2"),
     "tp-ulysses-heads": ("ValueError", "num_attention_heads=6 must divide by tp * cp = 4"),
-    "tp-plain-params": ("ValueError", "cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize"),
-    "ep-experts": ("ValueError", "splits the 6 experts over ep=4 ranks, and 4 does not divide 6; choose ep among 1, 2, 3, 6"),
-    "ep-dense-model": ("ValueError", "ep=2, but the layout 'llama' of model type 'llama' declares no experts"),
+    "tp-plain-params": (
+        "ValueError",
+        "cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize",
+    ),
+    "ep-experts": (
+        "ValueError",
+        "splits the 6 experts over ep=4 ranks, and 4 does not divide 6; choose ep among 1, 2, 3, 6",
+    ),
+    "ep-dense-model": (
+        "ValueError",
+        "ep=2, but the layout 'llama' of model type 'llama' declares no experts",
+    ),
     "tp-unknown-style": ("ValueError", "unknown tensor-parallel styles (self_attn.q_proj: 'colwsie')"),
     "ep-with-tp": ("NotImplementedError", "expert parallelism with tensor parallelism (ep=2, tp=2)"),
     "world": ("ValueError", "world size 4 != dp_replicate=1 * fsdp=3 * cp=2 * tp=1"),
     "no-dims": ("ValueError", "this mesh has dimensions dp, cp and lacks dp_replicate, fsdp"),
     "twice": ("ValueError", "is a DTensor already"),
-    "other-mesh": ("ValueError", "with placements (Shard(dim=0),); on this mesh cp_forward takes plain tensors or"),
+    "other-mesh": (
+        "ValueError",
+        "with placements (Shard(dim=0),); on this mesh cp_forward takes plain tensors or",
+    ),
 }
 
 
@@ -213,7 +245,9 @@ def test_impossible_meshes_and_parallelisms_fail_on_every_rank(ranks4, kind):
     error_type, message = BAD[kind]
     with pytest.raises(cpshard.RankError) as caught:
         ranks4.run(bad_parallel, kind)
-    assert sorted(caught.value.failures) == [0, 1, 2, 3], f"{kind}: only ranks {sorted(caught.value.failures)} raised"
+    assert sorted(caught.value.failures) == [0, 1, 2, 3], (
+        f"{kind}: only ranks {sorted(caught.value.failures)} raised"
+    )
     for failure in caught.value.failures.values():
         assert failure.kind == error_type and message in failure.message, failure.message
     assert ranks4.alive

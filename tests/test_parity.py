@@ -1,10 +1,10 @@
 """The parity check itself: rows per tensor group, and it does catch a broken layout."""
 
 import cpshard
-from cpshard.layout import Layout
-from cpshard.parity import check_parity, tensor_group
-from cpshard.spec import Spec
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.layouts.layout import Layout
+from cpshard.spec.notation import Spec
+from cpshard.tools.parity import check_parity, tensor_group
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def test_tensor_groups():

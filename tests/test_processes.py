@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard import LocalRanks, RankError, launch, processes
+from cpshard import LocalRanks, RankError, launch
+from cpshard.parallel import processes
 
 
 def _identify(tag, scale=None):
@@ -153,7 +154,9 @@ def test_at_least_one_rank():
 
 def test_a_stalled_rank_times_out_and_the_group_ends():
     with LocalRanks(2, timeout=300) as ranks:
-        pids = [pid for _, pid, *_ in ranks.run(_identify, "warm")]  # started: the short timeout is for the call alone
+        pids = [
+            pid for _, pid, *_ in ranks.run(_identify, "warm")
+        ]  # started: the short timeout is for the call alone
         ranks.timeout = 2.0
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 2 s"):

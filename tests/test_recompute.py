@@ -4,9 +4,9 @@ import pytest
 import torch.distributed as dist
 
 import cpshard
-from cpshard.parity import check_parity
-from cpshard.recompute import checkpointing_modules
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.runtime.recompute import checkpointing_modules
+from cpshard.tools.parity import check_parity
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 TOLERANCE = 1e-5
 
@@ -18,7 +18,9 @@ def parity_with_checkpointing(implementation: str, logits: bool, checkpointing: 
     funcs = {id(m): m._gradient_checkpointing_func for m in checkpointing_modules(model)}
     batch = tiny_batch(model.config.vocab_size, 2, 15, pad="right")
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
-    parity = check_parity(model, batch, mesh, cpshard.make_cp_forward(model, implementation=implementation, logits=logits))
+    parity = check_parity(
+        model, batch, mesh, cpshard.make_cp_forward(model, implementation=implementation, logits=logits)
+    )
     unchanged = {id(m): m._gradient_checkpointing_func for m in checkpointing_modules(model)} == funcs
     return parity, len(funcs), unchanged
 
@@ -32,4 +34,6 @@ def test_checkpointed_layers_recompute_inside_the_call(ranks2, implementation, l
         assert layers >= 3, "checkpointing was not enabled on the decoder layers, so nothing was recomputed"
         assert unchanged, "the checkpoint functions were left changed after the call"
         assert parity.worst <= TOLERANCE, parity.diffs
-        assert parity.comm_bytes > baseline.comm_bytes, "the backward did not re-run the forward's collectives"
+        assert parity.comm_bytes > baseline.comm_bytes, (
+            "the backward did not re-run the forward's collectives"
+        )

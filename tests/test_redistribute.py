@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.comms import recording
-from cpshard.redistribute import Move, moved_bytes, plan, redistribute
-from cpshard.sequence import positions
-from cpshard.spec import Spec, SpecError
+from cpshard.comm.record import recording
+from cpshard.comm.redistribute import Move, moved_bytes, plan, redistribute
+from cpshard.spec.notation import Spec, SpecError
+from cpshard.spec.sequence import positions
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_plan(src, dst, moves):
         ("b s d", "b t d", ["dimensions differ"]),
         ("b s@(fsdp,cp) h", "b s@cp h@fsdp", ["'fsdp'", "minor-most", "'s'"]),
         ("n@(x,y)", "n@(y,x)", ["reorder"]),
-        ("b s@cp d", "b s@cp:head_tail d", ["order of 's'", "cpshard.reorder"]),
+        ("b s@cp d", "b s@cp:head_tail d", ["order of 's'", "cpshard.comm.reorder"]),
     ],
 )
 def test_plan_errors(src, dst, words):
@@ -152,7 +152,12 @@ def _two_axis_case():
     x = _block(full, 1, fsdp * 2 + cp, 4)
     with recording() as log:
         y = redistribute(x, "b s@(fsdp,cp) h", "b s@fsdp h@cp", mesh)
-    return y, _block(_block(full, 1, fsdp, 2), 2, cp, 2), [(e.op, e.group_size, e.nbytes) for e in log.events], x.nbytes
+    return (
+        y,
+        _block(_block(full, 1, fsdp, 2), 2, cp, 2),
+        [(e.op, e.group_size, e.nbytes) for e in log.events],
+        x.nbytes,
+    )
 
 
 def test_redistribute_over_one_axis_of_two(ranks4):

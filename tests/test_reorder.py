@@ -3,9 +3,9 @@
 import torch
 import torch.distributed as dist
 
-from cpshard.comms import recording
-from cpshard.reorder import to_chunks
-from cpshard.sequence import chunk_positions, positions
+from cpshard.comm.record import recording
+from cpshard.comm.reorder import to_chunks
+from cpshard.spec.sequence import chunk_positions, positions
 
 
 def run_to_chunks(length: int, padded: int):

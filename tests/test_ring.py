@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import cpshard
-from cpshard.comms import recording
-from cpshard.blocks import ring_blocks
-from cpshard.ring import _grouped, block_attention, block_grads, hops, merge, tiles
-from cpshard.sequence import chunks_per_rank, positions
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.attention.blocks import ring_blocks
+from cpshard.attention.ring import _grouped, block_attention, block_grads, hops, merge, tiles
+from cpshard.comm.record import recording
+from cpshard.spec.sequence import chunks_per_rank, positions
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def whole_row_attention(q, k, v, allowed, scale, softcap=None):
@@ -53,10 +53,15 @@ def test_block_gradients_equal_autograd_of_one_softmax(softcap):
     want_q, want_k, want_v = torch.autograd.grad(expected, (q, k, v), grad_out)
     with torch.no_grad():
         blocks = [(slice(0, 5),), (slice(5, 10),)]
-        parts = [block_attention(qg, k[:, :, s], v[:, :, s], allowed[..., s], 0.3, softcap) for (s,) in blocks]
+        parts = [
+            block_attention(qg, k[:, :, s], v[:, :, s], allowed[..., s], 0.3, softcap) for (s,) in blocks
+        ]
         out, lse = merge(*parts[0], *parts[1])
         delta = (grad_out * out).sum(-1)
-        grads = [block_grads(qg, k[:, :, s], v[:, :, s], allowed[..., s], lse, out, grad_out, delta, 0.3, softcap) for (s,) in blocks]
+        grads = [
+            block_grads(qg, k[:, :, s], v[:, :, s], allowed[..., s], lse, out, grad_out, delta, 0.3, softcap)
+            for (s,) in blocks
+        ]
     torch.testing.assert_close(sum(g[0] for g in grads).reshape(q.shape), want_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([g[1] for g in grads], 2), want_k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([g[2] for g in grads], 2), want_v, atol=1e-5, rtol=1e-5)
@@ -77,9 +82,13 @@ def run_sliding_window_ring(order: str):
     batch = tiny_batch(model.config.vocab_size, 1, 32)
     cp_forward = cpshard.make_cp_forward(model, implementation="ring", sequence_order=order)
     with recording() as log:
-        output, _ = cpshard.value_and_grad(cp_forward)(cpshard.params_of(model), batch, cpshard.make_mesh(cp=4))
+        output, _ = cpshard.value_and_grad(cp_forward)(
+            cpshard.params_of(model), batch, cpshard.make_mesh(cp=4)
+        )
     sends = [e for e in log.events if e.op == "send"]
-    return {phase: sum(e.nbytes for e in sends if e.phase == phase) for phase in ("forward", "backward")}, output.loss.item()
+    return {
+        phase: sum(e.nbytes for e in sends if e.phase == phase) for phase in ("forward", "backward")
+    }, output.loss.item()
 
 
 def test_hidden_blocks_are_neither_computed_nor_sent(ranks4):
@@ -95,7 +104,11 @@ def test_hidden_blocks_are_neither_computed_nor_sent(ranks4):
 
 def _home(rank: int, hops_of: list[int]) -> int:
     """dk, dv blocks this rank sends home: those whose travel ends here, coming from another rank."""
-    return sum(1 for source in range(4) if source != rank and hops_of[source] and (source + hops_of[source]) % 4 == rank)
+    return sum(
+        1
+        for source in range(4)
+        if source != rank and hops_of[source] and (source + hops_of[source]) % 4 == rank
+    )
 
 
 def computed_tiles(order: str, size: int = 4, length: int = 64) -> list[int]:
@@ -105,7 +118,13 @@ def computed_tiles(order: str, size: int = 4, length: int = 64) -> list[int]:
     work = []
     for rank in range(size):
         blocks = ring_blocks(None, held, length, rank, uniform_rows=False, tile=tile)
-        work.append(sum(len(list(tiles(mask, tile))) * tile * tile for mask, need in zip(blocks.masks, blocks.needed[rank]) if need))
+        work.append(
+            sum(
+                len(list(tiles(mask, tile))) * tile * tile
+                for mask, need in zip(blocks.masks, blocks.needed[rank])
+                if need
+            )
+        )
     return work
 
 

@@ -6,9 +6,9 @@ import torch.distributed as dist
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import cpshard
-from cpshard.parity import check_parity
-from cpshard.router_loss import load_balancing_loss
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.loss.router import load_balancing_loss
+from cpshard.tools.parity import check_parity
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 TOLERANCE = 1e-5
 ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.5)

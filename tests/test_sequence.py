@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cpshard.sequence import chunk_positions, exchange_plan, group_positions, positions, row_blocks
+from cpshard.spec.sequence import chunk_positions, exchange_plan, group_positions, positions, row_blocks
 
 
 @pytest.mark.parametrize("order", ["contiguous", "head_tail"])

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import cpshard
-from cpshard.spec import Dim, Spec, SpecError
+from cpshard.spec.notation import Dim, Spec, SpecError
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,8 @@ def test_parse(text, dims):
 
 
 @pytest.mark.parametrize(
-    "text", ["b s@cp d", "n@(fsdp,cp)", "b h@cp s d@tp", "n@(dp_replicate,fsdp,cp) v", "b s@cp:head_tail d", ""]
+    "text",
+    ["b s@cp d", "n@(fsdp,cp)", "b h@cp s d@tp", "n@(dp_replicate,fsdp,cp) v", "b s@cp:head_tail d", ""],
 )
 def test_str_round_trip(text):
     spec = Spec(text)
@@ -45,7 +46,9 @@ def test_value_semantics():
         spec.dims = ()
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.dims[1].axes = ()
-    assert spec.unsharded("cp") == Spec("b s d") and spec == Spec("b s@cp d")  # new values, the old one unchanged
+    assert spec.unsharded("cp") == Spec("b s d") and spec == Spec(
+        "b s@cp d"
+    )  # new values, the old one unchanged
     assert spec.sharded("d", "tp") == Spec("b s@cp d@tp")
     assert Spec("n@fsdp").sharded("n", "cp") == Spec("n@(fsdp,cp)")
 
@@ -104,7 +107,14 @@ def _expected_local(full: torch.Tensor, spec: Spec, coordinate: dict, sizes: dic
     return full
 
 
-PLACED = ["b s@cp d", "b s@fsdp d@cp", "n@(fsdp,cp) d", "b s d", "b@fsdp s d@(cp,tp)", "n@(dp_replicate,fsdp,cp) d"]
+PLACED = [
+    "b s@cp d",
+    "b s@fsdp d@cp",
+    "n@(fsdp,cp) d",
+    "b s d",
+    "b@fsdp s d@(cp,tp)",
+    "n@(dp_replicate,fsdp,cp) d",
+]
 
 
 def _placements_on_mesh():
@@ -143,7 +153,7 @@ def _placements_on_mesh():
 
 def test_placements_on_a_real_mesh(ranks4):
     for results, errors in ranks4.run(_placements_on_mesh):
-        for text, (placements, local, expected) in results.items():
+        for text, (_placements, local, expected) in results.items():
             torch.testing.assert_close(local, expected, rtol=0, atol=0, msg=text)
         assert results["b s@cp d"][0] == (Replicate(), Replicate(), Shard(1), Replicate())
         assert results["n@(fsdp,cp) d"][0] == (Replicate(), Shard(0), Shard(0), Replicate())

@@ -1,17 +1,19 @@
 """The chunked loss: equal to the whole-logits loss, value and gradients, for each logit transform."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
-from types import SimpleNamespace
 
-from cpshard.head import transform_logits
-from cpshard.tiled_loss import tiled_loss_sum
+from cpshard.loss.head import transform_logits
+from cpshard.loss.tiled import tiled_loss_sum
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(
-    "config", [SimpleNamespace(), SimpleNamespace(final_logit_softcapping=3.0), SimpleNamespace(logits_scaling=4.0)]
+    "config",
+    [SimpleNamespace(), SimpleNamespace(final_logit_softcapping=3.0), SimpleNamespace(logits_scaling=4.0)],
 )
 def test_chunks_give_the_whole_loss_and_gradients(config, with_bias):
     generator = torch.Generator().manual_seed(0)
@@ -24,11 +26,14 @@ def test_chunks_give_the_whole_loss_and_gradients(config, with_bias):
     logits = transform_logits(F.linear(hidden, weight, bias), config)
     whole = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     want = torch.autograd.grad(0.3 * whole, leaves)
-    chunked = tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements=2 * 50 * 3)  # 3 tokens a chunk
+    chunked = tiled_loss_sum(
+        hidden, labels, weight, bias, config, chunk_elements=2 * 50 * 3
+    )  # 3 tokens a chunk
     got = torch.autograd.grad(0.3 * chunked, leaves)
     torch.testing.assert_close(chunked, whole)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     with torch.no_grad():  # the loss alone: no gradients computed on the way
-        torch.testing.assert_close(tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements=300), whole)
-
+        torch.testing.assert_close(
+            tiled_loss_sum(hidden, labels, weight, bias, config, chunk_elements=300), whole
+        )

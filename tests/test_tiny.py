@@ -3,12 +3,14 @@
 import pytest
 import torch
 
-from cpshard.tiny import tiny_batch, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def test_models_are_deterministic_per_seed():
     one, two, other = tiny_model("llama", seed=3), tiny_model("llama", seed=3), tiny_model("llama", seed=4)
-    for (name, a), (_, b), (_, c) in zip(one.named_parameters(), two.named_parameters(), other.named_parameters()):
+    for (name, a), (_, b), (_, _c) in zip(
+        one.named_parameters(), two.named_parameters(), other.named_parameters()
+    ):
         assert torch.equal(a, b), name
     assert not torch.equal(one.lm_head.weight, other.lm_head.weight)
 

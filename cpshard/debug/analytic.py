@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cpshard.attention import kv_replication
-from cpshard.layout import Layout
-from cpshard.redistribute import Move, plan
-from cpshard.spec import Spec
+from cpshard.attention.cp_attention import kv_replication
+from cpshard.comm.redistribute import Move, plan
+from cpshard.layouts.layout import Layout
+from cpshard.spec.notation import Spec
 
 TOKEN_NAMES = ("b", "s")
 
@@ -48,7 +48,9 @@ def mesh_sizes(mesh) -> dict[str, int]:
 
 
 def _ways(spec: Spec, sizes: dict[str, int], names=None) -> int:
-    return math.prod(sizes[axis] for dim in spec.dims if names is None or dim.name in names for axis in dim.axes)
+    return math.prod(
+        sizes[axis] for dim in spec.dims if names is None or dim.name in names for axis in dim.axes
+    )
 
 
 def token_ways(layout: Layout, sizes: dict[str, int]) -> int:
@@ -81,7 +83,10 @@ def attention_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.
     kv_total = kv_heads * kv_replication(heads, kv_heads, sizes["cp"])
     itemsize, size = torch.empty((), dtype=dtype).element_size(), head_dim(config, layout)
     parts = (
-        ("q", layout.qkv, heads), ("k", layout.qkv, kv_total), ("v", layout.qkv, kv_total), ("out", layout.attn_output, heads)
+        ("q", layout.qkv, heads),
+        ("k", layout.qkv, kv_total),
+        ("v", layout.qkv, kv_total),
+        ("out", layout.attn_output, heads),
     )
     return tuple(step(name, *pair, {"h": h, "d": size}, layout, sizes, itemsize) for name, pair, h in parts)
 
@@ -90,7 +95,10 @@ def cut_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype)
     """The residual stream's cut at the first decoder layer, then the per-layer inputs' cuts."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     hidden = step("hidden_states", *layout.hidden, {"d": config.hidden_size}, layout, sizes, itemsize)
-    return (hidden, *(step(key, src, dst, {}, layout, sizes, itemsize) for key, src, dst in layout.layer_inputs))
+    return (
+        hidden,
+        *(step(key, src, dst, {}, layout, sizes, itemsize) for key, src, dst in layout.layer_inputs),
+    )
 
 
 def attention_paths(module_names, layout: Layout) -> list[str]:

@@ -1,7 +1,7 @@
 """``trace_comms``: every collective a function launches, forward and backward, beside the optimum.
 
-The collectives report themselves to :mod:`cpshard.comms`; this groups them by module path, op and
-phase. The optimum comes from :mod:`cpshard.optimum`, not from what ran: each ``cp_forward`` the
+The collectives report themselves to :mod:`cpshard.comm.record`; this groups them by module path, op and
+phase. The optimum comes from :mod:`cpshard.debug.optimum`, not from what ran: each ``cp_forward`` the
 function makes is seen at its model's forward (batch size, padded length, dtype, parameters), and
 for a Ulysses call that says, per attention module, one all-to-all each of q, k, v and the output
 forward, the same backward when a backward ran; every gradient once (one bucket per dtype) when
@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook
 
-from cpshard.comms import CommEvent, recording
-from cpshard.context import CPCall, active_call
+from cpshard.call import CPCall, active_call
+from cpshard.comm.record import CommEvent, recording
 from cpshard.debug.analytic import attention_paths, head_dim
+from cpshard.debug.optimum import CommOptimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
-from cpshard.optimum import CommOptimum, ulysses_optimum
 
 PHASES = ("forward", "backward")
 #: the names cpshard's forward and :func:`cpshard.value_and_grad` give their reductions
@@ -65,9 +65,14 @@ class _Run:
         params, config, layout = list(model.parameters()), model.config, call.layout
         floating = [p for p in params if p.is_floating_point()]
         optimum = ulysses_optimum(
-            batch=inputs.shape[0], length=inputs.shape[1], cp=call.cp_size, layers=1,
-            heads=getattr(config, layout.heads), kv_heads=getattr(config, layout.kv_heads),
-            head_dim=head_dim(config, layout), param_bytes=sum(p.numel() * p.element_size() for p in params),
+            batch=inputs.shape[0],
+            length=inputs.shape[1],
+            cp=call.cp_size,
+            layers=1,
+            heads=getattr(config, layout.heads),
+            kv_heads=getattr(config, layout.kv_heads),
+            head_dim=head_dim(config, layout),
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
             itemsize=floating[0].element_size() if floating else 4,
         )
         buckets = None if any(isinstance(p, DTensor) for p in params) else len({p.dtype for p in params})
@@ -94,7 +99,9 @@ def optimum(runs: list[_Run], groups: set[tuple]) -> dict[tuple, list[int]]:
         expected[key][1] += nbytes
 
     for run in runs:
-        per_phase = run.optimum.all_to_all // 2  # ulysses_optimum counts forward and backward, here of one layer
+        per_phase = (
+            run.optimum.all_to_all // 2
+        )  # ulysses_optimum counts forward and backward, here of one layer
         for path in run.attention_paths:
             add((path, "all_to_all", "forward"), 4, per_phase)
             if backward:
@@ -146,9 +153,16 @@ class CommsReport:
 
     def __str__(self) -> str:
         rows = [
-            (g.module, g.op, g.phase, g.count, grouped(g.nbytes),
-             "" if g.optimum_count is None else g.optimum_count,
-             "" if g.optimum_bytes is None else grouped(g.optimum_bytes), g.verdict)
+            (
+                g.module,
+                g.op,
+                g.phase,
+                g.count,
+                grouped(g.nbytes),
+                "" if g.optimum_count is None else g.optimum_count,
+                "" if g.optimum_bytes is None else grouped(g.optimum_bytes),
+                g.verdict,
+            )
             for g in self.groups
         ]
         rows.append(("total", "", "", len(self.events), grouped(self.total_bytes), "", "", ""))

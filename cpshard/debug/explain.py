@@ -1,7 +1,7 @@
 """``explain``: the layout as it applies to one model on one mesh, before anything runs.
 
 What ``make_cp_forward`` would choose (layout, implementation, kv-head replication) and why; then
-each cut and each attention move with its specs, the collective :func:`cpshard.redistribute.plan`
+each cut and each attention move with its specs, the collective :func:`cpshard.comm.redistribute.plan`
 picks and its bytes per token. Reads the model's config and dtype only, so a meta model will do.
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpshard.attention import kv_replication
+from cpshard.attention.cp_attention import kv_replication
 from cpshard.debug.analytic import Step, attention_paths, attention_steps, cut_steps, mesh_sizes
 from cpshard.debug.table import grouped, table
 from cpshard.debug.typeof import dtype_name
-from cpshard.forward import choose_implementation
-from cpshard.layout import Layout
-from cpshard.layouts import REGISTERED, resolve_layout
-from cpshard.mesh import cp_size
+from cpshard.layouts.layout import Layout
+from cpshard.layouts.registry import REGISTERED, resolve_layout
+from cpshard.parallel.mesh import cp_size
+from cpshard.runtime.forward import choose_implementation
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,13 @@ class Explanation:
         mesh = " ".join(f"{axis}={size}" for axis, size in self.sizes.items())
         lines = [
             f"{self.model} on mesh {mesh}, {self.dtype}",
-            table([
-                ("layout", f"{self.layout.name}: {self.layout_reason}"),
-                ("implementation", f"{self.implementation}: {self.implementation_reason}"),
-                *([("kv heads", _kv_text(self.kv_replication))] if self.kv_replication else []),
-            ]),
+            table(
+                [
+                    ("layout", f"{self.layout.name}: {self.layout_reason}"),
+                    ("implementation", f"{self.implementation}: {self.implementation_reason}"),
+                    *([("kv heads", _kv_text(self.kv_replication))] if self.kv_replication else []),
+                ]
+            ),
             "",
             "bytes/token: a collective's input on one rank, per token that rank holds (B*L/cp of them)",
         ]
@@ -79,12 +81,18 @@ def _row(where: str, s: Step) -> tuple:
 
 
 def _kv_text(replicas: int) -> str:
-    return "each kv head held once" if replicas == 1 else f"each kv head repeated {replicas}x so that cp divides them"
+    return (
+        "each kv head held once"
+        if replicas == 1
+        else f"each kv head repeated {replicas}x so that cp divides them"
+    )
 
 
 def _paths(paths: tuple[str, ...], layout: Layout) -> str:
     """``model.layers.{0..31}.self_attn`` when the paths are every layer in order."""
-    if paths and list(paths) == [f"{layout.decoder_layers}.{i}.{layout.attention}" for i in range(len(paths))]:
+    if paths and list(paths) == [
+        f"{layout.decoder_layers}.{i}.{layout.attention}" for i in range(len(paths))
+    ]:
         return f"{layout.decoder_layers}.{{0..{len(paths) - 1}}}.{layout.attention}"
     return ", ".join(paths) or "no attention modules"
 
@@ -100,7 +108,9 @@ def _layout_reason(model, layout, chosen: Layout) -> str:
     return f"no layout file is registered for {model_type!r}; its structure fits the generic decoder"
 
 
-def _implementation(config, layout: Layout, cp: int, requested: str, degree: int | None) -> tuple[str, str, int | None]:
+def _implementation(
+    config, layout: Layout, cp: int, requested: str, degree: int | None
+) -> tuple[str, str, int | None]:
     """What ``make_cp_forward(implementation=requested)`` runs on ``cp`` ranks, why, and (for Ulysses)
     how often each kv head is repeated."""
     heads, kv_heads = getattr(config, layout.heads), getattr(config, layout.kv_heads)
@@ -111,13 +121,22 @@ def _implementation(config, layout: Layout, cp: int, requested: str, degree: int
     if name == "ulysses":
         replicas = kv_replication(heads, kv_heads, cp)
         reason = f"{layout.heads}={heads} divides over cp={cp}, so each rank attends whole sequences over {heads // cp} heads"
-        return name, ("auto picks Ulysses where cp divides the heads; " if requested == "auto" else "") + reason, replicas
+        return (
+            name,
+            ("auto picks Ulysses where cp divides the heads; " if requested == "auto" else "") + reason,
+            replicas,
+        )
     how = (
-        f"Ulysses over groups of {degree} ranks, a ring of {cp // degree} groups" if name == "hybrid"
+        f"Ulysses over groups of {degree} ranks, a ring of {cp // degree} groups"
+        if name == "hybrid"
         else f"k and v travel a ring of {cp} ranks"
     )
     why = f"{layout.heads}={heads} is not divisible by cp={cp}; " if requested == "auto" else ""
-    return name, f"{why}{how}, sequence in head-tail order (per-tensor costs below are shown for Ulysses only)", None
+    return (
+        name,
+        f"{why}{how}, sequence in head-tail order (per-tensor costs below are shown for Ulysses only)",
+        None,
+    )
 
 
 def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree=None) -> Explanation:
@@ -128,7 +147,14 @@ def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree
     attention = attention_steps(config, chosen, sizes, model.dtype) if replicas else ()
     return Explanation(
         f"{type(model).__name__} (model type {getattr(config, 'model_type', '?')!r})",
-        chosen, _layout_reason(model, layout, chosen), name, reason, replicas, sizes, dtype_name(model.dtype),
-        cut_steps(config, chosen, sizes, model.dtype), attention,
+        chosen,
+        _layout_reason(model, layout, chosen),
+        name,
+        reason,
+        replicas,
+        sizes,
+        dtype_name(model.dtype),
+        cut_steps(config, chosen, sizes, model.dtype),
+        attention,
         tuple(attention_paths((path for path, _ in model.named_modules()), chosen)),
     )

@@ -11,7 +11,9 @@ def table(rows: list[tuple], header: tuple | None = None, right: frozenset[int] 
     widths = [max(len(row[i]) for row in cells if i < len(row)) for i in range(max(map(len, cells)))]
     lines = []
     for row in cells:
-        padded = [cell.rjust(widths[i]) if i in right else cell.ljust(widths[i]) for i, cell in enumerate(row)]
+        padded = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i]) for i, cell in enumerate(row)
+        ]
         lines.append("  ".join(padded).rstrip())
     if header:
         lines.insert(1, "  ".join("-" * width for width in widths))

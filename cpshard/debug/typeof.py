@@ -97,7 +97,9 @@ def typeof(x) -> str:
     if isinstance(x, torch.Tensor):
         return tensor_type(x)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        x = OrderedDict((field.name, getattr(x, field.name)) for field in dataclasses.fields(x))  # field order
+        x = OrderedDict(
+            (field.name, getattr(x, field.name)) for field in dataclasses.fields(x)
+        )  # field order
     paths, leaves, _ = optree.tree_flatten_with_path(x, none_is_leaf=True)
     if paths == [()]:  # a lone leaf that is no tensor
         return _leaf_type(x)

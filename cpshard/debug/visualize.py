@@ -26,11 +26,15 @@ def blocks(x: torch.Tensor) -> dict[int, tuple[Interval, ...]]:
         rank = dist.get_rank() if dist.is_initialized() else 0
         return {rank: tuple((0, n) for n in x.shape)}
     if any(type(p).__name__ == "_StridedShard" for p in x.placements):
-        raise ValueError(f"visualize: {tensor_type(x)} has strided shards, whose blocks interleave; no grid draws them")
+        raise ValueError(
+            f"visualize: {tensor_type(x)} has strided shards, whose blocks interleave; no grid draws them"
+        )
     ranks = x.device_mesh.mesh
     result = {}
     for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
-        shape, offset = _compute_local_shape_and_global_offset(x.shape, tuple(ranks.shape), list(coordinate), x.placements)
+        shape, offset = _compute_local_shape_and_global_offset(
+            x.shape, tuple(ranks.shape), list(coordinate), x.placements
+        )
         result[int(ranks[coordinate])] = tuple((start, start + size) for start, size in zip(offset, shape))
     return result
 
@@ -54,7 +58,11 @@ def _ranks_label(ranks: list[int]) -> str:
 
 def _holders(owned: dict[int, tuple[Interval, ...]], cell: dict[int, Interval]) -> str:
     """The ranks whose block covers ``cell`` (dim -> interval)."""
-    inside = [r for r, block in owned.items() if all(block[d][0] <= a <= b <= block[d][1] for d, (a, b) in cell.items())]
+    inside = [
+        r
+        for r, block in owned.items()
+        if all(block[d][0] <= a <= b <= block[d][1] for d, (a, b) in cell.items())
+    ]
     return _ranks_label(inside)
 
 
@@ -99,12 +107,14 @@ def picture(x: torch.Tensor) -> str:
     pages = [d for d in range(x.dim()) if d not in shown]
     lines = [tensor_type(x)]
     names = " x ".join(f"dim {d}" for d in shown)
-    lines.append(f"{'columns' if len(shown) == 1 else 'rows x columns'}: {names}; each box names the ranks holding it")
+    lines.append(
+        f"{'columns' if len(shown) == 1 else 'rows x columns'}: {names}; each box names the ranks holding it"
+    )
     for page in itertools.product(*(cuts[d] for d in pages)):
         fixed = dict(zip(pages, page))
         if pages:
             whole = len(cuts[pages[0]]) == 1
-            (d, (a, b)), = fixed.items()
+            ((d, (a, b)),) = fixed.items()
             lines.append(f"dim {d} is whole ({b}) in every block" if whole else f"dim {d} = {a}:{b}")
         rows, cols = (None, cuts[shown[0]]) if len(shown) == 1 else (cuts[shown[0]], cuts[shown[1]])
 

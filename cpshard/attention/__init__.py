@@ -1,0 +1,1 @@
+"""Context-parallel attention: Ulysses, ring and hybrid around the model's own attention function, with exact masks."""

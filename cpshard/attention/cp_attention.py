@@ -1,0 +1,220 @@
+"""Context-parallel attention, wrapped around the model's own attention function.
+
+Registered in transformers' attention-function registry (and its mask registry, so the model
+still builds its mask) under ``cpshard_<inner>``. Inside a cp call, q, k and v arrive split
+over the sequence. Ulysses: one all-to-all each makes them whole sequences over a share of the
+heads, the model's own function runs with the model's own whole-sequence mask, and one
+all-to-all brings the output back. Ring (and hybrid, Ulysses inside groups first): k and v
+travel the ring (:mod:`cpshard.attention.ring`) with per-block masks cut from that same mask. Outside a
+cp call it is the inner function, untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from functools import cache
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from cpshard.attention.blocks import ring_blocks
+from cpshard.attention.ring import RingAttention
+from cpshard.call import active_call
+from cpshard.comm.redistribute import redistribute
+from cpshard.spec.notation import Dim, Spec
+from cpshard.spec.sequence import chunks_per_rank, group_positions, row_blocks
+
+PREFIX = "cpshard_"
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, cp: int) -> int:
+    """How many times each kv head is repeated so that cp divides them and each rank's q heads find theirs."""
+    if num_heads % cp:
+        raise ValueError(
+            f"Ulysses splits heads over cp: num_attention_heads={num_heads} is not divisible by cp={cp}; "
+            f"cp sizes that work: {', '.join(str(c) for c in range(1, num_heads + 1) if num_heads % c == 0)}; "
+            "implementation='ring' or 'hybrid' serve any cp"
+        )
+    return cp // math.gcd(num_kv_heads, cp)
+
+
+def without_padding_keys(key, value, attention_mask, length: int):
+    """Drop the cp padding from the keys. Real queries never see it, but a row that sees no key at
+    all (left padding) gets what the model's function gives over all keys (eager: their mean), which
+    must be over the real sequence's keys only."""
+    return key[:, :, :length], value[:, :, :length], attention_mask[..., :length]
+
+
+class _GroupedAs:
+    """The attention module as the inner function should see it: ``groups`` q heads per local kv head."""
+
+    def __init__(self, module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+@cache
+def _model_eager(module_class: type):
+    """The eager attention function of the modeling file that defines ``module_class``."""
+    function = getattr(sys.modules[module_class.__module__], "eager_attention_forward", None)
+    if function is None:
+        raise ValueError(f"{module_class.__name__}: its modeling file has no eager_attention_forward to wrap")
+    return function
+
+
+def _inner_function(inner: str, module):
+    return _model_eager(type(module)) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
+
+
+def _on_axis(spec: Spec, axis: str) -> Spec:
+    """``spec`` with its ``cp`` axis called ``axis`` (hybrid runs Ulysses over a part of cp)."""
+    return Spec(tuple(Dim(d.name, tuple(axis if a == "cp" else a for a in d.axes)) for d in spec.dims))
+
+
+def _heads_for_sequences(module, query, key, value, layout, mesh, axis: str, path: str):
+    """Ulysses' first half over ``axis``: sequence-split q, k, v become head-split whole sequences."""
+    replicas = kv_replication(query.shape[1], key.shape[1], mesh[axis].size())
+    if replicas > 1:
+        key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
+        module = _GroupedAs(module, query.shape[1] // key.shape[1])
+    seq_split, head_split = (_on_axis(spec, axis) for spec in layout.qkv)
+    query, key, value = (
+        redistribute(x, seq_split, head_split, mesh, name=f"{path} {part}")
+        for part, x in (("q", query), ("k", key), ("v", value))
+    )
+    return module, query, key, value
+
+
+def _sequences_for_heads(output, layout, mesh, axis: str, path: str):
+    """Ulysses' second half: the head-split output goes back to sequence-split."""
+    return redistribute(
+        output, *(_on_axis(spec, axis) for spec in layout.attn_output), mesh, name=f"{path} out"
+    )
+
+
+#: above this many bytes, sdpa's float mask is built per block of queries, never whole (see _blocked_sdpa);
+#: below, one whole float mask per call serves every layer
+MASK_BLOCK_BYTES = 1 << 26
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as sdpa turns it into floats (0 where allowed, -inf elsewhere): bit for bit the same
+    attention. Given a boolean mask, sdpa saves its own float copy for the backward, one ``B x L x L``
+    per layer; given this one, it saves this one, which the layers of a call can share."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask.logical_not(), float("-inf")
+    )
+
+
+def _sdpa_rows(function, module, query, key, value, mask, kwargs):
+    return function(module, query, key, value, additive_mask(mask, query.dtype), **kwargs)[0]
+
+
+def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
+    """sdpa over blocks of queries, each under activation checkpointing: the float form of the boolean
+    ``B x L x L`` mask (4 bytes an entry, which sdpa would keep for the backward in every layer) exists
+    one block of rows at a time, in the forward and again in the backward, at the price of computing
+    each block's attention twice. Each query's row is computed as sdpa computes it whole."""
+    row_bytes = mask.shape[0] * mask.shape[-1] * query.element_size()
+    blocks = [
+        checkpoint(
+            _sdpa_rows,
+            function,
+            module,
+            query[:, :, part],
+            key,
+            value,
+            mask[..., part, :],
+            kwargs,
+            use_reentrant=False,
+        )
+        for part in row_blocks(query.shape[2], row_bytes, MASK_BLOCK_BYTES)
+    ]
+    return torch.cat(blocks, dim=1), None
+
+
+def _ulysses_attention(inner: str, function, module, query, key, value, attention_mask, call, **kwargs):
+    path = call.name_of(module)
+    module, query, key, value = _heads_for_sequences(
+        module, query, key, value, call.layout, call.mesh, "cp", path
+    )
+    boolean = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+    if isinstance(attention_mask, torch.Tensor):
+        original = attention_mask
+        key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
+    if inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
+        output, weights = _blocked_sdpa(function, module, query, key, value, attention_mask, **kwargs)
+    else:
+        if inner == "sdpa" and boolean:
+            shared = ("additive mask", id(original), query.dtype)
+            attention_mask = call.shared(shared, lambda: additive_mask(attention_mask, query.dtype))
+        output, weights = function(module, query, key, value, attention_mask, **kwargs)
+    return _sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights
+
+
+def _ring_attention(inner: str, module, query, key, value, attention_mask, call, **kwargs):
+    """Ring (and hybrid: Ulysses inside each group of ``call.ulysses`` ranks, ring across groups)."""
+    if kwargs.get("dropout"):
+        raise ValueError(
+            "ring attention does not apply attention dropout; set the model's attention_dropout to 0"
+        )
+    mesh, degree, path = call.split_mesh, call.ulysses, call.name_of(module)
+    if degree > 1:
+        module, query, key, value = _heads_for_sequences(
+            module, query, key, value, call.layout, mesh, "cp_ulysses", path
+        )
+    groups = mesh["cp_ring"].size()
+    held = [
+        group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree))
+        for g in range(groups)
+    ]
+    tile = call.padded_length // (call.cp_size * chunks_per_rank(call.order))
+    rank, uniform = mesh.get_local_rank("cp_ring"), inner == "eager"
+    make_blocks = lambda: ring_blocks(attention_mask, held, call.length, rank, uniform, tile)  # noqa: E731
+    blocks = call.shared(("ring blocks", id(attention_mask), uniform), make_blocks)
+    scale = kwargs.get("scaling") or module.scaling
+    output = RingAttention.apply(
+        query, key, value, blocks, scale, kwargs.get("softcap"), mesh.get_group("cp_ring"), f"{path} kv"
+    )
+    output = output.transpose(1, 2)
+    if degree > 1:
+        output = _sequences_for_heads(output, call.layout, mesh, "cp_ulysses", path)
+    return output.contiguous(), None
+
+
+def _cp_attention(inner: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        function = _inner_function(inner, module)
+        call = active_call()
+        if call is None:
+            return function(module, query, key, value, attention_mask, **kwargs)
+        if call.implementation == "ulysses":
+            return _ulysses_attention(
+                inner, function, module, query, key, value, attention_mask, call, **kwargs
+            )
+        return _ring_attention(inner, module, query, key, value, attention_mask, call, **kwargs)
+
+    attention.__doc__ = f"Context-parallel attention around {inner!r} attention (cpshard)."
+    return attention
+
+
+def ulysses_name(inner: str) -> str:
+    """Register Ulysses around ``inner`` (idempotent) and return the registered implementation name."""
+    if inner.startswith(PREFIX):
+        return inner
+    if inner != "eager" and inner not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"attention implementation {inner!r} is not in transformers' registry")
+    if inner not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"attention implementation {inner!r} has no mask function; cpshard cannot keep its mask exact"
+        )
+    name = PREFIX + inner
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _cp_attention(inner))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    return name

@@ -1,0 +1,210 @@
+"""Differentiable collectives over one process group, each reported to :mod:`cpshard.comm.record`.
+
+These call torch's functional collectives directly: DTensor's ``redistribute`` falls back to
+an all-gather of the whole tensor on CPU process groups, which the hot path cannot afford.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from cpshard.comm.record import active_log, record
+
+
+def _exchange(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group, log, name: str, phase: str
+) -> torch.Tensor:
+    """Send chunk ``i`` of ``scatter_dim`` to rank ``i``; concatenate what arrives along ``gather_dim``."""
+    size, scatter_dim, gather_dim = dist.get_world_size(group), scatter_dim % x.dim(), gather_dim % x.dim()
+    send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()  # a view when x allows
+    record(log, "all_to_all", name, phase, send, size)
+    received = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)  # copies only where it must
+
+
+class _Exchange(torch.autograd.Function):
+    """An exchange whose backward is the same exchange reversed: what went to rank i comes back from it."""
+
+    @staticmethod
+    def forward(ctx, x, exchange, there: tuple, back: tuple, group, name):
+        ctx.exchange, ctx.back, ctx.group, ctx.name, ctx.log = exchange, back, group, name, active_log()
+        return exchange(x, *there, group, ctx.log, name, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (
+            ctx.exchange(grad, *ctx.back, ctx.group, ctx.log, ctx.name, "backward"),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: str = "") -> torch.Tensor:
+    """Split ``scatter_dim`` over the group and gather ``gather_dim`` from it: one all-to-all each way."""
+    if x.shape[scatter_dim] % dist.get_world_size(group):
+        raise ValueError(
+            f"{name or 'all_to_all'}: dimension {scatter_dim} of shape {tuple(x.shape)} does not divide "
+            f"over {dist.get_world_size(group)} ranks"
+        )
+    return _Exchange.apply(x, _exchange, (scatter_dim, gather_dim), (gather_dim, scatter_dim), group, name)
+
+
+def _summed(x: torch.Tensor, group, log, name: str, phase: str) -> torch.Tensor:
+    out = x.detach().clone().contiguous()
+    record(log, "all_reduce", name, phase, out, dist.get_world_size(group))
+    dist.all_reduce(out, group=group)
+    return out
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the identity: each rank's share of a replicated result."""
+
+    @staticmethod
+    def forward(ctx, x, group, name):
+        return _summed(x, group, active_log(), name, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def sum_over_group(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """The sum of ``x`` over the group on every rank; the gradient flows to each rank's own term."""
+    return _SumOverGroup.apply(x, group, name)
+
+
+class _SumGradsOverGroup(torch.autograd.Function):
+    """The identity whose backward all-reduces (sums): a replicated input that each rank uses in part."""
+
+    @staticmethod
+    def forward(ctx, x, group, name):
+        ctx.group, ctx.name, ctx.log = group, name, active_log()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _summed(grad, ctx.group, ctx.log, ctx.name, "backward"), None, None
+
+
+def sum_grads_over_group(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """``x`` as it is; its gradient summed over the group (each rank's part of the computation adds its term)."""
+    return _SumGradsOverGroup.apply(x, group, name)
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group, name: str = "") -> list[torch.Tensor]:
+    """Sum many tensors over the group in one collective per dtype (a bucket, not one per tensor)."""
+    size = dist.get_world_size(group)
+    result: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(index)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        record(active_log(), "all_reduce", name, "backward", flat, size)
+        dist.all_reduce(flat, group=group)
+        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
+            result[i] = piece.view_as(tensors[i])
+    return result
+
+
+def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """Every rank's ``x`` stacked along a new dim 0 (not differentiable; for checks)."""
+    size = dist.get_world_size(group)
+    out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
+    record(active_log(), "all_gather", name, "forward", x, size)
+    dist.all_gather_single(out, x.contiguous().reshape(-1), group=group)
+    return out.view(size, *x.shape)
+
+
+def _rows_of(rank: int, rows: int, chunk: int) -> int:
+    """How many of ``rows`` rank ``rank`` holds when they are cut in chunks of ``chunk`` (as ``torch.chunk`` cuts)."""
+    return min(chunk, max(0, rows - rank * chunk))
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` as a ``[rows, everything else]`` matrix, zero rows appended."""
+    width = math.prod(x.shape[1:])
+    return F.pad(x.reshape(x.shape[0], width), (0, 0, 0, rows - x.shape[0]))
+
+
+class _GatherShards(torch.autograd.Function):
+    """All-gather of dim-0 shards into whole tensors; backward: the reduce-scatter of their gradients."""
+
+    @staticmethod
+    def forward(ctx, group, name, rows, *shards):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunks = [-(-n // size) for n in rows]
+        for shard, n, chunk in zip(shards, rows, chunks):
+            if shard.shape[0] != _rows_of(rank, n, chunk):
+                raise ValueError(
+                    f"{name}: rank {rank} of {size} holds {shard.shape[0]} of {n} rows; a dim-0 shard cut as "
+                    f"torch.chunk cuts holds {_rows_of(rank, n, chunk)}"
+                )
+        ctx.group, ctx.name, ctx.log, ctx.chunks = group, name, active_log(), chunks
+        ctx.local_rows = [shard.shape[0] for shard in shards]
+        flat = torch.cat([_padded(shard, chunk).reshape(-1) for shard, chunk in zip(shards, chunks)])
+        record(ctx.log, "all_gather", name, "forward", flat, size)
+        out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_single(out, flat, group=group)
+        pieces = out.view(size, -1).split([c * math.prod(s.shape[1:]) for c, s in zip(chunks, shards)], dim=1)
+        return tuple(
+            torch.cat([piece[r].view(c, *s.shape[1:])[: _rows_of(r, n, c)] for r in range(size)])
+            for piece, s, n, c in zip(pieces, shards, rows, chunks)
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        size = dist.get_world_size(ctx.group)
+        send = torch.cat(
+            [_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)], dim=1
+        ).contiguous()
+        record(ctx.log, "reduce_scatter", ctx.name, "backward", send, size)
+        out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
+        dist.reduce_scatter_single(out, send.view(-1), group=ctx.group)
+        pieces = out.split([c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)])
+        local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, ctx.chunks, ctx.local_rows)]
+        return (None, None, None, *local)
+
+
+def all_gather_shards(
+    shards: list[torch.Tensor], rows: list[int], group, name: str = ""
+) -> list[torch.Tensor]:
+    """Whole tensors from each rank's dim-0 shard (``rows``: their whole dim-0 sizes), in one all-gather;
+    the gradients come back reduce-scattered, each rank's rows summed over the group. One dtype only."""
+    if len({s.dtype for s in shards}) > 1:
+        raise ValueError(
+            f"{name or 'all_gather_shards'}: one dtype per call, got {sorted({str(s.dtype) for s in shards})}"
+        )
+    return list(_GatherShards.apply(group, name, tuple(rows), *shards))
+
+
+def _exchange_rows(
+    x: torch.Tensor, send: list[int], receive: list[int], group, log, name: str, phase: str
+) -> torch.Tensor:
+    """Rows ``[sum(send[:i]), sum(send[:i+1]))`` of ``x`` go to rank ``i``; what arrives is stacked in rank order."""
+    x = x.contiguous()
+    record(log, "all_to_all", name, phase, x, dist.get_world_size(group))
+    return funcol.wait_tensor(funcol.all_to_all_single(x, receive, send, group))
+
+
+def all_to_all_rows(
+    x: torch.Tensor, send: list[int], receive: list[int], group, name: str = ""
+) -> torch.Tensor:
+    """Uneven all-to-all of dim-0 rows: ``send[i]`` rows to rank ``i``, ``receive[i]`` rows from it (both sides must
+    agree: exchange the counts first). The backward sends the gradients back the same way reversed."""
+    size = dist.get_world_size(group)
+    if len(send) != size or len(receive) != size or sum(send) != x.shape[0]:
+        raise ValueError(
+            f"{name or 'all_to_all_rows'}: {x.shape[0]} rows split as send={send}, receive={receive} "
+            f"over {size} ranks; each needs one count per rank and send must add up to the rows"
+        )
+    send, receive = list(send), list(receive)
+    return _Exchange.apply(x, _exchange_rows, (send, receive), (receive, send), group, name)

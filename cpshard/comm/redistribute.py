@@ -1,0 +1,111 @@
+"""Moves between specs: which collective each needs, and running it.
+
+The choice is a pure function of the two specs (:func:`plan`): a dimension split over an
+axis moving to another dimension is one all-to-all; replicated to split is a local slice
+with no communication; an unchanged axis is nothing at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpshard.comm.collectives import all_to_all
+from cpshard.spec.notation import Dim, Spec, SpecError
+from cpshard.spec.sequence import chunks_per_rank, positions
+
+
+@dataclass(frozen=True)
+class Move:
+    """What one mesh axis needs to go from one spec to another."""
+
+    axis: str
+    kind: str  # "slice" or "all_to_all"
+    src_dim: int | None
+    dst_dim: int
+
+
+def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
+    """The moves, one per mesh axis whose placement differs between ``src`` and ``dst``.
+
+    Each move makes its axis the minor-most of the dimension it splits, and an all-to-all can
+    only take back the minor-most axis of a dimension; moves run in the order of ``dst``'s axes.
+    """
+    src, dst = Spec(src), Spec(dst)
+    if src.names != dst.names:
+        raise SpecError(f"cannot move {src} to {dst}: the dimensions differ ({src.names} vs {dst.names})")
+    current = [list(dim.axes) for dim in src.dims]
+    moves = []
+    for axis in dict.fromkeys(dst.axes + src.axes):
+        before, after = src.sharded_dim(axis), dst.sharded_dim(axis)
+        if before == after and before is not None and src.dims[before].order != dst.dims[after].order:
+            raise SpecError(
+                f"cannot move {src} to {dst}: changing the order of {src.names[before]!r} over {axis!r} is a "
+                "token exchange (cpshard.comm.reorder), not a redistribution"
+            )
+        if before == after:
+            continue
+        if after is None:
+            raise SpecError(
+                f"cannot move {src} to {dst}: un-splitting {src.names[before]!r} over {axis!r} would gather the "
+                "whole tensor on every rank, which the hot path never does"
+            )
+        if before is not None and current[before][-1] != axis:
+            raise SpecError(
+                f"cannot move {src} to {dst}: {axis!r} is not the minor-most axis of {src.names[before]!r}"
+            )
+        if before is not None:
+            current[before].pop()
+        current[after].append(axis)
+        moves.append(Move(axis, "slice" if before is None else "all_to_all", before, after))
+    if [tuple(axes) for axes in current] != [dim.axes for dim in dst.dims]:
+        raise SpecError(
+            f"cannot move {src} to {dst}: one move per axis cannot reorder the axes of a dimension"
+        )
+    return tuple(moves)
+
+
+def moved_bytes(local_shape, dtype: torch.dtype, src: Spec | str, dst: Spec | str) -> int:
+    """Bytes this rank sends into collectives for the move (the input size of each all-to-all)."""
+    numel = 1
+    for size in local_shape:
+        numel *= size
+    per_tensor = numel * torch.empty((), dtype=dtype).element_size()
+    return sum(per_tensor for move in plan(src, dst) if move.kind == "all_to_all")
+
+
+def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: str = "") -> torch.Tensor:
+    """``x``, the local part of a tensor placed as ``src`` on ``mesh``, placed as ``dst``. Differentiable."""
+    src, dst = Spec(src), Spec(dst)
+    tensor = name or "tensor"
+    if x.dim() != len(src.dims):
+        raise SpecError(
+            f"{tensor}: spec {src} has {len(src.dims)} dimensions, the local tensor has shape {tuple(x.shape)}"
+        )
+    for move in plan(src, dst):
+        if move.kind == "all_to_all":
+            x = all_to_all(
+                x,
+                scatter_dim=move.dst_dim,
+                gather_dim=move.src_dim,
+                group=mesh.get_group(move.axis),
+                name=name,
+            )
+            continue
+        x = _slice(x, dst.dims[move.dst_dim], move, mesh, tensor)
+    return x
+
+
+def _slice(x: torch.Tensor, dim: Dim, move: Move, mesh, tensor: str) -> torch.Tensor:
+    """This rank's part of a replicated dimension: a view for contiguous chunks, a gather of positions otherwise."""
+    ways, size = mesh[move.axis].size(), x.shape[move.dst_dim]
+    if size % (ways * chunks_per_rank(dim.order)):
+        raise SpecError(
+            f"{tensor}: dimension {move.dst_dim} ({dim.name}) has local size {size}, which does not split into "
+            f"{ways * chunks_per_rank(dim.order)} equal chunks over mesh axis {move.axis!r} (size {ways})"
+        )
+    rank = mesh.get_local_rank(move.axis)
+    if dim.order == "contiguous":
+        return x.narrow(move.dst_dim, rank * (size // ways), size // ways)
+    return x.index_select(move.dst_dim, positions(dim.order, size, ways, rank).to(x.device))

@@ -1,0 +1,144 @@
+"""The analytic communication optimum of a training step: what the byte counts are checked against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpshard.attention.cp_attention import kv_replication
+from cpshard.layouts.registry import resolve_layout
+from cpshard.runtime.batch import padded_length
+from cpshard.runtime.forward import choose_implementation, params_of
+from cpshard.spec.sequence import chunk_positions, padded_length_for, positions
+
+
+@dataclass(frozen=True)
+class CommOptimum:
+    """The bytes one rank must put into collectives for one training step, by purpose."""
+
+    all_to_all: int
+    gradients: int
+    loss: int
+    #: ring attention's point-to-point sends (k, v forward; k, v, dk, dv backward)
+    send: int = 0
+
+    @property
+    def all_reduce(self) -> int:
+        return self.gradients + self.loss
+
+    @property
+    def total(self) -> int:
+        return self.all_to_all + self.all_reduce + self.send
+
+
+def ulysses_optimum(
+    *,
+    batch: int,
+    length: int,
+    cp: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    param_bytes: int,
+    itemsize: int = 4,
+) -> CommOptimum:
+    """Bytes per rank per Ulysses training step on a cp-only mesh (inputs of each collective).
+
+    Per decoder layer, forward and again backward: one all-to-all each of q, k, v and the
+    attention output, each of ``B * L/cp * heads * head_dim`` elements (k and v with the kv
+    heads after replication). Then one all-reduce of every gradient and one of the fp32 loss.
+    """
+    if cp == 1:
+        return CommOptimum(0, 0, 0)
+    tokens = batch * padded_length(length, cp) // cp
+    kv = kv_heads * kv_replication(heads, kv_heads, cp)
+    per_layer = tokens * head_dim * itemsize * (heads + kv + kv + heads)
+    return CommOptimum(all_to_all=2 * layers * per_layer, gradients=param_bytes, loss=4)
+
+
+def ring_optimum(
+    *,
+    batch: int,
+    length: int,
+    cp: int,
+    degree: int,
+    order: str,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    hidden: int,
+    param_bytes: int,
+    itemsize: int = 4,
+    rank: int = 0,
+) -> CommOptimum:
+    """Bytes rank ``rank`` puts into collectives per ring (``degree`` 1) or hybrid training step,
+    when every block is needed (head-tail under a causal mask; skipped blocks only save).
+
+    Per layer: Ulysses inside groups of ``degree`` ranks as in :func:`ulysses_optimum`; then on
+    a ring of ``R = cp / degree``: k and v forward R-1 times; backward k and v R-1 times and dk,
+    dv (fp32) R times, the last hop bringing them home. Head-tail order is undone once before
+    the LM head: the rank's real tokens of hidden state forward, its chunk of gradients back.
+    """
+    padded = padded_length_for(length, cp, order)
+    tokens = batch * padded // cp
+    kv = kv_heads * (kv_replication(heads, kv_heads, degree) if degree > 1 else 1)
+    ulysses = 0 if degree == 1 else 2 * tokens * head_dim * itemsize * (2 * heads + 2 * kv)
+    block = 2 * tokens * kv * head_dim  # k and v of this rank's share of the heads, over its group's tokens
+    ring = cp // degree
+    send = layers * block * ((ring - 1) * itemsize + (ring - 1) * itemsize + ring * 4)
+    undo = 0
+    if order != "contiguous":
+        held = int((positions(order, padded, cp, rank) < length).sum())
+        undo = batch * hidden * itemsize * (held + len(chunk_positions(length, cp, rank)))
+    return CommOptimum(all_to_all=layers * ulysses + undo, gradients=param_bytes, loss=4, send=send)
+
+
+def _sizes(model) -> dict:
+    """The model's sizes that the optimum formulas take."""
+    layout, config = resolve_layout(model), model.config
+    heads = getattr(config, layout.heads)
+    params = list(params_of(model).values())
+    return dict(
+        layers=len(model.get_submodule(layout.decoder_layers)),
+        heads=heads,
+        kv_heads=getattr(config, layout.kv_heads),
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        itemsize=params[0].element_size(),
+    )
+
+
+def optimum_of(model, batch: int, length: int, cp: int) -> CommOptimum:
+    """:func:`ulysses_optimum` with the sizes read off ``model`` and its layout."""
+    return ulysses_optimum(batch=batch, length=length, cp=cp, **_sizes(model))
+
+
+def ring_optimum_of(
+    model, batch: int, length: int, cp: int, degree: int, order: str, rank: int = 0
+) -> CommOptimum:
+    """:func:`ring_optimum` with the sizes read off ``model`` and its layout."""
+    return ring_optimum(
+        batch=batch,
+        length=length,
+        cp=cp,
+        degree=degree,
+        order=order,
+        hidden=model.config.hidden_size,
+        rank=rank,
+        **_sizes(model),
+    )
+
+
+def optimum_for(
+    model, batch: int, length: int, cp: int, implementation: str = "auto", sequence_order: str = "auto"
+) -> CommOptimum:
+    """Rank 0's optimum for ``make_cp_forward(model, implementation=..., sequence_order=...)``: the
+    implementation and Ulysses degree it would choose for this cp, and its sequence order."""
+    heads = getattr(model.config, resolve_layout(model).heads)
+    chosen, degree = choose_implementation(implementation, heads, cp)
+    if chosen == "ulysses":
+        return optimum_of(model, batch, length, cp)
+    return ring_optimum_of(
+        model, batch, length, cp, degree, "head_tail" if sequence_order == "auto" else sequence_order
+    )

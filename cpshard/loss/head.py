@@ -1,0 +1,84 @@
+"""The model's LM head as cpshard computes it, and the check that it is the model's own.
+
+cpshard runs the head itself where the model's forward cannot serve: the loss without the logits
+(:mod:`cpshard.loss.tiled`), and MoE models whose forward would add a slice-local router loss. It
+knows the transforms transformers' heads apply after the projection (Granite's scaling, Gemma's
+final softcap). A head that does anything else (Cohere's ``logit_scale``, say) would give a wrong
+loss of the right shape, so before cpshard uses its own head on a model it runs the model's own
+forward once on two tokens, with the decoder stood in for by fixed hidden states, and compares.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import MoeModelOutputWithPast
+
+#: the verdict of the check, per model
+_MATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def transform_logits(logits: torch.Tensor, config) -> torch.Tensor:
+    """What the model's LM head does after the projection (Granite's scaling, Gemma's softcap)."""
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling:
+        logits = logits / scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def head_of(model, params: dict):
+    """The LM head's weight and bias among ``params`` (a tied weight under the name params has for it)."""
+    head = model.get_output_embeddings()
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    names = {local: canonical[id(p)] for local, p in head.named_parameters()}
+    return params[names["weight"]], params[names["bias"]] if "bias" in names else None
+
+
+def own_logits(model, params: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """cpshard's logits of final hidden states ``hidden``: the head's projection and the known transforms."""
+    return transform_logits(F.linear(hidden, *head_of(model, params)), model.config)
+
+
+class _FixedDecoder(nn.Module):
+    """Stands in for the decoder: returns the hidden states it was given, whatever the inputs."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+def _models_logits(model, params: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's own forward on ``hidden`` as its decoder's output (two token ids stand in as inputs)."""
+    decoder = model.get_decoder()
+    path = next(name for name, module in model.named_modules() if module is decoder)
+    parent, _, attribute = path.rpartition(".")
+    owner = model.get_submodule(parent)
+    head = {name: value for name, value in params.items() if not name.startswith(path + ".")}
+    setattr(owner, attribute, _FixedDecoder(hidden))
+    try:
+        ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+        inputs = dict(input_ids=ids, use_cache=False, output_router_logits=False)
+        return torch.func.functional_call(model, head, (), inputs, strict=False, tie_weights=True).logits
+    finally:
+        setattr(owner, attribute, decoder)
+
+
+def head_matches(model, params: dict) -> bool:
+    """Whether :func:`own_logits` gives the model's own logits (checked once per model, on two tokens)."""
+    if model not in _MATCHES:
+        weight, _ = head_of(model, params)
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(1, 2, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+        with torch.no_grad():
+            theirs, ours = _models_logits(model, params, hidden), own_logits(model, params, hidden)
+        _MATCHES[model] = theirs.shape == ours.shape and torch.allclose(theirs, ours, rtol=1e-5, atol=1e-5)
+    return _MATCHES[model]

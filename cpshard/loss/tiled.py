@@ -1,0 +1,66 @@
+"""The loss without the logits: the LM head and cross-entropy, chunk by chunk of tokens.
+
+Each chunk's logits are computed, consumed and dropped, so a rank never holds its whole
+``[L/cp, vocab]`` logits. Each chunk's gradients are computed in the forward, right after its
+loss, while its logits exist (as Liger's fused linear cross-entropy does): the backward only
+scales them, so no chunk's logits are computed twice, as recomputing under checkpointing would.
+The head is the model's own weights, with the model's own logit transforms (Gemma's final
+softcap, Granite's scaling) read from its config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cpshard.loss.cross_entropy import cross_entropy_sum
+from cpshard.loss.head import transform_logits
+from cpshard.spec.sequence import row_blocks
+
+#: logits per chunk: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunk_loss(hidden, labels, weight, bias, config):
+    return cross_entropy_sum(transform_logits(F.linear(hidden, weight, bias), config), labels)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, config, parts: list[slice]):
+        wanted = [need and x is not None for x, need in zip((hidden, weight, bias), ctx.needs_input_grad)]
+        grads = [torch.zeros_like(x) if want else None for x, want in zip((hidden, weight, bias), wanted)]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for part in parts:
+            with torch.enable_grad():
+                leaves = [
+                    None if x is None else x.detach().requires_grad_(want)
+                    for x, want in zip((hidden[:, part], weight, bias), wanted)
+                ]
+                loss = _chunk_loss(leaves[0], labels[:, part], leaves[1], leaves[2], config)
+                if any(wanted):
+                    chunk_grads = iter(
+                        torch.autograd.grad(loss, [x for x, want in zip(leaves, wanted) if want])
+                    )
+                    if wanted[0]:
+                        grads[0][:, part] = next(chunk_grads)
+                    for i in (1, 2):
+                        if wanted[i]:
+                            grads[i] += next(chunk_grads)
+            total += loss.detach()
+        ctx.grads = grads
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = [None if g is None else g * grad.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return *grads, None, None, None
+
+
+def tiled_loss_sum(
+    hidden, labels, weight, bias, config, chunk_elements: int = CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, chunk by chunk."""
+    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], chunk_elements)
+    return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, config, parts)

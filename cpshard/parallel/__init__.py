@@ -1,0 +1,1 @@
+"""Processes and meshes, parameter placement, FSDP gathering, tensor and expert parallelism, checkpoints."""

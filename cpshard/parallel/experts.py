@@ -1,0 +1,251 @@
+"""Expert parallelism (EP): each rank computes only its own experts, on every token that picked them.
+
+The expert weights are split over the ``ep`` ranks on dim 0: ep rank ``r`` holds experts
+``[r*E/ep, (r+1)*E/ep)``. Each rank routes its own tokens with the replicated router (so every
+choice is the one a single process makes for that token), sends each (token, k) pair to the rank
+that owns its expert (one uneven all-to-all, after the per-expert counts), the owner runs the
+model's own experts function on what it received, and a second all-to-all brings the results home,
+where the routing weights combine them. No token reaches an expert twice; the backward is the
+reverse all-to-alls, so an owner's expert-weight gradients already sum over every token of the ep
+group and need no further reduction over ``ep``.
+
+Registered in transformers' experts registry (``ExpertsInterface``) as ``cpshard_ep_<inner>``,
+the way :mod:`cpshard.attention.cp_attention` wraps attention: outside a cp call, or when the call has no
+expert group, it is the model's own implementation, untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+from cpshard.call import current_call
+from cpshard.comm.collectives import all_to_all, all_to_all_rows
+
+PREFIX = "cpshard_ep_"
+
+
+def expert_counts(config) -> tuple[int, int]:
+    """``(number of experts, experts per token)`` under the names MoE configs use."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    return experts, getattr(config, "num_experts_per_tok", None)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where this rank's (token, k) pairs go: sorted by expert, so each owner's rows are contiguous."""
+
+    #: indices into the flattened ``[tokens * top_k]`` pairs, by expert (stable); sentinel experts last
+    order: torch.Tensor
+    #: pairs per expert, ``[num_experts]`` (int64): what the owners are told before the rows travel
+    per_expert: torch.Tensor
+    top_k: int
+
+    @property
+    def valid(self) -> int:
+        """Pairs that go to a real expert (transformers' EP sentinel ``num_experts`` goes nowhere)."""
+        return int(self.per_expert.sum())
+
+    def per_rank(self, ep: int) -> list[int]:
+        """Rows sent to each ep rank."""
+        return rank_counts(self.per_expert, ep)
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """The routing plan of ``top_k_index`` (``[tokens, top_k]``, the router's choices on this rank)."""
+    flat = top_k_index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    per_expert = torch.bincount(flat[flat < num_experts], minlength=num_experts)
+    return Routing(order, per_expert, top_k_index.shape[-1])
+
+
+def rank_counts(per_expert: torch.Tensor, ep: int) -> list[int]:
+    """Per-expert counts summed per owner (experts are cut in ``ep`` consecutive blocks)."""
+    return per_expert.view(ep, -1).sum(dim=1).tolist()
+
+
+def local_expert_ids(received_per_expert: torch.Tensor, ep: int) -> torch.Tensor:
+    """The local expert of each received row: rows come by source rank, then by expert within it."""
+    local = received_per_expert.numel() // ep
+    return (
+        torch.arange(local, device=received_per_expert.device)
+        .repeat(ep)
+        .repeat_interleave(received_per_expert)
+    )
+
+
+def exchange_counts(per_expert: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """``[ep * E/ep]``: for each source rank, how many rows it sends to each of this rank's experts."""
+    return all_to_all(per_expert, 0, 0, group, name=name)
+
+
+def gather_pairs(hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The token row of each routed pair, in routing order (a token picked k times is sent k times)."""
+    return hidden_states[routing.order[: routing.valid] // routing.top_k]
+
+
+class _LocalExperts:
+    """The experts module as its own function should see it: only this rank's ``local`` experts."""
+
+    def __init__(self, module, local: int):
+        self._module, self.num_experts = module, local
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def compute_local(function, module, rows: torch.Tensor, local_ids: torch.Tensor, local: int) -> torch.Tensor:
+    """Each received row through its one local expert with weight 1, by the model's own experts ``function``
+    (so the arithmetic is the model's; the routing weights are applied at home, where they live)."""
+    ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+    out = function(_LocalExperts(module, local), rows, local_ids[:, None], ones)
+    if rows.requires_grad and not out.requires_grad:
+        # nothing arrived: keep the return all-to-all in the graph, or this rank would skip its backward
+        out = out + 0 * rows
+    return out
+
+
+def combine(returned: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``[tokens, hidden]``: each pair's result, back in token order, times its routing weight, summed over k
+    (the eager experts' order: product first, then the sum into zeros)."""
+    pairs = routing.order.numel()
+    padded = torch.cat([returned, returned.new_zeros(pairs - returned.shape[0], returned.shape[1])])
+    inverse = torch.empty_like(routing.order)
+    inverse[routing.order] = torch.arange(pairs, device=routing.order.device)
+    per_pair = padded[inverse].view(-1, routing.top_k, returned.shape[1])
+    return (per_pair * top_k_weights[..., None]).sum(dim=1)
+
+
+def local_count(module) -> int:
+    """How many experts this rank's weights hold (dim 0 of the first expert weight)."""
+    weight = module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj
+    return weight.shape[0]
+
+
+def ep_experts(
+    function, module, hidden_states, top_k_index, top_k_weights, group, name: str = "experts"
+) -> torch.Tensor:
+    """The experts layer under expert parallelism over ``group``; ``module`` holds the local expert block."""
+    ep, total = dist.get_world_size(group), module.num_experts
+    if total % ep or local_count(module) != total // ep:
+        raise ValueError(
+            f"{name}: expert parallelism over {ep} ranks needs each rank's block of {total} // {ep} experts; "
+            f"got weights for {local_count(module)} experts"
+            + (f" ({total} experts do not divide over {ep} ranks)" if total % ep else "")
+        )
+    routing = route(top_k_index, total)
+    received_per_expert = exchange_counts(routing.per_expert, group, name=f"{name} counts")
+    send, receive = routing.per_rank(ep), rank_counts(received_per_expert, ep)
+    rows = all_to_all_rows(
+        gather_pairs(hidden_states, routing), send, receive, group, name=f"{name} dispatch"
+    )
+    out = compute_local(function, module, rows, local_expert_ids(received_per_expert, ep), total // ep)
+    returned = all_to_all_rows(out, receive, send, group, name=f"{name} return")
+    return combine(returned, routing, top_k_weights).to(hidden_states.dtype)
+
+
+def ep_bytes(
+    sent: int, received: int, hidden_size: int, element_size: int, num_experts: int
+) -> dict[str, int]:
+    """Bytes one rank puts into the EP collectives of one experts layer (the sizes of their input tensors,
+    as :mod:`cpshard.comm.record` counts them, own rows included): ``sent`` pairs out, ``received`` in."""
+    row = hidden_size * element_size
+    return {"forward": num_experts * 8 + (sent + received) * row, "backward": (received + sent) * row}
+
+
+def _inner_function(inner: str, module):
+    if inner == "eager":
+        return type(module).forward.__wrapped__  # the class's own forward, under transformers' decorator
+    return ALL_EXPERTS_FUNCTIONS[inner]
+
+
+def _ep_function(inner: str):
+    def experts(module, hidden_states, top_k_index, top_k_weights):
+        function = _inner_function(inner, module)
+        call = current_call()
+        if call is None or call.expert_group is None:
+            return function(module, hidden_states, top_k_index, top_k_weights)
+        name = call.name_of(module)  # cpshard.comm.record counts collectives named "...experts..." as ep's
+        name = name if "experts" in name else f"{name} experts"
+        return ep_experts(
+            function, module, hidden_states, top_k_index, top_k_weights, call.expert_group, name
+        )
+
+    experts.__doc__ = f"Expert parallelism around the {inner!r} experts implementation (cpshard)."
+    return experts
+
+
+def experts_name(inner: str | None) -> str:
+    """Register EP around ``inner`` (idempotent) and return the registered implementation name."""
+    inner = inner or "eager"
+    if inner.startswith(PREFIX):
+        return inner
+    if inner != "eager" and inner not in ALL_EXPERTS_FUNCTIONS:
+        raise ValueError(f"experts implementation {inner!r} is not in transformers' ExpertsInterface")
+    name = PREFIX + inner
+    if name not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(name, _ep_function(inner))
+    return name
+
+
+def is_experts(module) -> bool:
+    """A transformers experts module dispatched through ``ExpertsInterface`` (``@use_experts_implementation``)."""
+    marks = ("has_gate", "is_transposed", "is_concatenated", "num_experts", "config")
+    return hasattr(type(module).forward, "__wrapped__") and all(hasattr(module, mark) for mark in marks)
+
+
+def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's experts modules by path."""
+    return {path: module for path, module in model.named_modules() if is_experts(module)}
+
+
+def install_experts(model: torch.nn.Module) -> str:
+    """Switch ``model``'s experts to the EP wrapper of its current implementation (idempotent); returns its name.
+
+    Outside a cp call with an expert group the model computes exactly as before."""
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} has no mixture-of-experts layer dispatched through transformers' "
+            "ExpertsInterface (@use_experts_implementation): there are no experts to split over ep; use ep=1"
+        )
+    first = next(iter(modules.values()))
+    name = experts_name(first.config._experts_implementation)
+    if first.config._experts_implementation != name:
+        model.set_experts_implementation(name)
+    missed = [path for path, module in modules.items() if module.config._experts_implementation != name]
+    if missed:
+        raise ValueError(
+            f"could not switch the experts at {', '.join(missed)} to {name!r}; their config kept its own"
+        )
+    return name
+
+
+def check_experts(config, ep: int) -> None:
+    """Raise a ValueError when ``config``'s MoE cannot run under cp with expert parallelism over ``ep`` ranks."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = expert_counts(config)[0]
+    if not isinstance(experts, int):
+        raise ValueError(
+            f"model type {getattr(config, 'model_type', '?')!r} declares no num_experts: it has no experts for ep={ep}"
+        )
+    if experts % ep:
+        fitting = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ValueError(
+            f"expert parallelism splits the {experts} experts over ep={ep} ranks, and {ep} does not divide {experts}; "
+            f"choose ep among {', '.join(map(str, fitting))}"
+        )
+
+
+def check_expert_parallel(config, layout, ep: int) -> None:
+    """The layout's experts can serve ``ep`` (a model without experts only ep=1); see :func:`check_experts`."""
+    if layout.experts:
+        check_experts(config, ep)
+    elif ep > 1:
+        raise ValueError(
+            f"ep={ep}, but the layout {layout.name!r} of model type {getattr(config, 'model_type', '?')!r} declares "
+            "no experts: there is nothing to split over ep; build the mesh with ep=1"
+        )

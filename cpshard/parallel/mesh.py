@@ -1,0 +1,119 @@
+"""Meshes: the root mesh with named dimensions, and the groups the forward reduces over."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp_replicate", "fsdp", "cp", "tp")
+#: the dimensions whose ranks hold different tokens: losses, token counts and gradients sum over them
+TOKEN_DIMS = ("dp_replicate", "fsdp", "cp")
+
+
+def _init_default_group(device_type: str) -> None:
+    """Initialize the default group from the launcher's environment (torchrun), unless one exists."""
+    if dist.is_initialized():
+        return
+    missing = [
+        name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ
+    ]
+    if missing:
+        raise RuntimeError(
+            f"no process group is initialized and {', '.join(missing)} are not set: start under torchrun, "
+            "use cpshard.launch, or call torch.distributed.init_process_group first"
+        )
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+
+
+def make_mesh(
+    *, cp: int, dp_replicate: int = 1, fsdp: int = 1, tp: int = 1, ep: int = 1, device_type=None
+) -> DeviceMesh:
+    """The root mesh ``dp_replicate x fsdp x cp x tp`` over every rank of the default group.
+
+    ``ep`` regroups the ranks of ``fsdp x cp x tp`` (row-major) into expert groups of ``ep``
+    consecutive ranks; it is recorded with the mesh (:func:`expert_degree`), whose sub-meshes
+    :mod:`cpshard.parallel.placement` builds with DeviceMesh's flatten and unflatten."""
+    sizes = {"dp_replicate": dp_replicate, "fsdp": fsdp, "cp": cp, "tp": tp}
+    for name, size in {**sizes, "ep": ep}.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
+    if (fsdp * cp * tp) % ep:
+        raise ValueError(
+            f"make_mesh: ep={ep} must divide fsdp * cp * tp = {fsdp} * {cp} * {tp} = {fsdp * cp * tp}"
+        )
+    if ep > 1 and tp > 1:
+        raise NotImplementedError(
+            f"make_mesh: expert parallelism with tensor parallelism (ep={ep}, tp={tp}) is not available: "
+            "the tp ranks hold the same tokens and would each send them to the experts; use tp=1 with ep"
+        )
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    _init_default_group(device_type)
+    world = dist.get_world_size()
+    product = dp_replicate * fsdp * cp * tp
+    if world != product:
+        raise ValueError(
+            f"world size {world} != dp_replicate={dp_replicate} * fsdp={fsdp} * cp={cp} * tp={tp}"
+            f" (= {product}); choose sizes whose product is the number of ranks"
+        )
+    return _root_mesh(device_type, tuple(sizes.values()), ep, dist.group.WORLD)
+
+
+#: the expert degree of each root mesh, by id (root meshes live as long as the cache below)
+_EXPERT_DEGREE: dict[int, int] = {}
+
+
+@cache
+def _root_mesh(device_type: str, shape: tuple[int, ...], ep: int, world) -> DeviceMesh:
+    """One mesh per shape, expert degree and default group: every mesh creates a process group per
+    dimension (each with its own threads), so a training loop or test suite calling make_mesh
+    again must get the same mesh back, not a new set of groups."""
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    _EXPERT_DEGREE[id(mesh)] = ep
+    return mesh
+
+
+def expert_degree(mesh: DeviceMesh) -> int:
+    """The ``ep`` that :func:`make_mesh` was given for this root mesh (1 for any other mesh)."""
+    return _EXPERT_DEGREE.get(id(mesh), 1)
+
+
+def mesh_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of the mesh dimension ``name``; 1 when the mesh has no such dimension."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index(name)) if name in names else 1
+
+
+def cp_size(mesh: DeviceMesh) -> int:
+    """The size of the mesh's ``cp`` dimension; a clear error when it has none."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names:
+        raise ValueError(
+            f"the mesh has no 'cp' dimension (its dimensions: {', '.join(names) or 'unnamed'}); "
+            "build it with cpshard.make_mesh(cp=N)"
+        )
+    return mesh.size(names.index("cp"))
+
+
+def group_over(mesh: DeviceMesh, dims: tuple[str, ...]):
+    """The process group of the ranks that differ only along ``dims`` (None when that is this rank alone)."""
+    names = mesh.mesh_dim_names or ()
+    wide = tuple(
+        d for d in names if d in dims and mesh.size(names.index(d)) > 1
+    )  # in mesh order, as slicing wants
+    if not wide:
+        return None
+    if len(wide) == 1:
+        return mesh.get_group(wide[0])
+    return mesh[wide]._flatten("_".join(wide)).get_group()
+
+
+@cache
+def split_cp(mesh: DeviceMesh, ring: int, ulysses: int) -> DeviceMesh:
+    """The ``cp`` axis as ``(cp_ring, cp_ulysses)``: Ulysses groups of consecutive cp ranks, rings across.
+
+    Cached: creating process groups is collective and slow, and a mesh's split never changes."""
+    return mesh["cp"]._unflatten(0, (ring, ulysses), ("cp_ring", "cp_ulysses"))

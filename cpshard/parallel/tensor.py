@@ -1,0 +1,85 @@
+"""Tensor parallelism inside a cp call: the layout's column-wise and row-wise layers over ``tp``.
+
+The functional call receives each rank's tp block of the split weights (see :mod:`cpshard.parallel.placement`):
+column-wise layers (q/k/v, gate/up) compute this rank's heads or features, and row-wise layers
+(o/down) a partial sum that one all-reduce over ``tp`` completes. Where the replicated residual
+stream enters the column-wise layers, the gradient is a sum of every tp rank's part: one
+all-reduce in the backward. Attention sees ``heads / tp`` heads per rank, which Ulysses then
+splits over ``cp``. Hooks are installed once per model and act only inside a call with ``tp > 1``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+
+from cpshard.call import current_call
+from cpshard.comm.collectives import sum_grads_over_group, sum_over_group
+from cpshard.layouts.layout import Layout
+from cpshard.layouts.registry import submodule
+
+#: how a layout's tensor-parallel plan may treat a module (see :mod:`cpshard.parallel.placement`)
+TP_STYLES = ("colwise", "rowwise", "per_head")
+
+
+def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
+    """The plan names known styles, and every count it splits divides by ``tp``: a clear error otherwise."""
+    unknown = [f"{path}: {style!r}" for path, style in layout.tensor_parallel if style not in TP_STYLES]
+    if unknown:
+        raise ValueError(
+            f"layout {layout.name!r}: unknown tensor-parallel styles ({'; '.join(unknown)}); use {TP_STYLES}"
+        )
+    if tp == 1:
+        return
+    if layout.experts:
+        raise NotImplementedError(
+            f"tensor parallelism (tp={tp}) for the mixture-of-experts layout {layout.name!r} is not available; "
+            "use tp=1 and expert parallelism (ep) for it"
+        )
+    counts = {
+        layout.heads: getattr(config, layout.heads, None),
+        layout.kv_heads: getattr(config, layout.kv_heads, None),
+        "intermediate_size": getattr(config, "intermediate_size", None),
+    }
+    bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
+    if bad:
+        raise ValueError(
+            f"tp={tp} must divide {', '.join(f'{name}={count}' for name, count in bad.items())}: each tp rank "
+            "holds an equal share of the heads and features; choose a tp that divides them"
+        )
+
+
+def _tp_group():
+    call = current_call()
+    return None if call is None else call.tp_group
+
+
+def _sum_input_grads(module, args, kwargs):
+    group = _tp_group()
+    if group is None:
+        return None
+    if args:
+        return (sum_grads_over_group(args[0], group, "tp input"), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": sum_grads_over_group(kwargs["hidden_states"], group, "tp input")}
+
+
+def _sum_outputs(name: str, module, args, output):
+    group = _tp_group()
+    return None if group is None else sum_over_group(output, group, name)
+
+
+def install_tensor_parallel(layers: nn.ModuleList, layout: Layout) -> list:
+    """Hook each decoder layer's tp entry modules and row-wise layers; return the handles."""
+    rowwise = [path for path, style in layout.tensor_parallel if style == "rowwise"]
+    handles = []
+    for layer in layers:
+        for path in layout.tensor_parallel_inputs:
+            module = submodule(layer, path)
+            if module is not None:
+                handles.append(module.register_forward_pre_hook(_sum_input_grads, with_kwargs=True))
+        for path in rowwise:
+            module = submodule(layer, path)
+            if module is not None:
+                handles.append(module.register_forward_hook(partial(_sum_outputs, f"tp {path}")))
+    return handles

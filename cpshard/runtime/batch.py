@@ -1,0 +1,230 @@
+"""The batch: checks, a fingerprint to compare across ranks, and padding to a multiple of cp.
+
+Labels are shifted over the whole sequence before it is cut, so the label of each rank's last
+token comes from the next rank's first; padding sits at the end of every row, after all real
+tokens, where a causal model never looks, so no mask of our own is ever added.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cpshard.loss.cross_entropy import IGNORE_INDEX
+from cpshard.spec.sequence import positions
+
+INPUT_KEYS = ("input_ids", "inputs_embeds")
+TOKEN_KEYS = ("labels", "shift_labels", "attention_mask", "position_ids")
+BATCH_KEYS = INPUT_KEYS + TOKEN_KEYS
+_FINGERPRINT_DIMS = 3
+#: per key: present, rank, the first dims' sizes and two weighted sums of the values
+_FINGERPRINT_ENTRIES = _FINGERPRINT_DIMS + 4
+
+
+class BatchError(ValueError):
+    """A batch that cpshard cannot run, with what to change."""
+
+
+def fingerprint(batch) -> torch.Tensor:
+    """A small float64 vector that differs when keys, shapes or values differ; safe on any input."""
+    entries = []
+    keys = sorted(batch) if isinstance(batch, Mapping) else []
+    entries.append(float(len(keys)))
+    for key in BATCH_KEYS:
+        value = batch.get(key) if isinstance(batch, Mapping) else None
+        if not isinstance(value, torch.Tensor):
+            entries.extend([0.0] * _FINGERPRINT_ENTRIES)
+            continue
+        shape = list(value.shape[:_FINGERPRINT_DIMS]) + [0] * (_FINGERPRINT_DIMS - value.dim())
+        flat = value.detach().reshape(-1).to(torch.float64)
+        index = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
+        # two bounded weightings: together they tell apart values swapped between any two positions
+        sums = [float((flat * weights).sum()) for weights in (index % 997 + 1, index // 997 + 1)]
+        entries.extend([1.0, float(value.dim()), *map(float, shape), *sums])
+    return torch.tensor(entries, dtype=torch.float64)
+
+
+def _require_2d(batch: Mapping, key: str, shape: tuple[int, int]) -> None:
+    value = batch[key]
+    if not isinstance(value, torch.Tensor):
+        raise BatchError(f"batch[{key!r}] must be a tensor, got {type(value).__name__}")
+    if value.dim() != 2:
+        hint = (
+            " (a 2-D padding mask: 1 for real tokens, 0 for padding; cpshard builds the 4-D mask)"
+            if key == "attention_mask"
+            else ""
+        )
+        raise BatchError(
+            f"batch[{key!r}] must be 2-D [B, L] = {list(shape)}, got shape {list(value.shape)}{hint}"
+        )
+    batch_ok = value.shape[0] == shape[0] or (key == "position_ids" and value.shape[0] == 1)
+    if not batch_ok or value.shape[1] != shape[1]:
+        raise BatchError(
+            f"batch[{key!r}] has shape {list(value.shape)} but the inputs are [B, L] = {list(shape)}; "
+            "every per-token field must match"
+        )
+
+
+def validate(batch) -> tuple[int, int]:
+    """Raise a :class:`BatchError` naming what is wrong; return ``(B, L)``."""
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"the batch must be a dict of tensors, got {type(batch).__name__}")
+    unknown = sorted(set(batch) - set(BATCH_KEYS), key=str)
+    if unknown:
+        raise BatchError(f"unknown batch keys {unknown}; allowed: {', '.join(BATCH_KEYS)}")
+    given = [key for key in INPUT_KEYS if batch.get(key) is not None]
+    if len(given) != 1:
+        raise BatchError(
+            f"the batch needs exactly one of input_ids or inputs_embeds, got {given or 'neither'}"
+        )
+    inputs = batch[given[0]]
+    want_dim = 2 if given[0] == "input_ids" else 3
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != want_dim:
+        shape = list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        raise BatchError(f"batch[{given[0]!r}] must be a {want_dim}-D tensor, got {shape}")
+    if given[0] == "input_ids" and inputs.is_floating_point():
+        raise BatchError("batch['input_ids'] must hold integer token ids; pass embeddings as inputs_embeds")
+    shape = (inputs.shape[0], inputs.shape[1])
+    if shape[0] < 1 or shape[1] < 1:
+        raise BatchError(f"the batch must have at least one row and one token, got [B, L] = {list(shape)}")
+    for key in TOKEN_KEYS:
+        if batch.get(key) is not None:
+            _require_2d(batch, key, shape)
+    return shape
+
+
+def padded_length(length: int, cp: int) -> int:
+    """The smallest multiple of ``cp`` that holds ``length`` tokens."""
+    return -(-length // cp) * cp
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token labels over the whole row: position i holds labels[i + 1], the last ignored."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def continued_positions(position_ids: torch.Tensor, extra: int) -> torch.Tensor:
+    """``extra`` more positions per row, continuing the last document (so no new one starts)."""
+    steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
+    return torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+
+
+def _pad_tokens(x: torch.Tensor, extra: int, value) -> torch.Tensor:
+    """Pad dim 1 (tokens) at the end."""
+    pad = [0, 0] * (x.dim() - 2) + [0, extra]
+    return torch.nn.functional.pad(x, pad, value=value)
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """The batch laid out for cp: model inputs and shifted labels padded to ``padded_length``."""
+
+    model_inputs: dict
+    shift_labels: torch.Tensor | None
+    length: int
+    padded_length: int
+
+
+def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None) -> PaddedBatch:
+    """Pad every per-token field to a multiple of ``cp`` and shift the labels (batch already validated)."""
+    length = next(batch[key] for key in INPUT_KEYS if batch.get(key) is not None).shape[1]
+    extra = padded_length(length, cp) - length
+    inputs = {}
+    if batch.get("input_ids") is not None:
+        inputs["input_ids"] = _pad_tokens(batch["input_ids"], extra, pad_token_id or 0)
+    else:
+        inputs["inputs_embeds"] = _pad_tokens(batch["inputs_embeds"], extra, 0.0)
+    if batch.get("attention_mask") is not None:
+        inputs["attention_mask"] = _pad_tokens(batch["attention_mask"], extra, 0)
+    if batch.get("position_ids") is not None:
+        inputs["position_ids"] = continued_positions(batch["position_ids"], extra)
+    labels = batch.get("shift_labels")
+    if labels is None and batch.get("labels") is not None:
+        labels = shifted_labels(batch["labels"])
+    if labels is not None:
+        labels = _pad_tokens(labels, extra, IGNORE_INDEX)
+    return PaddedBatch(inputs, labels, length, length + extra)
+
+
+def _differing(rows: torch.Tensor, ranks: list[int]) -> list[int]:
+    """The ranks whose row is not bit for bit the first one's (so that a NaN in the batch equals itself)."""
+    every = rows.view(torch.int64)
+    return [ranks[i] for i in range(every.shape[0]) if not torch.equal(every[i], every[0])]
+
+
+def _differs_message(differing: list[int], first: int) -> str:
+    return (
+        f"the batch differs across the cp group: ranks {differing} hold other keys, shapes or values than "
+        f"rank {first}. Every rank of a cp group takes the same whole sequences (cpshard cuts them itself); "
+        "give different batches to different dp ranks only"
+    )
+
+
+#: the mesh dimensions whose ranks take the same batch (a dp group is one ``cp x tp`` sub-mesh)
+SAME_BATCH_DIMS = ("cp", "tp")
+
+
+def _dp_groups(mesh) -> list[list[int]]:
+    """The global ranks of each dp group: those that differ only along cp and tp, in mesh order."""
+    names = mesh.mesh_dim_names or ()
+    same = [i for i, name in enumerate(names) if name in SAME_BATCH_DIMS]
+    other = [i for i in range(len(names)) if i not in same]
+    width = math.prod(mesh.mesh.shape[i] for i in same)
+    return mesh.mesh.permute(*other, *same).reshape(-1, width).tolist()
+
+
+def check_batch(batch, mesh) -> tuple[int, int]:
+    """:func:`validate` the batch and check it is the same on every rank of each dp group; return ``(B, L)``.
+
+    Every rank of the mesh raises, or none does: one all-gather over the whole mesh, before any other
+    collective, carries each rank's fingerprint and whether its batch is valid. A check within the cp
+    group alone would let the other dp groups go on into the loss and gradient all-reduces, where they
+    would wait for the failed ranks until the process group's timeout."""
+    from cpshard.comm.collectives import all_gather_rows
+    from cpshard.parallel.mesh import group_over
+
+    try:
+        shape, error = validate(batch), None
+    except BatchError as raised:
+        shape, error = None, raised
+    group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))
+    if group is None:  # one rank
+        if error is not None:
+            raise error
+        return shape
+    row = fingerprint(batch)
+    if error is not None:  # marked in the key count (never negative there), so that no byte is added
+        row[0] = -1.0 - row[0]
+    every = all_gather_rows(row, group, name="batch fingerprint")
+    ranks = dist.get_process_group_ranks(group)
+    index = {rank: i for i, rank in enumerate(ranks)}
+    differing = {tuple(m): d for m in _dp_groups(mesh) if (d := _differing(every[[index[r] for r in m]], m))}
+    if differing:  # this rank's own dp group first, else the first one
+        members = next((m for m in differing if dist.get_rank() in m), next(iter(differing)))
+        message = _differs_message(differing[members], members[0])
+        if dist.get_rank() not in members:
+            message += f" (in the dp group of ranks {list(members)}; every rank stops, so none waits in a collective)"
+        raise BatchError(message)
+    if error is not None:
+        raise error
+    invalid = [rank for rank in ranks if every[index[rank], 0] < 0]
+    if invalid:
+        raise BatchError(
+            f"ranks {invalid} hold a batch that is not valid (their own errors say why); "
+            "every rank stops, so that none waits in a collective"
+        )
+    return shape
+
+
+def local_token_mask(padded: PaddedBatch, order: str, cp: int, rank: int) -> torch.Tensor:
+    """1 for this rank's real tokens, 0 for padding (the batch's where it has an attention mask, and cp's),
+    in the order the rank's layers hold them: ``[B, L / cp]``."""
+    first = next(iter(padded.model_inputs.values()))
+    mask = padded.model_inputs.get("attention_mask")
+    if mask is None:
+        mask = (torch.arange(padded.padded_length) < padded.length).expand(first.shape[0], -1)
+    return mask.index_select(1, positions(order, padded.padded_length, cp, rank)).to(torch.float32)

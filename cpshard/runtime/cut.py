@@ -1,0 +1,61 @@
+"""Where the sequence is cut: forward pre-hooks on the decoder layers.
+
+Everything before the first layer (embeddings, rotary, the masks) runs on the whole sequence,
+so masks stay exact; the first layer slices the residual stream, and every layer slices the
+per-layer inputs it receives (each layer may get its own rotary pair). Slices need no
+communication. The call's sequence order is part of the spec the cut goes to: under
+``b s@cp:head_tail d`` rank r takes chunks r and 2P-1-r. Outside a cp call the hooks step aside.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from cpshard.call import CPCall, active_call
+from cpshard.comm.redistribute import redistribute
+from cpshard.comm.reorder import to_chunks
+
+
+def _cut(value, before, after, call: CPCall):
+    if isinstance(value, tuple):
+        return tuple(_cut(v, before, after, call) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    return redistribute(value, before, after.ordered("cp", call.order), call.mesh)
+
+
+def _cut_layer_inputs(first: bool, module, args, kwargs):
+    call = active_call()
+    if call is None:
+        return None
+    layout = call.layout
+    if first:
+        if args:
+            args = (_cut(args[0], *layout.hidden, call), *args[1:])
+        else:
+            kwargs["hidden_states"] = _cut(kwargs["hidden_states"], *layout.hidden, call)
+    for key, before, after in layout.layer_inputs:
+        if kwargs.get(key) is not None:
+            kwargs[key] = _cut(kwargs[key], before, after, call)
+    return args, kwargs
+
+
+def _contiguous_again(module, args, output):
+    """After the last layer: back to contiguous chunks, so logits are a plain ``Shard(1)``."""
+    call = active_call()
+    if call is None or call.order == "contiguous":
+        return None
+    return to_chunks(
+        output, 1, call.order, call.padded_length, call.length, call.mesh.get_group("cp"), "undo order"
+    )
+
+
+def install_cut(layers: torch.nn.ModuleList, final_norm: torch.nn.Module) -> list:
+    """Hook every decoder layer and the final norm; return the hook handles."""
+    handles = [
+        layer.register_forward_pre_hook(partial(_cut_layer_inputs, index == 0), with_kwargs=True)
+        for index, layer in enumerate(layers)
+    ]
+    return handles + [final_norm.register_forward_hook(_contiguous_again)]

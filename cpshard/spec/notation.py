@@ -1,0 +1,205 @@
+"""Specs: the placement of one tensor, written per dimension with names (einops style).
+
+``Spec("b s@cp d")`` says: dim 0 is ``b``, dim 1 is ``s`` split over mesh axis ``cp``,
+dim 2 is ``d``; every unnamed mesh axis is replicated. ``n@(fsdp,cp)`` splits one
+dimension over several axes, major first. ``s@cp:head_tail`` splits in another order of the
+sequence (see :mod:`cpshard.spec.sequence`): rank r holds chunks r and 2P-1-r of 2P. Specs are immutable values; they turn into
+DTensor placements on a given mesh, and their errors name the tensor, dim and axis.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate, Shard
+
+from cpshard.spec.sequence import ORDERS, chunks_per_rank
+
+_TOKEN = re.compile(
+    r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:@(?P<axes>[A-Za-z_][A-Za-z0-9_]*|\([^)]*\))(?::(?P<order>[A-Za-z_]+))?)?$"
+)
+_AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be parsed or does not fit a tensor or a mesh."""
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One tensor dimension: its name and the mesh axes it is split over (major first)."""
+
+    name: str
+    axes: tuple[str, ...] = ()
+    #: which positions each rank holds (cpshard.spec.sequence.ORDERS); only for a dimension split over one axis
+    order: str = "contiguous"
+
+    def __str__(self) -> str:
+        if not self.axes:
+            return self.name
+        suffix = "" if self.order == "contiguous" else f":{self.order}"
+        if len(self.axes) == 1:
+            return f"{self.name}@{self.axes[0]}{suffix}"
+        return f"{self.name}@({','.join(self.axes)}){suffix}"
+
+
+def _parse_token(token: str, text: str) -> Dim:
+    match = _TOKEN.match(token)
+    if match is None:
+        raise SpecError(f"spec {text!r}: cannot read {token!r}; write a name, name@axis or name@(a,b)")
+    group = match.group("axes")
+    axes = () if group is None else tuple(a.strip() for a in group.strip("()").split(","))
+    if not all(_AXIS.match(a) for a in axes):
+        raise SpecError(
+            f"spec {text!r}: cannot read the mesh axes of {token!r}; write name@(a,b) with axis names"
+        )
+    order = match.group("order") or "contiguous"
+    if order not in ORDERS or (order != "contiguous" and len(axes) != 1):
+        raise SpecError(
+            f"spec {text!r}: {token!r} asks for order {order!r}; orders are {', '.join(ORDERS)}, "
+            "on a dimension split over one axis"
+        )
+    return Dim(match.group("name"), axes, order)
+
+
+def _split_tokens(text: str) -> list[str]:
+    """Split on spaces, but keep ``@(a, b)`` groups whole."""
+    tokens, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char.isspace() and depth == 0:
+            if current:
+                tokens.append(current)
+            current = ""
+        else:
+            current += char
+    if current:
+        tokens.append(current)
+    return tokens
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The placement of one tensor: one :class:`Dim` per tensor dimension."""
+
+    dims: tuple[Dim, ...]
+
+    def __init__(self, text: str | Spec | tuple[Dim, ...]):
+        if isinstance(text, Spec):
+            dims = text.dims
+        elif isinstance(text, tuple):
+            dims = text
+        else:
+            dims = tuple(_parse_token(token, text) for token in _split_tokens(text))
+        object.__setattr__(self, "dims", dims)
+        self._check_unique()
+
+    def _check_unique(self) -> None:
+        names = [d.name for d in self.dims]
+        for name in names:
+            if names.count(name) > 1:
+                raise SpecError(f"spec {self}: dimension name {name!r} appears twice")
+        seen: dict[str, str] = {}
+        for dim in self.dims:
+            for axis in dim.axes:
+                if axis in seen:
+                    raise SpecError(
+                        f"spec {self}: mesh axis {axis!r} is used by dimension {seen[axis]!r} and {dim.name!r}; "
+                        "an axis can split one dimension only"
+                    )
+                seen[axis] = dim.name
+
+    def __str__(self) -> str:
+        return " ".join(str(d) for d in self.dims)
+
+    def __repr__(self) -> str:
+        return f"Spec({str(self)!r})"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis this spec splits over."""
+        return tuple(a for d in self.dims for a in d.axes)
+
+    def dim_of(self, name: str) -> int:
+        """The index of the dimension called ``name``."""
+        if name not in self.names:
+            raise SpecError(f"spec {self} has no dimension {name!r}")
+        return self.names.index(name)
+
+    def sharded_dim(self, axis: str) -> int | None:
+        """The index of the dimension split over ``axis``, or None when it is replicated over it."""
+        for index, dim in enumerate(self.dims):
+            if axis in dim.axes:
+                return index
+        return None
+
+    def unsharded(self, axis: str) -> Spec:
+        """This spec with ``axis`` taken off every dimension (replicated over it)."""
+        return Spec(tuple(Dim(d.name, tuple(a for a in d.axes if a != axis)) for d in self.dims))
+
+    def ordered(self, axis: str, order: str) -> Spec:
+        """This spec with the dimension split over ``axis`` held in ``order`` (unchanged if none is)."""
+        return Spec(tuple(Dim(d.name, d.axes, order if d.axes == (axis,) else d.order) for d in self.dims))
+
+    def sharded(self, name: str, axis: str) -> Spec:
+        """This spec with dimension ``name`` also split over ``axis`` (as its minor-most axis)."""
+        index = self.dim_of(name)
+        return Spec(
+            tuple(Dim(d.name, d.axes + (axis,)) if i == index else d for i, d in enumerate(self.dims))
+        )
+
+    def _mesh_axes(self, mesh, tensor: str) -> tuple[str, ...]:
+        """The mesh's axis names, once every axis of this spec is checked against them."""
+        names = tuple(mesh.mesh_dim_names or ())
+        for index, dim in enumerate(self.dims):
+            for axis in dim.axes:
+                if axis not in names:
+                    raise SpecError(
+                        f"{tensor}: dimension {index} ({dim.name}) is split over mesh axis {axis!r}, "
+                        f"which the mesh does not have (its axes: {', '.join(names) or 'none'})"
+                    )
+            if list(dim.axes) != sorted(dim.axes, key=names.index):
+                # DTensor nests the shards of one dimension in mesh order: another order has no placements
+                raise SpecError(
+                    f"{tensor}: dimension {index} ({dim.name}) is split over {dim} with its axes major first, "
+                    f"but the mesh orders them {', '.join(a for a in names if a in dim.axes)}; list them in mesh order"
+                )
+        return names
+
+    def check(self, shape, mesh, tensor: str = "tensor") -> None:
+        """Raise a :class:`SpecError` naming ``tensor``, dim and axis where ``shape`` or ``mesh`` do not fit."""
+        if len(shape) != len(self.dims):
+            raise SpecError(
+                f"{tensor}: spec {self} has {len(self.dims)} dimensions, the tensor has shape {tuple(shape)}"
+            )
+        names = self._mesh_axes(mesh, tensor)
+        for index, dim in enumerate(self.dims):
+            ways = chunks_per_rank(dim.order)
+            for axis in dim.axes:
+                ways *= mesh.size(names.index(axis))
+            if shape[index] % ways:
+                chunks = "" if dim.order == "contiguous" else f", {dim.order}: 2 chunks a rank"
+                raise SpecError(
+                    f"{tensor}: dimension {index} ({dim.name}) has size {shape[index]}, which mesh axes "
+                    f"{'x'.join(dim.axes)} (size {ways}{chunks}) do not divide evenly"
+                )
+
+    def placements(self, mesh, tensor: str = "tensor") -> tuple:
+        """The DTensor placements of this spec on ``mesh`` (one per mesh dimension)."""
+        names = self._mesh_axes(mesh, tensor)
+        for index, dim in enumerate(self.dims):
+            if dim.order != "contiguous":
+                raise SpecError(
+                    f"{tensor}: dimension {index} ({dim}) is held in {dim.order} order, which no DTensor "
+                    "placement expresses; move it to contiguous chunks first"
+                )
+        result = []
+        for axis in names:
+            index = self.sharded_dim(axis)
+            result.append(Replicate() if index is None else Shard(index))
+        return tuple(result)

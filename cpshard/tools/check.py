@@ -1,0 +1,252 @@
+"""``cpshard check MODEL --cp N``: is this model exact under cp? Loss, logits and gradients, one row each.
+
+MODEL is a local folder (a transformers config, with or without weights) or a model type name
+(a small random model of that type, :func:`cpshard.tools.tiny.tiny_model`). Every usage problem is
+found in this process before any rank starts, on a meta-device copy of the model, so that a
+bad invocation costs a second and says one line. Then ``cp`` local CPU ranks each run
+:func:`cpshard.tools.parity.check_parity`: the cp run against the plain model on the whole sequence.
+
+A row passes when its largest difference is at most ``rtol`` times the largest reference value
+in that row: fp32 ``1e-5`` (what the demo and tests hold cp to); bf16 ``5e-2``, about six bf16
+roundings (``2**-7`` each): the cp run sums in another order (gradients over ranks, ring attention
+over blocks; up to ``3.5e-2`` was seen), so bf16 catches gross errors and fp32 proves exactness.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cpshard.layouts.layout import Layout
+from cpshard.layouts.registry import REGISTERED, resolve_layout
+from cpshard.parallel.mesh import make_mesh
+from cpshard.parallel.processes import LocalRanks, RankError
+from cpshard.runtime.forward import IMPLEMENTATIONS, choose_implementation, make_cp_forward
+from cpshard.tools.parity import RTOL, Parity, check_parity, failing_rows, format_rows
+from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: per dtype, the largest difference a row may have, relative to the row's reference scale
+RTOLS = {"float32": RTOL, "bfloat16": 5e-2}
+ATTNS = ("sdpa", "eager")
+PADS = ("left", "right")
+#: the files a folder's weights may come in; without any, the folder's config gets random weights
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+class UsageError(ValueError):
+    """An invocation that cannot run: exit status 2, this one line."""
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """The check's options: ``cpshard check MODEL --cp N --<field> ...``."""
+
+    model: str
+    cp: int = 2
+    implementation: str = "auto"
+    seq: int = 64
+    batch: int = 2
+    pad: str | None = None
+    packed: bool = False
+    dtype: str = "float32"
+    attn: str = "sdpa"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("cp", "seq", "batch"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name}={getattr(self, name)} must be at least 1")
+        for name, allowed in (
+            ("implementation", IMPLEMENTATIONS),
+            ("dtype", DTYPES),
+            ("attn", ATTNS),
+            ("pad", PADS),
+        ):
+            value = getattr(self, name)
+            if value not in allowed and not (name == "pad" and value is None):
+                raise UsageError(f"--{name}={value!r}: choose one of {', '.join(allowed)}")
+        if self.pad and self.seq < 4:  # tiny_batch pads a row by up to half its length
+            raise UsageError(f"--pad {self.pad} needs --seq of at least 4: shorter rows get no padding")
+        if self.packed and self.seq < 2:
+            raise UsageError("--packed needs --seq of at least 2: one token cannot hold several documents")
+
+    @property
+    def rtol(self) -> float:
+        return RTOLS[self.dtype]
+
+
+# ---------------------------------------------------------------- where the model comes from
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model type (random weights), or a folder with its weights or without (random weights)."""
+
+    model_type: str | None = None
+    folder: str | None = None
+    weights: bool = False
+
+    def describe(self) -> str:
+        if self.folder is None:
+            return f"random {self.model_type} (small)"
+        return f"{self.folder} ({'its weights' if self.weights else 'random weights'})"
+
+
+def resolve_source(model: str) -> ModelSource:
+    """Decide whether ``model`` names a folder (which wins over a type of the same name) or a model type."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"the folder {model!r} has no config.json (save one with config.save_pretrained)"
+            )
+        weights = any((path / name).is_file() for name in WEIGHT_FILES)
+        return ModelSource(folder=str(path.resolve()), weights=weights)
+    if path.exists():
+        raise UsageError(f"{model!r} is a file; give a model folder (with config.json) or a model type")
+    if model in CONFIG_MAPPING:
+        return ModelSource(model_type=model)
+    if any(mark in model for mark in ("/", "\\", "~")) or model.startswith("."):
+        raise UsageError(f"no folder {model!r}")
+    known = ", ".join(sorted(REGISTERED))
+    raise UsageError(
+        f"unknown model type {model!r} and no folder of that name (types with a layout: {known})"
+    )
+
+
+def hf_config(source: ModelSource):
+    """The transformers config the model is built from."""
+    if source.folder is None:
+        return tiny_config(source.model_type)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.folder)
+
+
+def build_model(source: ModelSource, config: CheckConfig):
+    """The model, the same on every rank: loaded weights, or random ones drawn from ``config.seed``."""
+    dtype = DTYPES[config.dtype]
+    if source.folder is None:
+        return tiny_model(source.model_type, seed=config.seed, attn_implementation=config.attn, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    if source.weights:
+        return AutoModelForCausalLM.from_pretrained(
+            source.folder, attn_implementation=config.attn, dtype=dtype
+        )
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_config(hf_config(source), attn_implementation=config.attn)
+    return model.to(dtype)
+
+
+def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
+    """Find every usage problem before ranks start; what cp will run, in words.
+
+    The model is built on the meta device: its structure and config, none of its memory."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    source = resolve_source(config.model)
+    try:
+        model_config = hf_config(source)
+        if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise UsageError(f"model type {model_config.model_type!r} has no causal LM in transformers")
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+        chosen = resolve_layout(model, layout)
+        heads = getattr(model.config, chosen.heads)
+        implementation, degree = choose_implementation(config.implementation, heads, config.cp)
+    except (ValueError, OSError, KeyError) as error:
+        raise UsageError(" ".join(str(error).split())) from None
+    how = implementation + (f", Ulysses degree {degree}" if implementation == "hybrid" else "")
+    extras = [f"{config.pad} padding" if config.pad else "", "packed documents" if config.packed else ""]
+    shape = ", ".join(filter(None, [f"batch {config.batch} x {config.seq} tokens", *extras]))
+    return f"{source.describe()}, {config.dtype}, {config.attn} attention, {shape}; cp={config.cp} ({how})"
+
+
+# ---------------------------------------------------------------- what each rank runs
+
+
+def check_job(config: CheckConfig, layout: Layout | str = "auto") -> Parity:
+    """One rank's check: build the model and batch, run cp and one process, compare.
+
+    ``layout`` is for tests and layout authors (a deliberately broken one must fail)."""
+    mesh = make_mesh(cp=config.cp)
+    model = build_model(resolve_source(config.model), config)
+    batch = tiny_batch(
+        model.config.vocab_size,
+        config.batch,
+        config.seq,
+        pad=config.pad,
+        packed=config.packed,
+        seed=config.seed + 1,
+    )
+    cp_forward = make_cp_forward(model, layout=layout, implementation=config.implementation)
+    return check_parity(model, batch, mesh, cp_forward)
+
+
+def _ready() -> bool:
+    """A no-op on every rank: it returns once all of them have joined the group."""
+    return True
+
+
+# ---------------------------------------------------------------- what the parent prints
+
+
+def format_report(config: CheckConfig, parities: list[Parity]) -> str:
+    """The table (worst difference over the ranks per row) and the verdict naming failing rows."""
+    lines = [
+        f"parity against one process ({config.dtype}; a row passes when max |diff| <= {config.rtol:g} x scale):"
+    ]
+    lines += format_rows(parities, config.rtol)
+    failing = failing_rows(parities, config.rtol)
+    rows = len(parities[0].diffs)
+    if failing:
+        names = ", ".join(failing)
+        lines.append(f"FAIL: {len(failing)} of {rows} rows differ beyond {config.rtol:g} x scale: {names}")
+    else:
+        lines.append(f"PASS: {rows} rows on {len(parities)} ranks")
+    return "\n".join(lines)
+
+
+def exit_status(config: CheckConfig, parities: list[Parity]) -> int:
+    """0 when every row passes on every rank, 1 otherwise."""
+    return 1 if failing_rows(parities, config.rtol) else 0
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)  # progress shows at once, even into a pipe
+
+
+def run_check(config: CheckConfig, out=_print, layout: Layout | str = "auto") -> int:
+    """Check on fresh local ranks and print the report; the exit status (0 pass, 1 fail).
+
+    Raises :class:`UsageError` (before starting anything) when the invocation cannot run."""
+    out(f"cpshard check: {plan(config, layout)}")
+    out(f"  starting {config.cp} local CPU ranks (gloo) ...")
+    start = time.perf_counter()
+    with LocalRanks(config.cp) as ranks:
+        try:
+            ranks.run(_ready)
+            out(f"  ranks ready in {time.perf_counter() - start:.1f} s; running cp and one process ...")
+            start = time.perf_counter()
+            parities = ranks.run(check_job, config, layout)
+        except RankError as error:
+            print(f"cpshard check: {error}", file=sys.stderr, flush=True)
+            return 1
+    out(f"  ran in {time.perf_counter() - start:.1f} s\n")
+    out(format_report(config, parities))
+    return exit_status(config, parities)

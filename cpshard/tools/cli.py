@@ -1,0 +1,191 @@
+"""The ``cpshard`` command line: one sub-command per job (``demo``, ``check``, ``bench``).
+
+Exit status: 0 on success, 1 when a check fails, 2 on bad usage (one line on stderr saying why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from functools import partial
+
+from cpshard.runtime.forward import IMPLEMENTATIONS
+from cpshard.tools.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
+from cpshard.tools.bench import UsageError as BenchUsageError
+from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, UsageError, run_check
+from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_demo(commands) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="train a small model with its sequence split over local CPU ranks; print parity, bytes, memory",
+        description="Train a random Llama-shaped model for a few functional steps with its sequence split "
+        "over local CPU ranks; print parity against one process, bytes communicated against the "
+        "analytic optimum, and per-rank memory and step time. Exit status 1 when parity fails.",
+    )
+    for name, (kind, default, help) in config_fields().items():
+        parser.add_argument(flag(name), type=kind, default=default, help=f"{help} (default {default})")
+    parser.set_defaults(run=partial(_run_demo, parser=parser))
+
+
+def _run_demo(args, parser: argparse.ArgumentParser) -> int:
+    try:
+        config = DemoConfig(**{name: getattr(args, name) for name in config_fields()})
+    except ValueError as error:
+        parser.error(str(error))
+    return 0 if run_demo(config) else 1
+
+
+def _add_check(commands) -> None:
+    defaults = CheckConfig("-")
+    parser = commands.add_parser(
+        "check",
+        help="check loss, logits and gradients of a model under cp=N against one process",
+        description="Run MODEL with its sequence split over N local CPU ranks and on one process; print "
+        "one row per tensor group (loss, logits, gradients) with its largest difference and pass/fail. "
+        "Exit status 0 when every row passes, 1 when one differs, 2 on bad usage.",
+    )
+    add = parser.add_argument
+    add("model", metavar="MODEL", help="a local model folder (config.json; weights optional) or a model type")
+    add("--cp", type=int, default=defaults.cp, help=f"local CPU ranks on the cp axis (default {defaults.cp})")
+    add("--implementation", choices=IMPLEMENTATIONS, default=defaults.implementation, help="cp attention")
+    add("--seq", type=int, default=defaults.seq, help=f"tokens per sequence (default {defaults.seq})")
+    add("--batch", type=int, default=defaults.batch, help=f"sequences per batch (default {defaults.batch})")
+    add("--pad", choices=PADS, help="pad each row by a different amount on this side (needs --seq >= 4)")
+    add("--packed", action="store_true", help="pack documents into each row (position_ids restart at each)")
+    rtols = ", ".join(f"{name} {rtol:g}" for name, rtol in RTOLS.items())
+    add(
+        "--dtype",
+        choices=DTYPES,
+        default=defaults.dtype,
+        help=f"model dtype; a row passes when max |diff| <= rtol x its scale: {rtols} (default {defaults.dtype})",
+    )
+    add("--attn", choices=ATTNS, default=defaults.attn, help=f"attention kernel (default {defaults.attn})")
+    add(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help=f"seed of random weights and tokens (default {defaults.seed})",
+    )
+    parser.set_defaults(run=partial(_run_check, parser=parser))
+
+
+def _run_check(args, parser: argparse.ArgumentParser) -> int:
+    options = {name: getattr(args, name) for name in CheckConfig.__dataclass_fields__}
+    try:
+        return run_check(CheckConfig(**options))
+    except UsageError as error:
+        parser.error(str(error))
+
+
+def _add_bench(commands) -> None:
+    defaults = BenchConfig()
+    parser = commands.add_parser(
+        "bench",
+        help="time and measure cpshard's implementations against one process and other Ulysses implementations",
+        description="For each cp size and sequence length, time a training step (forward and backward) of cpshard's "
+        "ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp, and of Ulysses by DTensor "
+        "redistribute, DeepSpeed and yunchang (skipped with a note when not installed), alternated on local CPU "
+        "ranks; print median step time, tokens/s, per-rank peak memory and bytes communicated per rank.",
+    )
+    add = parser.add_argument
+    listed = lambda values: " ".join(map(str, values))  # noqa: E731
+    add(
+        "--seqs",
+        type=int,
+        nargs="+",
+        default=list(defaults.seqs),
+        help=f"sequence lengths (default {listed(defaults.seqs)})",
+    )
+    add(
+        "--cp",
+        type=int,
+        nargs="+",
+        default=list(defaults.cps),
+        dest="cps",
+        help=f"cp sizes: local CPU ranks (default {listed(defaults.cps)})",
+    )
+    sizes = dict(
+        layers="decoder layers",
+        hidden="hidden size (the MLP is 4x wider)",
+        heads="attention heads",
+        kv_heads="key/value heads",
+        vocab="vocabulary size",
+        repeats="timed steps per variant, after a warm-up",
+        seed="seed of the weights and tokens",
+    )
+    for name, help in sizes.items():
+        default = getattr(defaults, name)
+        add("--" + name.replace("_", "-"), type=int, default=default, help=f"{help} (default {default})")
+    add(
+        "--variants",
+        nargs="+",
+        default=list(defaults.variants),
+        metavar="VARIANT",
+        help=f"any of: {listed(VARIANTS)} (default all)",
+    )
+    add(
+        "--single-rank0-only",
+        action="store_true",
+        help="run the one-process baseline on rank 0 alone, the other ranks waiting (half its memory on this machine)",
+    )
+    add("--json", metavar="FILE", help="write the rows as JSON")
+    add(
+        "--plot",
+        metavar="FILE.png",
+        help="draw CPU time per step and peak memory against the sequence length (needs matplotlib)",
+    )
+    parser.set_defaults(run=partial(_run_bench, parser=parser))
+
+
+def _run_bench(args, parser: argparse.ArgumentParser) -> int:
+    options = {name: getattr(args, name) for name in BenchConfig.__dataclass_fields__}
+    try:
+        config = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
+    except BenchUsageError as error:
+        parser.error(str(error))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or cpshard[bench])"
+        )
+    rows = run_bench(config)
+    if args.json:
+        write_json(rows, config, args.json)
+        print(f"rows written to {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cpshard", description="Exact context parallelism for transformers models.")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
+    _add_demo(commands)
+    _add_check(commands)
+    _add_bench(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: the process's arguments) and run the command; its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.error("choose a command: demo, check, bench")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

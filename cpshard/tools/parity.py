@@ -1,0 +1,102 @@
+"""Parity: a cp run against one process on the same weights and batch, per tensor group.
+
+Used by the demo, by ``cpshard check`` and by the tests. The reference runs the plain model
+on this rank alone (no collectives); the cp run is ``value_and_grad(cp_forward)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpshard.comm.record import recording
+from cpshard.runtime.forward import params_of
+from cpshard.runtime.grad import value_and_grad
+
+#: fp32: a row passes when its largest difference is at most this times its reference's scale
+RTOL = 1e-5
+
+
+def tensor_group(name: str) -> str:
+    """The row a parameter is reported under: a decoder layer's sub-block, or its owning module."""
+    parts = name.split(".")
+    if "layers" in parts:
+        return ".".join(parts[: parts.index("layers") + 3])
+    return ".".join(parts[:-1]) or name
+
+
+def reference(model, params: dict, batch: dict):
+    """Loss, logits and gradients of the plain model on this process alone."""
+    leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
+    inputs = {key: value for key, value in batch.items() if key != "shift_labels"}
+    output = torch.func.functional_call(model, leaves, (), {**inputs, "use_cache": False}, strict=False)
+    loss = output.loss
+    if "shift_labels" in batch:  # transformers takes shift_labels in its loss only, not in forward
+        loss = model.loss_function(
+            output.logits, None, model.config.vocab_size, shift_labels=batch["shift_labels"]
+        )
+        if (
+            getattr(output, "aux_loss", None) is not None
+        ):  # the MoE router's load-balancing loss, as with labels
+            loss = loss + model.config.router_aux_loss_coef * output.aux_loss
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(leaves.items(), grads)}
+    return loss.detach(), output.logits.detach(), grads
+
+
+@dataclass(frozen=True)
+class Parity:
+    """Largest absolute differences per row (``loss``, ``logits``, then gradient groups), and the scale
+    of the reference values in each row (so a tiny difference of tiny values is not mistaken for a pass)."""
+
+    diffs: dict[str, float]
+    scales: dict[str, float]
+    comm_bytes: int
+
+    @property
+    def worst(self) -> float:
+        return max(self.diffs.values())
+
+    def passes(self, rtol: float = RTOL) -> dict[str, bool]:
+        """Pass or fail per row: the largest difference against ``rtol`` times the reference's scale."""
+        return {row: diff <= rtol * self.scales[row] for row, diff in self.diffs.items()}
+
+
+def failing_rows(parities: list[Parity], rtol: float = RTOL) -> list[str]:
+    """The rows that fail on any rank, in row order."""
+    verdicts = [parity.passes(rtol) for parity in parities]
+    return [row for row in parities[0].diffs if not all(v[row] for v in verdicts)]
+
+
+def format_rows(parities: list[Parity], rtol: float = RTOL) -> list[str]:
+    """A header and one line per row: the worst difference over the ranks, the scale, pass/FAIL."""
+    rows, failing = parities[0].diffs, set(failing_rows(parities, rtol))
+    width = max(map(len, rows))
+    lines = [f"  {'row':<{width}}  {'max |diff|':>10}  {'scale':>9}"]
+    for row in rows:
+        diff, scale = max(p.diffs[row] for p in parities), parities[0].scales[row]
+        lines.append(f"  {row:<{width}}  {diff:10.2e}  {scale:9.2e}  {'FAIL' if row in failing else 'pass'}")
+    return lines
+
+
+def _update(table: dict, key: str, value: float) -> None:
+    table[key] = max(table.get(key, 0.0), value)
+
+
+def check_parity(model, batch: dict, mesh, cp_forward, params: dict | None = None) -> Parity:
+    """Run ``cp_forward`` and the plain model on ``batch``; compare loss, logits and every gradient."""
+    params = params if params is not None else params_of(model)
+    ref_loss, ref_logits, ref_grads = reference(model, params, batch)
+    with recording() as log:
+        output, grads = value_and_grad(cp_forward)(params, batch, mesh)
+    diffs = {"loss": (output.loss.detach() - ref_loss).abs().item()}
+    scales = {"loss": ref_loss.abs().item()}
+    if output.logits is not None:  # None under logits=False: the loss never holds them
+        diffs["logits"] = (output.logits.full_tensor().detach() - ref_logits).abs().max().item()
+        scales["logits"] = ref_logits.abs().max().item()
+    for name, ref in ref_grads.items():
+        group = "grad " + tensor_group(name)
+        _update(diffs, group, (grads[name] - ref).abs().max().item())
+        _update(scales, group, ref.abs().max().item())
+    return Parity(diffs, scales, log.total_bytes)

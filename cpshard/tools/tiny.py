@@ -1,0 +1,110 @@
+"""Small random transformers models built from configs: for the demo, ``cpshard check`` and tests.
+
+Nothing is downloaded: the config is transformers' default for the model type, shrunk.
+Weights are drawn with a larger spread than transformers' default, so that logits and
+gradients are of order one and parity tolerances mean something.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1 << 16,
+    initializer_range=0.15,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+#: sizes for model types that :data:`SMALL` does not cover: a mixture of experts with a dense first layer
+PER_TYPE = {
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+    ),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``."""
+    try:
+        return AutoConfig.for_model(model_type, **{**SMALL, **PER_TYPE.get(model_type, {}), **overrides})
+    except ValueError as error:
+        raise ValueError(f"unknown model type {model_type!r}: {error}") from None
+
+
+def tiny_model(
+    model_type: str, seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **overrides
+):
+    """A random causal LM of ``model_type``, the same on every process for the same seed."""
+    config = tiny_config(model_type, **overrides)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.to(dtype)
+
+
+def _document_positions(length: int, generator: torch.Generator) -> torch.Tensor:
+    """Positions of a row packed with documents of random lengths: each restarts at 0."""
+    positions, start = [], 0
+    while start < length:
+        size = int(torch.randint(1, max(2, length // 2), (1,), generator=generator))
+        positions.append(torch.arange(min(size, length - start)))
+        start += size
+    return torch.cat(positions)
+
+
+def tiny_batch(
+    vocab_size: int,
+    batch: int,
+    length: int,
+    *,
+    pad: str | None = None,
+    packed: bool = False,
+    embeds_dim: int | None = None,
+    shift: bool = False,
+    seed: int = 1,
+) -> dict:
+    """A random batch: ``pad`` 'left' or 'right' (a different amount per row) adds an attention_mask;
+    ``packed`` adds position_ids that restart per document; ``embeds_dim`` gives inputs_embeds
+    instead of ids; ``shift`` gives shift_labels instead of labels."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (batch, length), generator=generator)
+    labels = ids.clone()
+    result = {}
+    if pad is not None:
+        if pad not in ("left", "right"):
+            raise ValueError(f"pad={pad!r}: choose 'left' or 'right'")
+        mask = torch.ones(batch, length, dtype=torch.long)
+        for row in range(batch):
+            amount = (row * 3 + 1) % max(1, length // 2)  # rows differ; none is all padding
+            if amount:
+                mask[row, slice(0, amount) if pad == "left" else slice(length - amount, length)] = 0
+        labels[mask == 0] = -100
+        result["attention_mask"] = mask
+    if packed:
+        result["position_ids"] = torch.stack([_document_positions(length, generator) for _ in range(batch)])
+    if embeds_dim is not None:
+        result["inputs_embeds"] = torch.randn(batch, length, embeds_dim, generator=generator)
+    else:
+        result["input_ids"] = ids
+    if shift:
+        shifted = torch.randint(0, vocab_size, (batch, length), generator=generator)
+        shifted[:, ::3] = -100
+        result["shift_labels"] = shifted
+    else:
+        result["labels"] = labels
+    return result
