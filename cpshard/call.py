@@ -1,42 +1,49 @@
-"""The one piece of dynamic state: which cp call, if any, is running now.
+"""The call now running, if any: the one piece of ambient state in cpshard, and why it exists.
 
-Hooks and the attention function are installed once at setup and consult this: outside a
-``cp_forward`` call they step aside, so the model gives its ordinary results.
+cp_forward calls the model's own forward, which calls the attention function through transformers'
+registry, the decoder layers' forward pre-hooks and the experts function. None of those can take an
+extra argument from cp_forward, so they find the running call's :class:`CallPlan` here. Outside a
+``cp_forward`` call there is none and every installed piece steps aside: the model gives its ordinary
+results. Activation checkpointing recomputes layers after cp_forward returned, so
+:mod:`cpshard.runtime.recompute` re-enters the call for them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.layouts.layout import Layout
 
 
 @dataclass(frozen=True)
-class CPCall:
-    """What the hooks of one ``cp_forward`` call need: the mesh, its cp size and the layout."""
+class CallPlan:
+    """How one ``cp_forward`` call splits its work: what the installed hooks and functions read."""
 
-    mesh: object
+    mesh: DeviceMesh
     cp_size: int
     layout: Layout
-    #: the real sequence length; tokens past it are cp padding
-    length: int
     #: module path by ``id(module)``, so every collective can name the module it ran in
-    module_names: dict
+    module_names: Mapping[int, str]
     #: "ulysses", "ring" or "hybrid" (Ulysses over ``ulysses`` ranks, ring across those groups)
-    implementation: str = "ulysses"
-    ulysses: int = 1
-    #: which positions each cp rank holds (see cpshard.spec.sequence), and the padded length they split
-    order: str = "contiguous"
-    padded_length: int = 0
+    implementation: str
+    ulysses: int
+    #: which positions each cp rank holds (see :mod:`cpshard.spec.sequence`)
+    order: str
+    #: the real sequence length; tokens past it are cp padding, up to ``padded_length``
+    length: int
+    padded_length: int
     #: the cp axis unflattened as (cp_ring, cp_ulysses), for ring and hybrid
-    split_mesh: object = None
+    split_mesh: DeviceMesh | None = None
     #: the process group of the ``tp`` ranks (tensor parallelism), None when tp is 1
-    tp_group: object = None
+    tp_group: ProcessGroup | None = None
     #: the process group of the ``ep`` ranks (expert parallelism), None when ep is 1
-    expert_group: object = None
-
+    expert_group: ProcessGroup | None = None
     #: what every layer derives alike from the call's inputs, derived once (see :meth:`shared`)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -51,22 +58,22 @@ class CPCall:
         return self.module_names.get(id(module), type(module).__name__)
 
 
-_ACTIVE: ContextVar[CPCall | None] = ContextVar("cpshard_active_call", default=None)
+_ACTIVE: ContextVar[CallPlan | None] = ContextVar("cpshard_active_call", default=None)
 
 
-def active_call() -> CPCall | None:
+def active_call() -> CallPlan | None:
     """The running cp call, or None outside ``cp_forward`` (or when cp is 1: nothing to split)."""
     call = _ACTIVE.get()
     return call if call is not None and call.cp_size > 1 else None
 
 
-def current_call() -> CPCall | None:
+def current_call() -> CallPlan | None:
     """The running call whatever its cp size: tensor and expert parallelism act even at cp=1."""
     return _ACTIVE.get()
 
 
 @contextmanager
-def running(call: CPCall):
+def running(call: CallPlan):
     token = _ACTIVE.set(call)
     try:
         yield call

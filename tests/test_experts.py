@@ -11,7 +11,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 import cpshard
-from cpshard.call import CPCall, running
+from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import all_reduce_flat, all_to_all_rows
 from cpshard.comm.record import parallelism_of, recording
 from cpshard.layouts.decoder import LAYOUT
@@ -95,8 +95,19 @@ def _reference(data: dict) -> dict:
     )
 
 
-def _call(group, names=None) -> CPCall:
-    return CPCall(None, 1, LAYOUT, LENGTH, names or {}, expert_group=group)
+def _call(group, names=None) -> CallPlan:
+    return CallPlan(
+        mesh=None,
+        cp_size=1,
+        layout=LAYOUT,
+        module_names=names or {},
+        implementation="ulysses",
+        ulysses=1,
+        order="contiguous",
+        length=LENGTH,
+        padded_length=LENGTH,
+        expert_group=group,
+    )
 
 
 def _ep_case(ep: int, skew: str, inner: str) -> dict:

@@ -17,6 +17,7 @@ LEVELS = {
     "layouts": 1,
     "comm": 2,
     "call": 3,
+    "interfaces": 3,
     "attention": 4,
     "loss": 4,
     "parallel": 4,

@@ -18,12 +18,13 @@ from functools import cache
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cpshard.attention.blocks import ring_blocks
 from cpshard.attention.ring import RingAttention
 from cpshard.call import active_call
 from cpshard.comm.redistribute import redistribute
+from cpshard.interfaces import SeenAs, register_wrapper
 from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import chunks_per_rank, group_positions, row_blocks
 
@@ -46,16 +47,6 @@ def without_padding_keys(key, value, attention_mask, length: int):
     all (left padding) gets what the model's function gives over all keys (eager: their mean), which
     must be over the real sequence's keys only."""
     return key[:, :, :length], value[:, :, :length], attention_mask[..., :length]
-
-
-class _GroupedAs:
-    """The attention module as the inner function should see it: ``groups`` q heads per local kv head."""
-
-    def __init__(self, module, groups: int):
-        self._module, self.num_key_value_groups = module, groups
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
 
 
 @cache
@@ -81,7 +72,7 @@ def _heads_for_sequences(module, query, key, value, layout, mesh, axis: str, pat
     replicas = kv_replication(query.shape[1], key.shape[1], mesh[axis].size())
     if replicas > 1:
         key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
-        module = _GroupedAs(module, query.shape[1] // key.shape[1])
+        module = SeenAs(module, num_key_value_groups=query.shape[1] // key.shape[1])
     seq_split, head_split = (_on_axis(spec, axis) for spec in layout.qkv)
     query, key, value = (
         redistribute(x, seq_split, head_split, mesh, name=f"{path} {part}")
@@ -205,16 +196,11 @@ def _cp_attention(inner: str):
 
 def ulysses_name(inner: str) -> str:
     """Register Ulysses around ``inner`` (idempotent) and return the registered implementation name."""
-    if inner.startswith(PREFIX):
-        return inner
-    if inner != "eager" and inner not in ALL_ATTENTION_FUNCTIONS:
-        raise ValueError(f"attention implementation {inner!r} is not in transformers' registry")
-    if inner not in ALL_MASK_ATTENTION_FUNCTIONS:
+    if not inner.startswith(PREFIX) and inner not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(
             f"attention implementation {inner!r} has no mask function; cpshard cannot keep its mask exact"
         )
-    name = PREFIX + inner
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, _cp_attention(inner))
+    name = register_wrapper(ALL_ATTENTION_FUNCTIONS, PREFIX, inner, _cp_attention)
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     return name

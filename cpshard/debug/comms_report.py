@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook
 
-from cpshard.call import CPCall, active_call
+from cpshard.call import CallPlan, active_call
 from cpshard.comm.record import CommEvent, recording
 from cpshard.debug.analytic import attention_paths, head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
@@ -57,7 +57,7 @@ class _Run:
     buckets: int | None
 
     @classmethod
-    def of(cls, call: CPCall, model, kwargs: dict) -> _Run | None:
+    def of(cls, call: CallPlan, model, kwargs: dict) -> _Run | None:
         inputs = kwargs.get("input_ids")
         inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
         if inputs is None or getattr(call, "implementation", "ulysses") != "ulysses":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpshard.attention.choice import choose_implementation
 from cpshard.attention.cp_attention import kv_replication
 from cpshard.debug.analytic import Step, attention_paths, attention_steps, cut_steps, mesh_sizes
 from cpshard.debug.table import grouped, table
@@ -16,7 +17,6 @@ from cpshard.debug.typeof import dtype_name
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.parallel.mesh import cp_size
-from cpshard.runtime.forward import choose_implementation
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpshard.attention.choice import choose_implementation
 from cpshard.attention.cp_attention import kv_replication
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.batch import padded_length
-from cpshard.runtime.forward import choose_implementation, params_of
+from cpshard.runtime.forward import params_of
 from cpshard.spec.sequence import chunk_positions, padded_length_for, positions
 
 

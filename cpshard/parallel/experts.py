@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from cpshard.call import current_call
 from cpshard.comm.collectives import all_to_all, all_to_all_rows
+from cpshard.interfaces import SeenAs, register_wrapper
 
 PREFIX = "cpshard_ep_"
 
@@ -87,21 +88,11 @@ def gather_pairs(hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
     return hidden_states[routing.order[: routing.valid] // routing.top_k]
 
 
-class _LocalExperts:
-    """The experts module as its own function should see it: only this rank's ``local`` experts."""
-
-    def __init__(self, module, local: int):
-        self._module, self.num_experts = module, local
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-
 def compute_local(function, module, rows: torch.Tensor, local_ids: torch.Tensor, local: int) -> torch.Tensor:
     """Each received row through its one local expert with weight 1, by the model's own experts ``function``
     (so the arithmetic is the model's; the routing weights are applied at home, where they live)."""
     ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-    out = function(_LocalExperts(module, local), rows, local_ids[:, None], ones)
+    out = function(SeenAs(module, num_experts=local), rows, local_ids[:, None], ones)
     if rows.requires_grad and not out.requires_grad:
         # nothing arrived: keep the return all-to-all in the graph, or this rank would skip its backward
         out = out + 0 * rows
@@ -180,15 +171,7 @@ def _ep_function(inner: str):
 
 def experts_name(inner: str | None) -> str:
     """Register EP around ``inner`` (idempotent) and return the registered implementation name."""
-    inner = inner or "eager"
-    if inner.startswith(PREFIX):
-        return inner
-    if inner != "eager" and inner not in ALL_EXPERTS_FUNCTIONS:
-        raise ValueError(f"experts implementation {inner!r} is not in transformers' ExpertsInterface")
-    name = PREFIX + inner
-    if name not in ALL_EXPERTS_FUNCTIONS:
-        ExpertsInterface.register(name, _ep_function(inner))
-    return name
+    return register_wrapper(ALL_EXPERTS_FUNCTIONS, PREFIX, inner or "eager", _ep_function)
 
 
 def is_experts(module) -> bool:

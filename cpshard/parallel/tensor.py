@@ -16,6 +16,7 @@ from torch import nn
 
 from cpshard.call import current_call
 from cpshard.comm.collectives import sum_grads_over_group, sum_over_group
+from cpshard.interfaces import Hook
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import submodule
 
@@ -69,17 +70,18 @@ def _sum_outputs(name: str, module, args, output):
     return None if group is None else sum_over_group(output, group, name)
 
 
-def install_tensor_parallel(layers: nn.ModuleList, layout: Layout) -> list:
-    """Hook each decoder layer's tp entry modules and row-wise layers; return the handles."""
+def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
+    """Each decoder layer's tp entry modules (their input gradients sum over tp) and row-wise layers (their
+    outputs sum over tp)."""
     rowwise = [path for path, style in layout.tensor_parallel if style == "rowwise"]
-    handles = []
+    hooks = []
     for layer in layers:
         for path in layout.tensor_parallel_inputs:
             module = submodule(layer, path)
             if module is not None:
-                handles.append(module.register_forward_pre_hook(_sum_input_grads, with_kwargs=True))
+                hooks.append(Hook(module, _sum_input_grads, pre=True))
         for path in rowwise:
             module = submodule(layer, path)
             if module is not None:
-                handles.append(module.register_forward_hook(partial(_sum_outputs, f"tp {path}")))
-    return handles
+                hooks.append(Hook(module, partial(_sum_outputs, f"tp {path}"), pre=False))
+    return hooks

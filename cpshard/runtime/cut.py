@@ -13,12 +13,13 @@ from functools import partial
 
 import torch
 
-from cpshard.call import CPCall, active_call
+from cpshard.call import CallPlan, active_call
 from cpshard.comm.redistribute import redistribute
 from cpshard.comm.reorder import to_chunks
+from cpshard.interfaces import Hook
 
 
-def _cut(value, before, after, call: CPCall):
+def _cut(value, before, after, call: CallPlan):
     if isinstance(value, tuple):
         return tuple(_cut(v, before, after, call) for v in value)
     if not isinstance(value, torch.Tensor):
@@ -52,10 +53,9 @@ def _contiguous_again(module, args, output):
     )
 
 
-def install_cut(layers: torch.nn.ModuleList, final_norm: torch.nn.Module) -> list:
-    """Hook every decoder layer and the final norm; return the hook handles."""
-    handles = [
-        layer.register_forward_pre_hook(partial(_cut_layer_inputs, index == 0), with_kwargs=True)
-        for index, layer in enumerate(layers)
+def cut_hooks(layers: torch.nn.ModuleList, final_norm: torch.nn.Module) -> list[Hook]:
+    """The cut on every decoder layer (the first also cuts the residual stream), the order undone after the norm."""
+    cuts = [
+        Hook(layer, partial(_cut_layer_inputs, index == 0), pre=True) for index, layer in enumerate(layers)
     ]
-    return handles + [final_norm.register_forward_hook(_contiguous_again)]
+    return [*cuts, Hook(final_norm, _contiguous_again, pre=False)]

@@ -7,15 +7,14 @@ is pure: its result depends on ``(params, batch, mesh)`` alone and nothing is le
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
-from cpshard.attention.cp_attention import kv_replication, ulysses_name
-from cpshard.call import CPCall, running
+from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
+from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
@@ -23,19 +22,15 @@ from cpshard.loss.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 from cpshard.loss.head import head_matches, head_of, own_logits
 from cpshard.loss.router import load_balancing_loss
 from cpshard.loss.tiled import tiled_loss_sum
-from cpshard.parallel.experts import check_expert_parallel, expert_counts, install_experts
+from cpshard.parallel.experts import check_expert_parallel, expert_counts
 from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
 from cpshard.parallel.placement import expert_mesh
-from cpshard.parallel.tensor import check_tensor_parallel, install_tensor_parallel
+from cpshard.parallel.tensor import check_tensor_parallel
 from cpshard.runtime.batch import PaddedBatch, check_batch, local_token_mask, pad_batch
-from cpshard.runtime.cut import install_cut
+from cpshard.runtime.install import ensure_installed, install
 from cpshard.runtime.recompute import recompute_in
 from cpshard.spec.sequence import chunk_positions, chunks_per_rank
-
-IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
-#: models already prepared, and the decoder-layer paths hooked in each (a registry of setup done)
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -52,51 +47,6 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
 
-def _prepare(model: torch.nn.Module, layout: Layout) -> None:
-    """Install cp attention and the cut hooks once per model (and per decoder-layer path)."""
-    hooked = _PREPARED.setdefault(model, set())
-    if layout.decoder_layers in hooked:
-        return
-    model.set_attn_implementation(ulysses_name(model.config._attn_implementation))
-    layers = model.get_submodule(layout.decoder_layers)
-    install_cut(layers, model.get_submodule(layout.final_norm))
-    install_tensor_parallel(layers, layout)
-    if layout.experts:
-        install_experts(model)
-    hooked.add(layout.decoder_layers)
-
-
-def _proper_divisors(n: int) -> list[int]:
-    return [d for d in range(2, n) if n % d == 0]
-
-
-def choose_implementation(
-    requested: str, heads: int, cp: int, ulysses_degree: int | None = None
-) -> tuple[str, int]:
-    """``(implementation, Ulysses degree)`` for ``heads`` attention heads over ``cp`` ranks.
-
-    auto: Ulysses where cp divides the heads; else hybrid with the largest Ulysses degree that
-    divides both; else ring, which has no constraint on heads."""
-    if cp == 1 or requested == "ulysses":
-        kv_replication(heads, heads, cp)
-        return "ulysses", cp
-    if requested == "ring":
-        return "ring", 1
-    fitting = [d for d in _proper_divisors(cp) if heads % d == 0]
-    if requested == "hybrid":
-        degree = ulysses_degree if ulysses_degree is not None else max(fitting, default=None)
-        if degree not in fitting:
-            raise ValueError(
-                f"hybrid needs a Ulysses degree that divides cp={cp} and num_attention_heads={heads}, "
-                f"and is neither 1 nor cp; {'got ' + str(degree) + '; ' if degree else ''}"
-                f"degrees that work: {', '.join(map(str, fitting)) or 'none (use ring)'}"
-            )
-        return "hybrid", degree
-    if heads % cp == 0:
-        return "ulysses", cp
-    return ("hybrid", max(fitting)) if fitting else ("ring", 1)
-
-
 class CPForward:
     """A cp forward for one model: call it as ``cp_forward(params, batch, mesh)``."""
 
@@ -106,10 +56,10 @@ class CPForward:
         self.ulysses_degree, self.sequence_order = options["ulysses_degree"], options["sequence_order"]
         self.module_names = {id(module): name for name, module in model.named_modules()}
         self.decoder_prefix = self.module_names[id(model.get_decoder())]
-        _prepare(model, layout)
+        install(model, layout)
 
-    def _plan(self, mesh, cp: int, params: dict) -> dict:
-        """How this call splits the work: implementation, Ulysses degree, sequence order, meshes, groups."""
+    def _strategy(self, mesh, cp: int, params: dict) -> tuple[str, int, str]:
+        """``(implementation, Ulysses degree, sequence order)`` for this mesh, after the checks of tp and ep."""
         tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
         check_tensor_parallel(self.model.config, self.layout, tp)
         check_expert_parallel(self.model.config, self.layout, ep)
@@ -136,28 +86,36 @@ class CPForward:
         if order == "auto":
             order = "contiguous" if implementation == "ulysses" else "head_tail"
         chunks_per_rank(order)
-        split = split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None
-        groups = dict(
+        return implementation, degree, order
+
+    def _plan(self, mesh, cp: int, strategy: tuple[str, int, str], padded: PaddedBatch) -> CallPlan:
+        """How this call splits the work: the strategy, the lengths, and the meshes and groups it runs on."""
+        implementation, degree, order = strategy
+        tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
+        return CallPlan(
+            mesh=mesh,
+            cp_size=cp,
+            layout=self.layout,
+            module_names=self.module_names,
+            implementation=implementation,
+            ulysses=degree,
+            order=order,
+            length=padded.length,
+            padded_length=padded.padded_length,
+            split_mesh=split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None,
             tp_group=mesh.get_group("tp") if tp > 1 else None,
             expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
         )
-        return dict(implementation=implementation, ulysses=degree, order=order, split_mesh=split, **groups)
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         cp = cp_size(mesh)
-        plan = self._plan(mesh, cp, params)
+        strategy = self._strategy(mesh, cp, params)
         check_batch(batch, mesh)  # valid and the same across each cp group, or every rank raises
-        multiple = cp * chunks_per_rank(plan["order"])
-        padded = pad_batch(batch, multiple, getattr(self.model.config, "pad_token_id", None))
-        call = CPCall(
-            mesh,
-            cp,
-            self.layout,
-            padded.length,
-            self.module_names,
-            padded_length=padded.padded_length,
-            **plan,
+        ensure_installed(self.model, self.layout)
+        padded = pad_batch(
+            batch, cp * chunks_per_rank(strategy[2]), getattr(self.model.config, "pad_token_id", None)
         )
+        call = self._plan(mesh, cp, strategy, padded)
         params = gather_params(
             params, mesh, self.layout
         )  # DTensor parameters (cpshard.parallelize) made whole
@@ -207,7 +165,7 @@ class CPForward:
             local = own_logits(self.model, params, local)
         return local, output.router_logits if routed else None
 
-    def _router_loss(self, router_logits: tuple, padded: PaddedBatch, call: CPCall) -> torch.Tensor:
+    def _router_loss(self, router_logits: tuple, padded: PaddedBatch, call: CallPlan) -> torch.Tensor:
         """The config's coefficient times the load-balancing loss over the whole batch."""
         rank = call.mesh.get_local_rank("cp") if call.cp_size > 1 else 0
         mask = local_token_mask(padded, call.order, call.cp_size, rank)

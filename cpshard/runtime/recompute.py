@@ -14,17 +14,17 @@ from functools import partial
 
 from torch import nn
 
-from cpshard.call import CPCall, running
+from cpshard.call import CallPlan, running
 
 _FUNC = "_gradient_checkpointing_func"
 
 
-def _in_call(call: CPCall, fn, *args, **kwargs):
+def _in_call(call: CallPlan, fn, *args, **kwargs):
     with running(call):
         return fn(*args, **kwargs)
 
 
-def _checkpoint_in_call(checkpoint, call: CPCall, fn, *args, **kwargs):
+def _checkpoint_in_call(checkpoint, call: CallPlan, fn, *args, **kwargs):
     return checkpoint(partial(_in_call, call, fn), *args, **kwargs)
 
 
@@ -38,7 +38,7 @@ def checkpointing_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def recompute_in(call: CPCall, model: nn.Module):
+def recompute_in(call: CallPlan, model: nn.Module):
     """While the block runs, checkpointed modules recompute inside ``call``; afterwards, as they were."""
     patched = [(module, module.__dict__.get(_FUNC)) for module in checkpointing_modules(model)]
     for module, _ in patched:

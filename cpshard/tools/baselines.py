@@ -25,10 +25,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cpshard.attention.cp_attention import _GroupedAs, kv_replication, without_padding_keys
+from cpshard.attention.cp_attention import kv_replication, without_padding_keys
 from cpshard.call import active_call
+from cpshard.interfaces import SeenAs, register_wrapper
 from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.cross_entropy import IGNORE_INDEX
 from cpshard.runtime.forward import CPForward
@@ -188,7 +189,7 @@ def _attention(exchange):
         replicas = kv_replication(query.shape[1], key.shape[1], call.cp_size)
         if replicas > 1:
             key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
-            module = _GroupedAs(module, query.shape[1] // key.shape[1])
+            module = SeenAs(module, num_key_value_groups=query.shape[1] // key.shape[1])
         return exchange(module, query, key, value, attention_mask, call, **kwargs)
 
     return attention
@@ -196,11 +197,14 @@ def _attention(exchange):
 
 def registered(name: str) -> str:
     """Register baseline ``name``'s attention (idempotent); the implementation name to give the model."""
-    implementation = f"cpshard_bench_{name}"
-    if implementation not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(implementation, _attention(_EXCHANGES[name]))
+    implementation = register_wrapper(ALL_ATTENTION_FUNCTIONS, "cpshard_bench_", name, _baseline_attention)
+    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(implementation, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return implementation
+
+
+def _baseline_attention(name: str):
+    return _attention(_EXCHANGES[name])
 
 
 def baseline_step(name: str, model):

@@ -22,12 +22,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
 
+from cpshard.attention.choice import choose_implementation
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import optimum_for
 from cpshard.debug.table import grouped, table
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
-from cpshard.runtime.forward import choose_implementation, make_cp_forward, params_of
+from cpshard.runtime.forward import make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
 from cpshard.tools.baselines import CollectiveCounter, barrier, baseline_step, missing, plain_step
 from cpshard.tools.memory import current_rss, peak_rss, reset_peak_rss

@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from functools import partial
 
-from cpshard.runtime.forward import IMPLEMENTATIONS
+from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.tools.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
 from cpshard.tools.bench import UsageError as BenchUsageError
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, UsageError, run_check

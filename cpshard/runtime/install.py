@@ -1,0 +1,67 @@
+"""The one install step: what cp_forward puts into a model, once, and checks on every call.
+
+``install(model, layout)`` registers cpshard's attention function around the model's own, the cut
+(forward pre-hooks on the decoder layers, a hook on the final norm), the tensor-parallel hooks and,
+for a mixture of experts, the expert-parallel experts function. Each of them acts only inside a
+cp_forward call (see :mod:`cpshard.call`); outside one the model gives its ordinary results.
+
+Installing is idempotent: cpshard's hooks carry a mark, and a model that already holds them (installed
+before, or a ``copy.deepcopy`` of a prepared model) has them replaced, never doubled. Every call checks
+that the model still dispatches to cpshard's attention (a second model built from the same config, or
+``set_attn_implementation``, can switch it back): a switched model is wrapped again around whatever it
+now uses, so attention never runs on a slice of the sequence alone.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from cpshard.attention.cp_attention import PREFIX as ATTENTION_PREFIX
+from cpshard.attention.cp_attention import ulysses_name
+from cpshard.interfaces import install_hooks
+from cpshard.layouts.layout import Layout
+from cpshard.parallel.experts import PREFIX as EXPERTS_PREFIX
+from cpshard.parallel.experts import experts_modules, install_experts
+from cpshard.parallel.tensor import tensor_parallel_hooks
+from cpshard.runtime.cut import cut_hooks
+
+
+def attention_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
+    layers = model.get_submodule(layout.decoder_layers)
+    return [getattr(layer, layout.attention) for layer in layers]
+
+
+def install_attention(model: nn.Module, layout: Layout) -> None:
+    """Make the model dispatch to cpshard's attention around the function it uses now (nothing when it does)."""
+    in_use = {
+        getattr(getattr(m, "config", None), "_attn_implementation", None)
+        for m in attention_modules(model, layout)
+    }
+    in_use = {name for name in in_use | {model.config._attn_implementation} if name is not None}
+    unwrapped = sorted(name for name in in_use if not name.startswith(ATTENTION_PREFIX))
+    if len(unwrapped) > 1:
+        raise ValueError(
+            f"{type(model).__name__}'s attention modules use {', '.join(unwrapped)} at once; cpshard wraps one "
+            "attention implementation per model: set one with model.set_attn_implementation"
+        )
+    if unwrapped:
+        model.set_attn_implementation(ulysses_name(unwrapped[0]))
+
+
+def install(model: nn.Module, layout: Layout) -> None:
+    """Put cpshard's attention, cut, tensor- and expert-parallel pieces into ``model`` (idempotent)."""
+    install_attention(model, layout)
+    layers = model.get_submodule(layout.decoder_layers)
+    install_hooks(
+        cut_hooks(layers, model.get_submodule(layout.final_norm)) + tensor_parallel_hooks(layers, layout)
+    )
+    if layout.experts:
+        install_experts(model)
+
+
+def ensure_installed(model: nn.Module, layout: Layout) -> None:
+    """Before each call: a model switched back to another attention (or experts) function is wrapped again."""
+    install_attention(model, layout)
+    experts = experts_modules(model).values() if layout.experts else ()
+    if any(not module.config._experts_implementation.startswith(EXPERTS_PREFIX) for module in experts):
+        install_experts(model)
