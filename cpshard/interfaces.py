@@ -20,7 +20,9 @@ def register_wrapper(registry, prefix: str, inner: str, wrap: Callable[[str], Ca
     if inner.startswith(prefix):
         return inner
     if inner != "eager" and inner not in registry:
-        raise ValueError(f"implementation {inner!r} is not in transformers' {type(registry).__name__}")
+        raise ValueError(
+            f"implementation {inner!r} is not in transformers' registry ({type(registry).__name__})"
+        )
     name = prefix + inner
     if name not in registry:
         registry.register(name, wrap(inner))

@@ -7,17 +7,17 @@ import torch
 import torch.distributed as dist
 
 import cpshard
+from cpshard.loss.cross_entropy import IGNORE_INDEX
 from cpshard.runtime.batch import (
-    IGNORE_INDEX,
     BatchError,
     check_batch,
     continued_positions,
     fingerprint,
     pad_batch,
-    padded_length,
     shifted_labels,
     validate,
 )
+from cpshard.spec.sequence import padded_length_for
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 B, L, D, VOCAB = 2, 5, 3, 50
@@ -88,8 +88,8 @@ def test_validate_accepts(batch):
 
 
 @pytest.mark.parametrize("length, cp", list(itertools.product([1, 2, 3, 7, 8, 9, 1023], [1, 2, 3, 4, 8])))
-def test_padded_length(length, cp):
-    assert padded_length(length, cp) == next(n for n in itertools.count(length) if n % cp == 0)
+def test_padded_length_for(length, cp):
+    assert padded_length_for(length, cp) == next(n for n in itertools.count(length) if n % cp == 0)
 
 
 @pytest.mark.parametrize("length", [1, 2, 7])
@@ -137,7 +137,7 @@ def test_pad_batch_input_ids(cp, pad_token_id):
     positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
     batch = _batch(labels=_ids(B, L, seed=1), attention_mask=mask, position_ids=positions)
     padded = pad_batch(batch, cp, pad_token_id)
-    length = padded_length(L, cp)
+    length = padded_length_for(L, cp)
     assert (padded.length, padded.padded_length) == (L, length)
     assert set(padded.model_inputs) == {"input_ids", "attention_mask", "position_ids"}
     assert torch.equal(

@@ -14,10 +14,10 @@ import cpshard
 from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import all_reduce_flat, all_to_all_rows
 from cpshard.comm.record import parallelism_of, recording
+from cpshard.debug.optimum import ep_bytes
 from cpshard.layouts.decoder import LAYOUT
 from cpshard.parallel.experts import (
     check_experts,
-    ep_bytes,
     ep_experts,
     exchange_counts,
     experts_name,

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.comm.record import recording
-from cpshard.comm.redistribute import Move, moved_bytes, plan, redistribute
+from cpshard.comm.redistribute import Move, plan, redistribute
+from cpshard.debug.optimum import moved_bytes
 from cpshard.spec.notation import Spec, SpecError
 from cpshard.spec.sequence import positions
 

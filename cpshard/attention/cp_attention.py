@@ -179,6 +179,11 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
 
 
 def _cp_attention(inner: str):
+    if inner not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"attention implementation {inner!r} has no mask function; cpshard cannot keep its mask exact"
+        )
+
     def attention(module, query, key, value, attention_mask, **kwargs):
         function = _inner_function(inner, module)
         call = active_call()
@@ -196,10 +201,6 @@ def _cp_attention(inner: str):
 
 def ulysses_name(inner: str) -> str:
     """Register Ulysses around ``inner`` (idempotent) and return the registered implementation name."""
-    if not inner.startswith(PREFIX) and inner not in ALL_MASK_ATTENTION_FUNCTIONS:
-        raise ValueError(
-            f"attention implementation {inner!r} has no mask function; cpshard cannot keep its mask exact"
-        )
     name = register_wrapper(ALL_ATTENTION_FUNCTIONS, PREFIX, inner, _cp_attention)
     if name not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])

@@ -66,15 +66,6 @@ def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
     return tuple(moves)
 
 
-def moved_bytes(local_shape, dtype: torch.dtype, src: Spec | str, dst: Spec | str) -> int:
-    """Bytes this rank sends into collectives for the move (the input size of each all-to-all)."""
-    numel = 1
-    for size in local_shape:
-        numel *= size
-    per_tensor = numel * torch.empty((), dtype=dtype).element_size()
-    return sum(per_tensor for move in plan(src, dst) if move.kind == "all_to_all")
-
-
 def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: str = "") -> torch.Tensor:
     """``x``, the local part of a tensor placed as ``src`` on ``mesh``, placed as ``dst``. Differentiable."""
     src, dst = Spec(src), Spec(dst)

@@ -1,14 +1,23 @@
-"""The analytic communication optimum of a training step: what the byte counts are checked against."""
+"""The analytic communication optimum: what every byte count in cpshard is checked against.
+
+A training step's optimum by implementation (Ulysses, ring, hybrid), one redistribution's bytes and
+one experts layer's token exchange: the bytes of each collective's input tensor on one rank, as
+:mod:`cpshard.comm.record` counts them. :mod:`cpshard.debug.analytic` shows the same counts per
+declared move of a layout, per token.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from cpshard.attention.choice import choose_implementation
 from cpshard.attention.cp_attention import kv_replication
+from cpshard.comm.redistribute import plan
 from cpshard.layouts.registry import resolve_layout
-from cpshard.runtime.batch import padded_length
 from cpshard.runtime.forward import params_of
+from cpshard.spec.notation import Spec
 from cpshard.spec.sequence import chunk_positions, padded_length_for, positions
 
 
@@ -51,7 +60,7 @@ def ulysses_optimum(
     """
     if cp == 1:
         return CommOptimum(0, 0, 0)
-    tokens = batch * padded_length(length, cp) // cp
+    tokens = batch * padded_length_for(length, cp) // cp
     kv = kv_heads * kv_replication(heads, kv_heads, cp)
     per_layer = tokens * head_dim * itemsize * (heads + kv + kv + heads)
     return CommOptimum(all_to_all=2 * layers * per_layer, gradients=param_bytes, loss=4)
@@ -93,6 +102,24 @@ def ring_optimum(
         held = int((positions(order, padded, cp, rank) < length).sum())
         undo = batch * hidden * itemsize * (held + len(chunk_positions(length, cp, rank)))
     return CommOptimum(all_to_all=layers * ulysses + undo, gradients=param_bytes, loss=4, send=send)
+
+
+def moved_bytes(local_shape, dtype: torch.dtype, src: Spec | str, dst: Spec | str) -> int:
+    """Bytes this rank sends into collectives for the move (the input size of each all-to-all)."""
+    numel = 1
+    for size in local_shape:
+        numel *= size
+    per_tensor = numel * torch.empty((), dtype=dtype).element_size()
+    return sum(per_tensor for move in plan(src, dst) if move.kind == "all_to_all")
+
+
+def ep_bytes(
+    sent: int, received: int, hidden_size: int, element_size: int, num_experts: int
+) -> dict[str, int]:
+    """Bytes one rank puts into the EP collectives of one experts layer (the sizes of their input tensors,
+    as :mod:`cpshard.comm.record` counts them, own rows included): ``sent`` pairs out, ``received`` in."""
+    row = hidden_size * element_size
+    return {"forward": num_experts * 8 + (sent + received) * row, "backward": (received + sent) * row}
 
 
 def _sizes(model) -> dict:

@@ -138,15 +138,6 @@ def ep_experts(
     return combine(returned, routing, top_k_weights).to(hidden_states.dtype)
 
 
-def ep_bytes(
-    sent: int, received: int, hidden_size: int, element_size: int, num_experts: int
-) -> dict[str, int]:
-    """Bytes one rank puts into the EP collectives of one experts layer (the sizes of their input tensors,
-    as :mod:`cpshard.comm.record` counts them, own rows included): ``sent`` pairs out, ``received`` in."""
-    row = hidden_size * element_size
-    return {"forward": num_experts * 8 + (sent + received) * row, "backward": (received + sent) * row}
-
-
 def _inner_function(inner: str, module):
     if inner == "eager":
         return type(module).forward.__wrapped__  # the class's own forward, under transformers' decorator

@@ -29,8 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from cpshard.layouts.layout import Layout
 from cpshard.parallel.mesh import expert_degree, mesh_size
 
-#: parameters are split over these, flattened; replicated over REPLICA_DIMS, whose ranks hold other batches
-SHARD_DIMS = ("fsdp", "cp")
+#: parameters are split over fsdp x cp, flattened, and replicated over these, whose ranks hold other batches
 REPLICA_DIMS = ("dp_replicate",)
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.loss.cross_entropy import IGNORE_INDEX
-from cpshard.spec.sequence import positions
+from cpshard.spec.sequence import padded_length_for, positions
 
 INPUT_KEYS = ("input_ids", "inputs_embeds")
 TOKEN_KEYS = ("labels", "shift_labels", "attention_mask", "position_ids")
@@ -97,11 +97,6 @@ def validate(batch) -> tuple[int, int]:
     return shape
 
 
-def padded_length(length: int, cp: int) -> int:
-    """The smallest multiple of ``cp`` that holds ``length`` tokens."""
-    return -(-length // cp) * cp
-
-
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     """Next-token labels over the whole row: position i holds labels[i + 1], the last ignored."""
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -132,7 +127,7 @@ class PaddedBatch:
 def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None) -> PaddedBatch:
     """Pad every per-token field to a multiple of ``cp`` and shift the labels (batch already validated)."""
     length = next(batch[key] for key in INPUT_KEYS if batch.get(key) is not None).shape[1]
-    extra = padded_length(length, cp) - length
+    extra = padded_length_for(length, cp) - length
     inputs = {}
     if batch.get("input_ids") is not None:
         inputs["input_ids"] = _pad_tokens(batch["input_ids"], extra, pad_token_id or 0)

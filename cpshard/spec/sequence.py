@@ -62,7 +62,7 @@ def chunk_positions(length: int, size: int, rank: int) -> torch.Tensor:
     return torch.arange(min(rank * width, length), min((rank + 1) * width, length))
 
 
-def padded_length_for(length: int, size: int, order: str) -> int:
+def padded_length_for(length: int, size: int, order: str = "contiguous") -> int:
     """The smallest length >= ``length`` that splits into equal chunks for ``order`` over ``size`` ranks."""
     pieces = size * chunks_per_rank(order)
     return -(-length // pieces) * pieces
