@@ -12,9 +12,17 @@ from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError, launch
 from cpshard.runtime.forward import CPOutput, make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
+from cpshard.runtime.optim import AdamState, adamw_init, adamw_update
 from cpshard.spec.notation import Spec, SpecError
+from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model
 
 __all__ = [
+    "AdamState",
+    "adamw_init",
+    "adamw_update",
+    "tiny_batch",
+    "tiny_config",
+    "tiny_model",
     "debug",
     "CPOutput",
     "Layout",

@@ -4,14 +4,12 @@
 
 Four local CPU ranks; for each mesh, one ``value_and_grad`` step of a small model (Qwen3-MoE for
 the meshes with ``ep``, llama otherwise) on whole sequences; rank 0's bytes put into collectives,
-counted by :meth:`cpshard.comm.record.CommsLog.bytes_by_parallelism`.
+counted by :meth:`cpshard.debug.CommsLog.bytes_by_parallelism`.
 """
 
 import argparse
 
 import cpshard
-from cpshard.comm.record import recording
-from cpshard.tools.tiny import tiny_batch, tiny_model
 
 MESHES = {
     "fsdp2 x cp2": dict(fsdp=2, cp=2),
@@ -24,10 +22,10 @@ MESHES = {
 
 def step_bytes(sizes: dict, seq: int) -> dict:
     mesh = cpshard.make_mesh(**sizes)
-    model = tiny_model("qwen3_moe" if sizes.get("ep", 1) > 1 else "llama")
-    batch = tiny_batch(model.config.vocab_size, 2, seq, seed=mesh.get_local_rank("fsdp") + 1)
+    model = cpshard.tiny_model("qwen3_moe" if sizes.get("ep", 1) > 1 else "llama")
+    batch = cpshard.tiny_batch(model.config.vocab_size, 2, seq, seed=mesh.get_local_rank("fsdp") + 1)
     params = cpshard.params_of(cpshard.parallelize(model, mesh))
-    with recording() as log:
+    with cpshard.debug.recording() as log:
         cpshard.value_and_grad(cpshard.make_cp_forward(model))(params, batch, mesh)
     return log.bytes_by_parallelism()
 

@@ -5,7 +5,7 @@ over the params pytree. Each step returns new params; nothing is changed in plac
     python examples/train_functional.py --nprocs 2
 
 The sequence is split over every rank (a cp mesh); loss and gradients are exactly those of one
-process on the whole sequence. AdamW is ``cpshard.runtime.optim.adamw_update``: optree.tree_map over
+process on the whole sequence. AdamW is ``cpshard.adamw_update``: optree.tree_map over
 params, grads and moments.
 """
 
@@ -15,23 +15,21 @@ import os
 import torch
 
 import cpshard
-from cpshard.runtime.optim import adamw_init, adamw_update
-from cpshard.tools.tiny import tiny_model
 
 
 def train(steps: int, seq: int, lr: float) -> float:
     mesh = cpshard.make_mesh(cp=int(os.environ["WORLD_SIZE"]))  # every rank on the cp axis
-    model = tiny_model("llama", num_hidden_layers=2)  # any transformers causal LM
+    model = cpshard.tiny_model("llama", num_hidden_layers=2)  # any transformers causal LM
     cp_forward = cpshard.make_cp_forward(model)
     step = cpshard.value_and_grad(cp_forward)
 
     tokens = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": tokens, "labels": tokens}  # whole sequences, the same on every rank
     params = cpshard.params_of(model)
-    opt_state = adamw_init(params)
+    opt_state = cpshard.adamw_init(params)
     for i in range(steps):
         output, grads = step(params, batch, mesh)
-        params, opt_state = adamw_update(params, grads, opt_state, lr=lr)
+        params, opt_state = cpshard.adamw_update(params, grads, opt_state, lr=lr)
         if torch.distributed.get_rank() == 0:
             print(f"step {i}: loss {output.loss.item():.4f}", flush=True)
     return output.loss.item()

@@ -1,6 +1,6 @@
 """cp_forward at cp=1 against the plain model: forward and backward, alternated, medians.
 
-    python examples/bench_overhead.py --seq 2048 --repeats 15
+    python benchmarks/overhead.py --seq 2048 --repeats 15
 
 Both sides do the same arithmetic; the ratio is what cpshard's setup, hooks and functional
 call cost. Timings alternate in one run, so a noisy machine slows both alike.

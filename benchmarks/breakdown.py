@@ -1,6 +1,6 @@
 """Where a training step's time and memory go, per variant of ``cpshard bench``.
 
-    python examples/bench_breakdown.py --seq 4096 --variants single ulysses ulysses-nologits deepspeed
+    python benchmarks/breakdown.py --seq 4096 --variants single ulysses ulysses-nologits deepspeed
 
 For each variant, one step (after one warm-up step) on every rank of a cp=2 group; rank 0 reports
 (1) its self CPU time by kind of op (torch.profiler), and (2) its memory: the largest growth of

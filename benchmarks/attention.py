@@ -1,6 +1,6 @@
 """Ulysses, ring and hybrid side by side, and what head-tail order does for ring's balance.
 
-    python examples/bench_attention.py --seqs 1024 2048 4096 --nprocs 2 4 --repeats 3
+    python benchmarks/attention.py --seqs 1024 2048 4096 --nprocs 2 4 --repeats 3
 
 For each rank count and length: the median training-step time of every implementation that
 fits (alternated in one run, so a noisy machine slows all alike; read the ratios), the bytes
