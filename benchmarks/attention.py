@@ -128,7 +128,8 @@ def main():
                     total = sum(sent[name].values())
                     optimum = _optimum(name, model, seq, nprocs)
                     print(
-                        f"| {nprocs} | {seq} | {name} | {seconds:.3f} | {seconds / medians['ulysses']:.2f} | {total:,} | {optimum:,} | {total / optimum:.4f} |",
+                        f"| {nprocs} | {seq} | {name} | {seconds:.3f} | {seconds / medians['ulysses']:.2f} "
+                        f"| {total:,} | {optimum:,} | {total / optimum:.4f} |",
                         flush=True,
                     )
     print("\nring attention compute per rank alone (forward + backward), max/min over ranks:")

@@ -64,7 +64,8 @@ def main():
     medians = cpshard.launch(measure, args, nprocs=1)[0]
     ratio = medians["cp_forward"] / medians["plain"]
     print(
-        f"seq {args.seq}: plain {medians['plain'] * 1e3:.1f} ms, cp_forward(cp=1) {medians['cp_forward'] * 1e3:.1f} ms,"
+        f"seq {args.seq}: plain {medians['plain'] * 1e3:.1f} ms, "
+        f"cp_forward(cp=1) {medians['cp_forward'] * 1e3:.1f} ms,"
         f" ratio {ratio:.3f} (median of {args.repeats}, alternated)"
     )
 

@@ -1,4 +1,5 @@
-"""How cpshard's functions enter transformers: wrappers in its registries, hooks, modules seen through a proxy.
+"""How cpshard's functions enter transformers: wrappers in its registries, hooks, modules seen through
+a proxy.
 
 transformers dispatches attention (``AttentionInterface``) and experts (``ExpertsInterface``) by a name in
 the config. cpshard registers a wrapper of the model's own function under ``<prefix><inner>`` and sets
@@ -13,20 +14,25 @@ from dataclasses import dataclass
 from torch import nn
 
 
+def register_once(registry, name: str, make: Callable[[], Callable]) -> str:
+    """``make()`` registered in ``registry`` (one of transformers' ``ALL_..._FUNCTIONS``) as ``name``, unless
+    something is registered there already; returns ``name``."""
+    if name not in registry:
+        registry.register(name, make())
+    return name
+
+
 def register_wrapper(registry, prefix: str, inner: str, wrap: Callable[[str], Callable]) -> str:
-    """Register ``wrap(inner)`` in ``registry`` (transformers' ``ALL_..._FUNCTIONS``) as ``prefix + inner``, once,
-    and return that name. A name that already carries ``prefix`` is returned as it is; ``eager`` (each
-    modeling file's own function, in no registry) is always known."""
+    """``wrap(inner)`` registered as ``prefix + inner`` (once); returns that name. A name that already
+    carries ``prefix`` is returned as it is; ``eager`` (each modeling file's own function, in no
+    registry) is always known."""
     if inner.startswith(prefix):
         return inner
     if inner != "eager" and inner not in registry:
         raise ValueError(
             f"implementation {inner!r} is not in transformers' registry ({type(registry).__name__})"
         )
-    name = prefix + inner
-    if name not in registry:
-        registry.register(name, wrap(inner))
-    return name
+    return register_once(registry, prefix + inner, lambda: wrap(inner))
 
 
 class SeenAs:

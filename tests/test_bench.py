@@ -1,4 +1,5 @@
-"""cpshard bench: rows for every variant, bytes against the optimum, notes for absent baselines, usage errors."""
+"""cpshard bench: rows for every variant, bytes against the optimum, notes for absent baselines,
+usage errors."""
 
 import json
 import sys

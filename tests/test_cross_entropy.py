@@ -53,7 +53,8 @@ def test_matches_torch(block_rows, ignored, dtype):
 
 
 class _LogitsSizedBuffers(TorchDispatchMode):
-    """The storages (and one tensor of each) of at least ``nbytes`` bytes, other than ``existing``'s, that the ops inside the block create."""
+    """The storages (and one tensor of each) of at least ``nbytes`` bytes, other than ``existing``'s,
+    that the ops inside the block create."""
 
     def __init__(self, nbytes: int, existing: torch.Tensor):
         super().__init__()

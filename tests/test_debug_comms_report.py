@@ -11,7 +11,7 @@ from cpshard.runtime.batch import fingerprint
 from cpshard.tools.tiny import SMALL, tiny_batch, tiny_model
 
 F32 = 4
-V, D, I = SMALL["vocab_size"], SMALL["hidden_size"], SMALL["intermediate_size"]
+V, D, FFN = SMALL["vocab_size"], SMALL["hidden_size"], SMALL["intermediate_size"]
 H, KV, HD, LAYERS = (
     SMALL["num_attention_heads"],
     SMALL["num_key_value_heads"],
@@ -22,7 +22,7 @@ H, KV, HD, LAYERS = (
 
 def llama_param_count() -> int:
     """Embeddings and lm_head (untied), final norm, and per layer q, k, v, o, a gated MLP and two norms."""
-    layer = D * H * HD + 2 * D * KV * HD + H * HD * D + 3 * D * I + 2 * D
+    layer = D * H * HD + 2 * D * KV * HD + H * HD * D + 3 * D * FFN + 2 * D
     return 2 * V * D + D + LAYERS * layer
 
 
@@ -86,7 +86,8 @@ def test_llama_cp2_bytes_by_hand(ranks2):
 
 
 def traced_forward_with_extra():
-    """cp=4 over 2 kv heads (each repeated twice), forward only, plus one all-to-all the layout never asked for."""
+    """cp=4 over 2 kv heads (each repeated twice), forward only, plus one all-to-all the layout never
+    asked for."""
     model = tiny_model("llama")
     batch = tiny_batch(model.config.vocab_size, 1, 12)
     mesh = cpshard.make_mesh(cp=4)

@@ -1,6 +1,7 @@
 """Expert parallelism on real gloo groups: each rank's token slice through its own block of experts gives
 one process's experts layer on all tokens (outputs, and gradients of hidden states, routing weights and
-every expert weight), routes every token as one process does, and moves exactly the rows the routing implies."""
+every expert weight), routes every token as one process does, and moves exactly the rows the routing
+implies."""
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from cpshard.parallel.experts import (
 )
 from cpshard.tools.tiny import tiny_config, tiny_model
 
-E, K, H, I = 8, 2, 16, 8
+E, K, H, FFN = 8, 2, 16, 8
 ROWS, LENGTH = 2, 12  # a batch of 2 sequences; each rank holds LENGTH / ep positions of both, as under cp
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 #: expert probabilities per rank slot: skewed, with experts no token of that slot picks
@@ -43,7 +44,7 @@ _GROUPS: dict = {}
 
 def _config(implementation: str = "eager"):
     config = tiny_config(
-        "qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K
+        "qwen3_moe", hidden_size=H, moe_intermediate_size=FFN, num_experts=E, num_experts_per_tok=K
     )
     config._experts_implementation = implementation
     return config
@@ -67,8 +68,8 @@ def _whole(seed: int, skew: str, ep: int) -> dict:
     weights = torch.rand(ROWS, LENGTH, K, generator=generator) + 0.1
     experts = Qwen3MoeExperts(_config())
     with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=generator) * 0.3)
-        experts.down_proj.copy_(torch.randn(E, H, I, generator=generator) * 0.3)
+        experts.gate_up_proj.copy_(torch.randn(E, 2 * FFN, H, generator=generator) * 0.3)
+        experts.down_proj.copy_(torch.randn(E, H, FFN, generator=generator) * 0.3)
     upstream = torch.randn(ROWS, LENGTH, H, generator=generator)
     return dict(hidden=hidden, index=index, weights=weights, experts=experts, upstream=upstream)
 

@@ -41,7 +41,8 @@ def test_make_mesh_without_a_launcher(monkeypatch):
 
 
 def _members(sizes: dict, rank: int, dims) -> list[int]:
-    """The ranks that differ from ``rank`` only along ``dims``, in a row-major mesh of ``sizes`` (the reference)."""
+    """The ranks that differ from ``rank`` only along ``dims``, in a row-major mesh of ``sizes`` (the
+    reference)."""
     grid = list(itertools.product(*(range(n) for n in sizes.values())))
     mine = grid[rank]
     keep = [i for i, name in enumerate(sizes) if name not in dims]

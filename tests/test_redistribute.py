@@ -59,7 +59,7 @@ def test_moved_bytes(dtype):
     assert moved_bytes(shape, dtype, "b h s@cp d", "b h s@cp d") == 0
 
 
-# ---- on real gloo ranks --------------------------------------------------------------------------------------------
+# ---- on real gloo ranks ------------------------------------------------------------------------------------
 
 SIZES = {"b": 2, "h": 4, "s": 8, "d": 3}
 B, S, D = SIZES["b"], SIZES["s"], SIZES["d"]

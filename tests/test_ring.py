@@ -98,7 +98,8 @@ def test_hidden_blocks_are_neither_computed_nor_sent(ranks4):
     hops_of = [1, 1, 1, 0]  # rank r sends its own block once, if anyone after it needs it
     for rank, (sent, _) in enumerate(results):
         assert sent["forward"] == hops_of[rank] * kv_block
-        # backward: k, v travel again with dk, dv (fp32, the same size); dk, dv then go home from the last visitor
+        # backward: k, v travel again with dk, dv (fp32, the same size); dk, dv then go home from the
+        # last visitor
         assert sent["backward"] == (2 * hops_of[rank] + _home(rank, hops_of)) * kv_block
 
 

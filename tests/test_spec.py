@@ -93,7 +93,7 @@ def test_sharded_on_a_used_axis_raises():
         Spec("b s@cp d").sharded("d", "cp")
 
 
-# ---- on a real mesh: dp_replicate=1, fsdp=2, cp=2, tp=1 over 4 gloo ranks ---------------------------------------
+# ---- on a real mesh: dp_replicate=1, fsdp=2, cp=2, tp=1 over 4 gloo ranks ----------------------------------
 
 
 def _expected_local(full: torch.Tensor, spec: Spec, coordinate: dict, sizes: dict) -> torch.Tensor:

@@ -1,1 +1,2 @@
-"""Context-parallel attention: Ulysses, ring and hybrid around the model's own attention function, with exact masks."""
+"""Context-parallel attention: Ulysses, ring and hybrid around the model's own attention function,
+with exact masks."""

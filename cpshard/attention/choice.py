@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cpshard.attention.cp_attention import kv_replication
+from cpshard.attention.cp_attention import check_heads_split
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
 
@@ -19,7 +19,7 @@ def choose_implementation(
     auto: Ulysses where cp divides the heads; else hybrid with the largest Ulysses degree that
     divides both; else ring, which has no constraint on heads."""
     if cp == 1 or requested == "ulysses":
-        kv_replication(heads, heads, cp)
+        check_heads_split(heads, cp)
         return "ulysses", cp
     if requested == "ring":
         return "ring", 1

@@ -17,28 +17,33 @@ from functools import cache
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cpshard.attention.blocks import ring_blocks
 from cpshard.attention.ring import RingAttention
 from cpshard.call import active_call
 from cpshard.comm.redistribute import redistribute
-from cpshard.interfaces import SeenAs, register_wrapper
+from cpshard.interfaces import SeenAs, register_once, register_wrapper
 from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import chunks_per_rank, group_positions, row_blocks
 
 PREFIX = "cpshard_"
 
 
-def kv_replication(num_heads: int, num_kv_heads: int, cp: int) -> int:
-    """How many times each kv head is repeated so that cp divides them and each rank's q heads find theirs."""
+def check_heads_split(num_heads: int, cp: int) -> None:
+    """Raise a ValueError saying which cp sizes work when Ulysses cannot split ``num_heads`` over ``cp``."""
     if num_heads % cp:
         raise ValueError(
             f"Ulysses splits heads over cp: num_attention_heads={num_heads} is not divisible by cp={cp}; "
             f"cp sizes that work: {', '.join(str(c) for c in range(1, num_heads + 1) if num_heads % c == 0)}; "
             "implementation='ring' or 'hybrid' serve any cp"
         )
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, cp: int) -> int:
+    """How many times each kv head is repeated so that cp divides them and each rank's q heads find theirs."""
+    check_heads_split(num_heads, cp)
     return cp // math.gcd(num_kv_heads, cp)
 
 
@@ -202,6 +207,4 @@ def _cp_attention(inner: str):
 def ulysses_name(inner: str) -> str:
     """Register Ulysses around ``inner`` (idempotent) and return the registered implementation name."""
     name = register_wrapper(ALL_ATTENTION_FUNCTIONS, PREFIX, inner, _cp_attention)
-    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
-    return name
+    return register_once(ALL_MASK_ATTENTION_FUNCTIONS, name, lambda: ALL_MASK_ATTENTION_FUNCTIONS[inner])

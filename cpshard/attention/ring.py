@@ -63,7 +63,8 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
 
 
 def _flash_attention(qg, k, v, allowed, scale: float):
-    """The fused kernel on one block; its lse of a row that sees nothing (which it reports as 0) set to -inf."""
+    """The fused kernel on one block; its lse of a row that sees nothing (which it reports as 0) set
+    to -inf."""
     batch, kv_heads, groups, rows, dim = qg.shape
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qg.reshape(batch, kv_heads * groups, rows, dim),

@@ -95,7 +95,8 @@ class _SumGradsOverGroup(torch.autograd.Function):
 
 
 def sum_grads_over_group(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
-    """``x`` as it is; its gradient summed over the group (each rank's part of the computation adds its term)."""
+    """``x`` as it is; its gradient summed over the group (each rank's part of the computation adds
+    its term)."""
     return _SumGradsOverGroup.apply(x, group, name)
 
 
@@ -125,7 +126,8 @@ def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
 
 
 def _rows_of(rank: int, rows: int, chunk: int) -> int:
-    """How many of ``rows`` rank ``rank`` holds when they are cut in chunks of ``chunk`` (as ``torch.chunk`` cuts)."""
+    """How many of ``rows`` rank ``rank`` holds when they are cut in chunks of ``chunk`` (as
+    ``torch.chunk`` cuts)."""
     return min(chunk, max(0, rows - rank * chunk))
 
 
@@ -189,7 +191,8 @@ def all_gather_shards(
 def _exchange_rows(
     x: torch.Tensor, send: list[int], receive: list[int], group, log, name: str, phase: str
 ) -> torch.Tensor:
-    """Rows ``[sum(send[:i]), sum(send[:i+1]))`` of ``x`` go to rank ``i``; what arrives is stacked in rank order."""
+    """Rows ``[sum(send[:i]), sum(send[:i+1]))`` of ``x`` go to rank ``i``; what arrives is stacked
+    in rank order."""
     x = x.contiguous()
     record(log, "all_to_all", name, phase, x, dist.get_world_size(group))
     return funcol.wait_tensor(funcol.all_to_all_single(x, receive, send, group))
@@ -198,8 +201,9 @@ def _exchange_rows(
 def all_to_all_rows(
     x: torch.Tensor, send: list[int], receive: list[int], group, name: str = ""
 ) -> torch.Tensor:
-    """Uneven all-to-all of dim-0 rows: ``send[i]`` rows to rank ``i``, ``receive[i]`` rows from it (both sides must
-    agree: exchange the counts first). The backward sends the gradients back the same way reversed."""
+    """Uneven all-to-all of dim-0 rows: ``send[i]`` rows to rank ``i``, ``receive[i]`` rows from it
+    (both sides must agree: exchange the counts first). The backward sends the gradients back the same
+    way reversed."""
     size = dist.get_world_size(group)
     if len(send) != size or len(receive) != size or sum(send) != x.shape[0]:
         raise ValueError(

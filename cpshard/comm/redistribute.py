@@ -48,8 +48,8 @@ def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
             continue
         if after is None:
             raise SpecError(
-                f"cannot move {src} to {dst}: un-splitting {src.names[before]!r} over {axis!r} would gather the "
-                "whole tensor on every rank, which the hot path never does"
+                f"cannot move {src} to {dst}: un-splitting {src.names[before]!r} over {axis!r} "
+                "would gather the whole tensor on every rank, which the hot path never does"
             )
         if before is not None and current[before][-1] != axis:
             raise SpecError(
@@ -72,7 +72,8 @@ def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: 
     tensor = name or "tensor"
     if x.dim() != len(src.dims):
         raise SpecError(
-            f"{tensor}: spec {src} has {len(src.dims)} dimensions, the local tensor has shape {tuple(x.shape)}"
+            f"{tensor}: spec {src} has {len(src.dims)} dimensions, "
+            f"the local tensor has shape {tuple(x.shape)}"
         )
     for move in plan(src, dst):
         if move.kind == "all_to_all":
@@ -89,12 +90,14 @@ def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: 
 
 
 def _slice(x: torch.Tensor, dim: Dim, move: Move, mesh, tensor: str) -> torch.Tensor:
-    """This rank's part of a replicated dimension: a view for contiguous chunks, a gather of positions otherwise."""
+    """This rank's part of a replicated dimension: a view for contiguous chunks, a gather of
+    positions otherwise."""
     ways, size = mesh[move.axis].size(), x.shape[move.dst_dim]
     if size % (ways * chunks_per_rank(dim.order)):
         raise SpecError(
-            f"{tensor}: dimension {move.dst_dim} ({dim.name}) has local size {size}, which does not split into "
-            f"{ways * chunks_per_rank(dim.order)} equal chunks over mesh axis {move.axis!r} (size {ways})"
+            f"{tensor}: dimension {move.dst_dim} ({dim.name}) has local size {size}, "
+            f"which does not split into {ways * chunks_per_rank(dim.order)} equal chunks "
+            f"over mesh axis {move.axis!r} (size {ways})"
         )
     rank = mesh.get_local_rank(move.axis)
     if dim.order == "contiguous":

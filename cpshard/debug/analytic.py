@@ -78,7 +78,8 @@ def head_dim(config, layout: Layout) -> int:
 
 def attention_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype) -> tuple[Step, ...]:
     """q, k, v in and the output back, for one attention module. k and v carry their kv heads
-    repeated as Ulysses needs (``kv_replication``); raises its ValueError when cp does not divide the heads."""
+    repeated as Ulysses needs (``kv_replication``); raises its ValueError when cp does not divide the
+    heads."""
     heads, kv_heads = getattr(config, layout.heads), getattr(config, layout.kv_heads)
     kv_total = kv_heads * kv_replication(heads, kv_heads, sizes["cp"])
     itemsize, size = torch.empty((), dtype=dtype).element_size(), head_dim(config, layout)

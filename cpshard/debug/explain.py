@@ -69,8 +69,9 @@ class Explanation:
                 "",
                 f"per attention module: {count} collectives, {grouped(per_module)} bytes/token forward, "
                 "the same backward",
-                f"over {len(self.attention_modules)} modules: {grouped(self.attention_bytes_per_token)} bytes/token "
-                f"forward, {grouped(2 * self.attention_bytes_per_token)} forward and backward",
+                f"over {len(self.attention_modules)} modules: "
+                f"{grouped(self.attention_bytes_per_token)} bytes/token forward, "
+                f"{grouped(2 * self.attention_bytes_per_token)} forward and backward",
             ]
         return "\n".join(lines)
 
@@ -120,7 +121,10 @@ def _implementation(
         return "none", f"cp_forward would raise at its first call: {error}", None
     if name == "ulysses":
         replicas = kv_replication(heads, kv_heads, cp)
-        reason = f"{layout.heads}={heads} divides over cp={cp}, so each rank attends whole sequences over {heads // cp} heads"
+        reason = (
+            f"{layout.heads}={heads} divides over cp={cp}, "
+            f"so each rank attends whole sequences over {heads // cp} heads"
+        )
         return (
             name,
             ("auto picks Ulysses where cp divides the heads; " if requested == "auto" else "") + reason,
@@ -140,7 +144,8 @@ def _implementation(
 
 
 def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree=None) -> Explanation:
-    """The layout as applied to ``model`` on ``mesh``: choices, reasons, and every move's collective and cost."""
+    """The layout as applied to ``model`` on ``mesh``: choices, reasons, and every move's collective
+    and cost."""
     chosen = resolve_layout(model, layout)
     config, sizes = model.config, mesh_sizes(mesh)
     name, reason, replicas = _implementation(config, chosen, cp_size(mesh), implementation, ulysses_degree)

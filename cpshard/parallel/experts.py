@@ -166,7 +166,8 @@ def experts_name(inner: str | None) -> str:
 
 
 def is_experts(module) -> bool:
-    """A transformers experts module dispatched through ``ExpertsInterface`` (``@use_experts_implementation``)."""
+    """A transformers experts module dispatched through ``ExpertsInterface``
+    (``@use_experts_implementation``)."""
     marks = ("has_gate", "is_transposed", "is_concatenated", "num_experts", "config")
     return hasattr(type(module).forward, "__wrapped__") and all(hasattr(module, mark) for mark in marks)
 
@@ -177,7 +178,8 @@ def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def install_experts(model: torch.nn.Module) -> str:
-    """Switch ``model``'s experts to the EP wrapper of its current implementation (idempotent); returns its name.
+    """Switch ``model``'s experts to the EP wrapper of its current implementation (idempotent);
+    returns its name.
 
     Outside a cp call with an expert group the model computes exactly as before."""
     modules = experts_modules(model)
@@ -199,27 +201,32 @@ def install_experts(model: torch.nn.Module) -> str:
 
 
 def check_experts(config, ep: int) -> None:
-    """Raise a ValueError when ``config``'s MoE cannot run under cp with expert parallelism over ``ep`` ranks."""
+    """Raise a ValueError when ``config``'s MoE cannot run under cp with expert parallelism over
+    ``ep`` ranks."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts = expert_counts(config)[0]
     if not isinstance(experts, int):
         raise ValueError(
-            f"model type {getattr(config, 'model_type', '?')!r} declares no num_experts: it has no experts for ep={ep}"
+            f"model type {getattr(config, 'model_type', '?')!r} declares no num_experts: "
+            f"it has no experts for ep={ep}"
         )
     if experts % ep:
         fitting = [d for d in range(1, experts + 1) if experts % d == 0]
         raise ValueError(
-            f"expert parallelism splits the {experts} experts over ep={ep} ranks, and {ep} does not divide {experts}; "
+            f"expert parallelism splits the {experts} experts over ep={ep} ranks, "
+            f"and {ep} does not divide {experts}; "
             f"choose ep among {', '.join(map(str, fitting))}"
         )
 
 
 def check_expert_parallel(config, layout, ep: int) -> None:
-    """The layout's experts can serve ``ep`` (a model without experts only ep=1); see :func:`check_experts`."""
+    """The layout's experts can serve ``ep`` (a model without experts only ep=1); see
+    :func:`check_experts`."""
     if layout.experts:
         check_experts(config, ep)
     elif ep > 1:
         raise ValueError(
-            f"ep={ep}, but the layout {layout.name!r} of model type {getattr(config, 'model_type', '?')!r} declares "
-            "no experts: there is nothing to split over ep; build the mesh with ep=1"
+            f"ep={ep}, but the layout {layout.name!r} of model type "
+            f"{getattr(config, 'model_type', '?')!r} declares no experts: "
+            "there is nothing to split over ep; build the mesh with ep=1"
         )

@@ -66,7 +66,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout | str = "auto
     for name, param in named.items():
         if isinstance(param, DTensor):
             raise ValueError(
-                f"parallelize: {name} is a DTensor already; parallelize a model once, before any other sharding"
+                f"parallelize: {name} is a DTensor already; "
+                "parallelize a model once, before any other sharding"
             )
         if param.dim() == 0:
             raise ValueError(f"parallelize: {name} is a scalar; FSDP shards dim 0 and it has none")
@@ -86,7 +87,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout | str = "auto
 
 def block_shape(param: DTensor) -> torch.Size:
     """The shape of what gathering ``param``'s FSDP shards gives: the whole of it, but for what the
-    other axes split (dim 0 over tp for column-wise layers or over ep for experts, dim 1 over tp for row-wise)."""
+    other axes split (dim 0 over tp for column-wise layers or over ep for experts, dim 1 over tp for
+    row-wise)."""
     shape, fsdp = list(param.shape), gather_axis(param)
     for i, placement in enumerate(param.placements):
         if i != fsdp and isinstance(placement, Shard):
@@ -95,13 +97,15 @@ def block_shape(param: DTensor) -> torch.Size:
 
 
 def gather_axis(param: DTensor, name: str = "") -> int:
-    """The one mesh axis a parameter's FSDP shards are spread over, on dim 0; a clear error for any other layout."""
+    """The one mesh axis a parameter's FSDP shards are spread over, on dim 0; a clear error for any
+    other layout."""
     on_dim0 = [
         i for i, p in enumerate(param.placements) if getattr(p, "dim", None) == 0
     ]  # Shard(0), _StridedShard(0)
     if not on_dim0:
         raise ValueError(
-            f"parameter {name or 'of shape ' + str(tuple(param.shape))!r} has placements {tuple(param.placements)}; cpshard gathers parameters split "
+            f"parameter {name or 'of shape ' + str(tuple(param.shape))!r} "
+            f"has placements {tuple(param.placements)}; cpshard gathers parameters split "
             "on dim 0 over one mesh axis, as cpshard.parallelize lays them out"
         )
     return on_dim0[0]
@@ -137,9 +141,10 @@ def gather_params(params: dict, mesh: DeviceMesh, layout: Layout) -> dict:
         if value.device_mesh != target.mesh or tuple(value.placements) != target.placements:
             raise ValueError(
                 f"parameter {name!r} is laid out over mesh dims {value.device_mesh.mesh_dim_names} of sizes "
-                f"{tuple(value.device_mesh.shape)} with placements {tuple(value.placements)}; on this mesh cp_forward takes "
-                f"plain tensors or the layout cpshard.parallelize(model, mesh) gives: dims {target.mesh.mesh_dim_names} of "
-                f"sizes {tuple(target.mesh.shape)} with placements {target.placements}"
+                f"{tuple(value.device_mesh.shape)} with placements {tuple(value.placements)}; "
+                "on this mesh cp_forward takes plain tensors or the layout cpshard.parallelize(model, mesh) "
+                f"gives: dims {target.mesh.mesh_dim_names} of sizes {tuple(target.mesh.shape)} "
+                f"with placements {target.placements}"
             )
     whole = full_tensors(sharded)
     if (

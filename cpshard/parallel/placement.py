@@ -56,7 +56,8 @@ def param_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """``(dp_replicate,) efsdp, ep``: the ranks of ``fsdp x cp x tp`` in groups of ``ep`` consecutive ranks."""
+    """``(dp_replicate,) efsdp, ep``: the ranks of ``fsdp x cp x tp`` in groups of ``ep`` consecutive
+    ranks."""
     ep = expert_degree(mesh)
     rest = mesh_size(mesh, "fsdp") * mesh_size(mesh, "cp") * mesh_size(mesh, "tp") // ep
     return _mesh_of(mesh, {"dp_replicate": mesh_size(mesh, "dp_replicate"), "efsdp": rest, "ep": ep}, "efsdp")
@@ -87,7 +88,8 @@ def style_of(name: str, layout: Layout | None) -> str:
 
 
 def placed(style: str, mesh: DeviceMesh) -> Placed:
-    """Where a parameter of ``style`` lives on the root ``mesh`` (styles without their axis act as "shard")."""
+    """Where a parameter of ``style`` lives on the root ``mesh`` (styles without their axis act as
+    "shard")."""
     if style == "expert" and expert_degree(mesh) > 1:
         target = expert_mesh(mesh)
         names, ep = target.mesh_dim_names, expert_degree(mesh)
@@ -110,7 +112,10 @@ def placement_problem(name: str, shape: tuple, style: str, where: Placed) -> str
     if style == "rowwise" and "tp" in names:
         tp = where.mesh.size(names.index("tp"))
         if len(shape) < 2:
-            return f"{name} is a bias of a row-wise layer (shape {shape}); cpshard's tensor parallelism takes none"
+            return (
+                f"{name} is a bias of a row-wise layer (shape {shape}); "
+                "cpshard's tensor parallelism takes none"
+            )
         if shape[1] % tp:
             return f"{name} has {shape[1]} columns, which tp={tp} does not divide"
     if where.inner_split > 1:

@@ -30,7 +30,7 @@ from cpshard.parallel.tensor import check_tensor_parallel
 from cpshard.runtime.batch import PaddedBatch, check_batch, local_token_mask, pad_batch
 from cpshard.runtime.install import ensure_installed, install
 from cpshard.runtime.recompute import recompute_in
-from cpshard.spec.sequence import chunk_positions, chunks_per_rank
+from cpshard.spec.sequence import check_order, chunk_positions, chunks_per_rank
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,6 @@ class CPForward:
         order = self.sequence_order
         if order == "auto":
             order = "contiguous" if implementation == "ulysses" else "head_tail"
-        chunks_per_rank(order)
         return implementation, degree, order
 
     def _plan(self, mesh, cp: int, strategy: tuple[str, int, str], padded: PaddedBatch) -> CallPlan:
@@ -222,6 +221,6 @@ def make_cp_forward(
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if sequence_order != "auto":
-        chunks_per_rank(sequence_order)
+        check_order(sequence_order)
     options = dict(ulysses_degree=ulysses_degree, sequence_order=sequence_order)
     return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)

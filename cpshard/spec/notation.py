@@ -3,8 +3,9 @@
 ``Spec("b s@cp d")`` says: dim 0 is ``b``, dim 1 is ``s`` split over mesh axis ``cp``,
 dim 2 is ``d``; every unnamed mesh axis is replicated. ``n@(fsdp,cp)`` splits one
 dimension over several axes, major first. ``s@cp:head_tail`` splits in another order of the
-sequence (see :mod:`cpshard.spec.sequence`): rank r holds chunks r and 2P-1-r of 2P. Specs are immutable values; they turn into
-DTensor placements on a given mesh, and their errors name the tensor, dim and axis.
+sequence (see :mod:`cpshard.spec.sequence`): rank r holds chunks r and 2P-1-r of 2P. Specs are
+immutable values; they turn into DTensor placements on a given mesh, and their errors name the
+tensor, dim and axis.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class Dim:
 
     name: str
     axes: tuple[str, ...] = ()
-    #: which positions each rank holds (cpshard.spec.sequence.ORDERS); only for a dimension split over one axis
+    #: which positions each rank holds (cpshard.spec.sequence.ORDERS); only for a dimension split
+    #: over one axis
     order: str = "contiguous"
 
     def __str__(self) -> str:
@@ -105,7 +107,8 @@ class Spec:
             for axis in dim.axes:
                 if axis in seen:
                     raise SpecError(
-                        f"spec {self}: mesh axis {axis!r} is used by dimension {seen[axis]!r} and {dim.name!r}; "
+                        f"spec {self}: mesh axis {axis!r} is used by dimension {seen[axis]!r} "
+                        f"and {dim.name!r}; "
                         "an axis can split one dimension only"
                     )
                 seen[axis] = dim.name
@@ -166,13 +169,16 @@ class Spec:
             if list(dim.axes) != sorted(dim.axes, key=names.index):
                 # DTensor nests the shards of one dimension in mesh order: another order has no placements
                 raise SpecError(
-                    f"{tensor}: dimension {index} ({dim.name}) is split over {dim} with its axes major first, "
-                    f"but the mesh orders them {', '.join(a for a in names if a in dim.axes)}; list them in mesh order"
+                    f"{tensor}: dimension {index} ({dim.name}) is split over {dim} "
+                    "with its axes major first, "
+                    f"but the mesh orders them {', '.join(a for a in names if a in dim.axes)}; "
+                    "list them in mesh order"
                 )
         return names
 
     def check(self, shape, mesh, tensor: str = "tensor") -> None:
-        """Raise a :class:`SpecError` naming ``tensor``, dim and axis where ``shape`` or ``mesh`` do not fit."""
+        """Raise a :class:`SpecError` naming ``tensor``, dim and axis where ``shape`` or ``mesh`` do not
+        fit."""
         if len(shape) != len(self.dims):
             raise SpecError(
                 f"{tensor}: spec {self} has {len(self.dims)} dimensions, the tensor has shape {tuple(shape)}"

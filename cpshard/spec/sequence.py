@@ -12,10 +12,15 @@ import torch
 ORDERS = ("contiguous", "head_tail")
 
 
-def chunks_per_rank(order: str) -> int:
-    """How many equal chunks each rank holds (the padded length must divide into size * this)."""
+def check_order(order: str) -> None:
+    """Raise a ValueError naming the orders when ``order`` is not one of them."""
     if order not in ORDERS:
         raise ValueError(f"unknown sequence order {order!r}; choose one of {', '.join(ORDERS)}")
+
+
+def chunks_per_rank(order: str) -> int:
+    """How many equal chunks each rank holds (the padded length must divide into size * this)."""
+    check_order(order)
     return 2 if order == "head_tail" else 1
 
 
@@ -40,7 +45,7 @@ def exchange_plan(src: list[torch.Tensor], dst: list[torch.Tensor], rank: int):
     sends me lands. One all-to-all with uneven splits."""
     where_src = {int(p): (r, i) for r, held in enumerate(src) for i, p in enumerate(held.tolist())}
     send = []
-    for peer, wanted in enumerate(dst):
+    for _peer, wanted in enumerate(dst):
         send.append(
             torch.tensor(
                 [where_src[p][1] for p in wanted.tolist() if where_src[p][0] == rank], dtype=torch.long
@@ -69,7 +74,7 @@ def padded_length_for(length: int, size: int, order: str = "contiguous") -> int:
 
 
 def row_blocks(rows: int, width: int, budget: int) -> list[slice]:
-    """Slices of ``rows`` rows of ``width`` each (values, bytes), each within about ``budget`` (at least a row):
-    how the work done a block of tokens or queries at a time is cut."""
+    """Slices of ``rows`` rows of ``width`` each (values, bytes), each within about ``budget`` (at
+    least a row): how the work done a block of tokens or queries at a time is cut."""
     step = max(1, budget // max(1, width))
     return [slice(start, start + step) for start in range(0, rows, step)]

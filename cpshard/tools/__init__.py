@@ -1,1 +1,2 @@
-"""The command line and what it runs: demo, check, parity, bench and its baselines (nothing in cpshard imports these)."""
+"""The command line and what it runs: demo, check, parity, bench and its baselines (nothing in
+cpshard imports these)."""

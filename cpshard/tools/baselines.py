@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cpshard.attention.cp_attention import kv_replication, without_padding_keys
 from cpshard.call import active_call
-from cpshard.interfaces import SeenAs, register_wrapper
+from cpshard.interfaces import SeenAs, register_once
 from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.cross_entropy import IGNORE_INDEX
 from cpshard.runtime.forward import CPForward
@@ -107,7 +107,10 @@ def missing(name: str) -> str | None:
         try:
             importlib.import_module(module)
         except Exception as error:  # noqa: BLE001 - an optional package may fail to import in any way
-            return f"{name} baseline skipped: import {module} failed ({type(error).__name__}: {error}); try {INSTALL[name]}"
+            return (
+                f"{name} baseline skipped: import {module} failed ({type(error).__name__}: {error}); "
+                f"try {INSTALL[name]}"
+            )
     return None
 
 
@@ -197,14 +200,12 @@ def _attention(exchange):
 
 def registered(name: str) -> str:
     """Register baseline ``name``'s attention (idempotent); the implementation name to give the model."""
-    implementation = register_wrapper(ALL_ATTENTION_FUNCTIONS, "cpshard_bench_", name, _baseline_attention)
-    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(implementation, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    return implementation
-
-
-def _baseline_attention(name: str):
-    return _attention(_EXCHANGES[name])
+    implementation = register_once(
+        ALL_ATTENTION_FUNCTIONS, f"cpshard_bench_{name}", lambda: _attention(_EXCHANGES[name])
+    )
+    return register_once(
+        ALL_MASK_ATTENTION_FUNCTIONS, implementation, lambda: ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    )
 
 
 def baseline_step(name: str, model):

@@ -394,8 +394,9 @@ def targets(rows: list[Row]) -> list[str]:
 
 
 def longest_within_budget(rows: list[Row]) -> list[str]:
-    """The longest L each variant fits in one process's peak at the longest L measured, as a multiple of that
-    L: peak memory is fitted as a + b * L through the two longest lengths measured (linear: no L x L buffers)."""
+    """The longest L each variant fits in one process's peak at the longest L measured, as a multiple
+    of that L: peak memory is fitted as a + b * L through the two longest lengths measured (linear: no
+    L x L buffers)."""
     seqs = sorted({r.seq for r in rows})
     by = {(r.variant, r.cp, r.seq): r for r in rows}
     single = by.get(("single", 1, seqs[-1]))

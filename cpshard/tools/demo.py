@@ -149,7 +149,8 @@ def demo_job(config: DemoConfig) -> RankReport:
     start = time.perf_counter()
     parity = check_parity(model, batch, mesh, cp_forward, params)
     say(
-        f"parity checked in {time.perf_counter() - start:.1f} s (worst |diff| {parity.worst:.2e}); training ..."
+        f"parity checked in {time.perf_counter() - start:.1f} s (worst |diff| {parity.worst:.2e}); "
+        "training ..."
     )
     reset_peak_rss()
     start_rss = current_rss()
