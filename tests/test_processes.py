@@ -93,6 +93,13 @@ def _fail_mid_step(folder, how):
     return "done"
 
 
+def _exit_after_rank_0_reports():
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # rank 0 has reported by now
+        os._exit(4)
+    return os.getpid()
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -243,6 +250,16 @@ def test_a_rank_failing_mid_step_is_named_at_once_and_the_group_ends(tmp_path, h
     assert "Connection" not in str(info.value).splitlines()[0]
     assert seconds < 10, "the target is 5 s; generous for a loaded machine"
     assert not _left_behind(tmp_path), "a rank was left running"
+
+
+def test_a_rank_dying_after_the_others_reported_ends_the_group():
+    with LocalRanks(2, timeout=300) as ranks:
+        pids = [pid for _, pid, *_ in ranks.run(_identify, "warm")]
+        with pytest.raises(
+            RankError, match="rank 1 exited with code 4 before finishing; the group was ended"
+        ):
+            ranks.run(_exit_after_rank_0_reports)
+        assert not ranks.alive and all(_gone(pid) for pid in pids)  # rank 0 too, before close()
 
 
 def test_a_stalled_rank_ends_the_launch_at_its_timeout(tmp_path):

@@ -274,14 +274,14 @@ class LocalRanks:
             dead = any(failure.exitcode is not None for failure in failures.values())
             now = time.monotonic()
             stuck = bool(failures) and watch.idle({r: self._processes[r].pid for r in pending}, now)
-            if pending and (dead or stuck or now > deadline):
+            if dead or (pending and (stuck or now > deadline)):  # a group that lost a rank is no group
                 self.close(force=True)
                 if not failures:
                     raise TimeoutError(
                         f"ranks {pending} did not finish within {self.timeout:g} s; the group was ended"
                     )
-                note = f"; ranks {pending} did not finish, so the group was ended"
-                raise RankError(failures, note=note)
+                unfinished = f"; ranks {pending} did not finish" if pending else ""
+                raise RankError(failures, note=f"{unfinished}; the group was ended")
         if failures:
             raise RankError(failures)
         return [pickle.loads(values[rank]) for rank in range(self.nprocs)]
