@@ -6,7 +6,7 @@ private: its names may move between releases.
 
 from cpshard import debug
 from cpshard.layouts.layout import Layout
-from cpshard.parallel.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from cpshard.parallel.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_pretrained
 from cpshard.parallel.fsdp import parallelize
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError, launch
@@ -25,6 +25,7 @@ __all__ = [
     "tiny_model",
     "debug",
     "CPOutput",
+    "CheckpointError",
     "Layout",
     "LocalRanks",
     "RankError",

@@ -1,5 +1,11 @@
 """Checkpoints: saved under one mesh, loaded bit for bit under another and on one process; from_pretrained."""
 
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +34,7 @@ def run_save(path: str, folder: str, sizes: dict, model_type: str = "llama"):
     batch = tiny_batch(VOCAB, 2, 9, seed=mesh.get_local_rank("fsdp") + 1)
     _, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(params, batch, mesh)
     params, _ = adamw_update(params, grads, adamw_init(params), lr=1e-2)
-    cpshard.save_checkpoint(params, path)
+    cpshard.save_checkpoint(params, path, model=model)
     cpshard.save_pretrained(model, params, folder)
     return _whole(params)
 
@@ -128,8 +134,104 @@ def test_tp_and_ep_saves_load_anywhere_and_with_from_pretrained(
 
 def test_load_names_what_does_not_fit(saved):
     path, _, values = saved
-    with pytest.raises(KeyError, match="has no model.extra"):
+    with pytest.raises(cpshard.CheckpointError, match=f"no model.extra; it holds {len(values)} tensors the"):
         cpshard.load_checkpoint(path, {"model.extra": torch.zeros(2)})
     wrong_dtype = r"holds model.norm.weight as torch.float32 \[64\], the target is torch.bfloat16 \[64\]"
-    with pytest.raises(ValueError, match=wrong_dtype):
-        cpshard.load_checkpoint(path, {"model.norm.weight": torch.zeros(64, dtype=torch.bfloat16)})
+    with pytest.raises(cpshard.CheckpointError, match=wrong_dtype):
+        cpshard.load_checkpoint(
+            path, {"model.norm.weight": torch.zeros(64, dtype=torch.bfloat16)}, strict=False
+        )
+    with pytest.raises(cpshard.CheckpointError, match="pass strict=False to load a part of it"):
+        cpshard.load_checkpoint(path, {"model.norm.weight": values["model.norm.weight"]})
+    part = cpshard.load_checkpoint(path, {"model.norm.weight": torch.zeros(64)}, strict=False)
+    assert _bitwise(part, {"model.norm.weight": values["model.norm.weight"]})
+
+
+def run_load_error(path: str, model_type: str = "llama", with_model: bool = True) -> str | None:
+    """What loading ``path`` into a fresh model under fsdp=2 x cp=2 raises on this rank (None: it loaded)."""
+    model = tiny_model(model_type, vocab_size=VOCAB, seed=5)
+    targets = cpshard.params_of(cpshard.parallelize(model, cpshard.make_mesh(fsdp=2, cp=2)))
+    try:
+        cpshard.load_checkpoint(path, targets, model=model if with_model else None)
+    except cpshard.CheckpointError as error:
+        return str(error)
+    return None
+
+
+def _flip_a_byte(folder: Path):
+    shard = folder / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def _truncate(folder: Path):
+    shard = folder / "__2_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+DAMAGE = {
+    "a flipped byte": (_flip_a_byte, "file __1_0.distcp is damaged: its sha256 differs from the one saved"),
+    "a deleted shard": (lambda folder: (folder / "__3_0.distcp").unlink(), "file __3_0.distcp is missing"),
+    "a truncated shard": (_truncate, "file __2_0.distcp is truncated"),
+    "no metadata": (lambda folder: (folder / ".metadata").unlink(), "file .metadata is missing"),
+    "no manifest": (
+        lambda folder: (folder / "cpshard.json").unlink(),
+        "has no cpshard.json: it was not written by cpshard.save_checkpoint, or its save did not finish",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_on_every_rank(ranks4, saved, tmp_path, damage):
+    path, _, _ = saved
+    harm, expected = DAMAGE[damage]
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    harm(copy)
+    messages = ranks4.run(run_load_error, str(copy))
+    assert len(set(messages)) == 1 and expected in messages[0], messages[0]
+    with pytest.raises(cpshard.CheckpointError) as alone:  # one process, no process group
+        cpshard.load_checkpoint(copy, cpshard.params_of(tiny_model("llama", vocab_size=VOCAB)))
+    assert str(alone.value) == messages[0]
+    if damage != "no metadata":
+        assert "(it holds " in messages[0] or "no cpshard.json" in messages[0]  # which tensors it hurts
+
+
+def test_another_architectures_checkpoint_is_refused_on_every_rank(ranks4, saved, tmp_path):
+    path, _, _ = saved
+    for message in ranks4.run(run_load_error, path, "qwen3"):
+        assert "was saved from a llama model (LlamaForCausalLM), the target is a qwen3 model" in message
+    for message in ranks4.run(run_load_error, path, "qwen3", False):  # the names tell it without the model
+        assert "saved from a llama model (LlamaForCausalLM), does not fit the target: it has no " in message
+        assert "q_norm" in message
+
+
+def _die_part_way(path: str):
+    """Rank 1 dies as soon as a shard of the save is on disk (a crash between files)."""
+    mesh = cpshard.make_mesh(cp=2)
+    partial = Path(path + ".partial")
+    if dist.get_rank() == 1:
+
+        def watch():
+            while not any(partial.glob("*.distcp")):
+                time.sleep(0.001)
+            os._exit(7)
+
+        threading.Thread(target=watch, daemon=True).start()
+    params = {"big": torch.zeros(1 << 24), **cpshard.params_of(tiny_model("llama", vocab_size=VOCAB))}
+    cpshard.save_checkpoint(params, path)
+    return mesh.size()
+
+
+def test_a_save_cut_short_leaves_no_checkpoint(tmp_path):
+    path = str(tmp_path / "dcp")
+    with pytest.raises(cpshard.RankError, match="rank 1 exited with code 7"):
+        cpshard.launch(_die_part_way, path, nprocs=2, timeout=300)
+    with pytest.raises(cpshard.CheckpointError, match="a save that did not finish left .*dcp.partial"):
+        cpshard.load_checkpoint(path, cpshard.params_of(tiny_model("llama", vocab_size=VOCAB)))
+    model = tiny_model("llama", vocab_size=VOCAB)
+    cpshard.save_checkpoint(cpshard.params_of(model), path, model=model)  # over what was left
+    assert not Path(path + ".partial").exists()
+    loaded = cpshard.load_checkpoint(path, cpshard.params_of(tiny_model("llama", vocab_size=VOCAB, seed=5)))
+    assert _bitwise(loaded, _whole(cpshard.params_of(model)))
