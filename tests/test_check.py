@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.spec.notation import Spec
 from cpshard.tools.check import (
     CheckConfig,
@@ -23,8 +23,8 @@ from cpshard.tools.parity import Parity
 from cpshard.tools.tiny import tiny_model
 
 #: cuts the sequence but never moves q, k, v: each rank attends within its own slice only
-BROKEN = Layout(
-    "broken",
+BROKEN = DECODER.with_rows(
+    name="broken",
     qkv=(Spec("b h s@cp d"), Spec("b h s@cp d")),
     attn_output=(Spec("b s h@cp d"), Spec("b s h@cp d")),
 )

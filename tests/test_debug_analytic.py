@@ -7,10 +7,10 @@ import torch
 
 from cpshard.debug.analytic import attention_paths, attention_steps, cut_steps, step
 from cpshard.debug.table import table
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.spec.notation import Spec
 
-LAYOUT = Layout("test")
+LAYOUT = DECODER.with_rows(name="test")
 CONFIG = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, head_dim=32, hidden_size=256)
 
 

@@ -239,7 +239,7 @@ BAD_INPUTS = {
     "differs": ("BatchError", "the batch differs across the cp group: ranks [1]"),
     "differs-shape": ("BatchError", "the batch differs across the cp group: ranks [1]"),
     "world": ("ValueError", "world size 2 != dp_replicate=1 * fsdp=1 * cp=3 * tp=1"),
-    "unserved": ("ValueError", "model type 'gpt2'"),
+    "unserved": ("LayoutError", "model type 'gpt2'"),
     "implementation": ("ValueError", "implementation='magic'"),
 }
 

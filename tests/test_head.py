@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cpshard.layouts.layout import HEAD_TRANSFORMS
 from cpshard.loss.head import head_matches, own_logits
 from cpshard.parallel.mesh import make_mesh
 from cpshard.runtime.forward import make_cp_forward, params_of
@@ -30,8 +31,8 @@ def test_own_logits_are_the_models_where_the_check_says_so(model_type, options, 
     ids = torch.randint(3, 128, (1, 6))
     hidden = model.get_decoder()(input_ids=ids).last_hidden_state
     expected = model(input_ids=ids, output_router_logits=False).logits
-    assert head_matches(model, params) is known
-    assert torch.allclose(own_logits(model, params, hidden), expected, atol=1e-6) is known
+    assert head_matches(model, params, HEAD_TRANSFORMS) is known
+    assert torch.allclose(own_logits(model, params, hidden, HEAD_TRANSFORMS), expected, atol=1e-6) is known
     assert model.get_decoder() is not None and type(model.get_decoder()).__name__.endswith(
         "Model"
     )  # put back

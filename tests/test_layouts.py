@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from cpshard import Layout
 from cpshard.comm.redistribute import plan
+from cpshard.layouts.layout import structure_problems
 from cpshard.layouts.registry import (
     BY_NAME,
     REGISTERED,
@@ -15,7 +15,6 @@ from cpshard.layouts.registry import (
     mistral,
     qwen3,
     resolve_layout,
-    structure_problems,
 )
 from cpshard.tools.tiny import tiny_model
 
@@ -87,21 +86,21 @@ def test_layout_given_or_unknown(models):
     assert resolve_layout(models["qwen2"], custom) is custom
     with pytest.raises(ValueError, match=r"unknown layout 'gpt2'.*decoder, gemma3, llama, mistral, qwen3"):
         resolve_layout(models["qwen2"], "gpt2")
-    broken = Layout("broken", decoder_layers="model.blocks")
+    broken = decoder.LAYOUT.with_rows(name="broken", decoder_layers="model.blocks")
     with pytest.raises(ValueError, match=r"'qwen2'.*'broken'.*'model.blocks'"):
         resolve_layout(models["qwen2"], broken)
 
 
 def test_structure_problems_name_each_misfit(models):
     model = models["llama"]
-    assert structure_problems(model, Layout("x", attention="cross_attn")) == [
+    assert structure_problems(model, decoder.LAYOUT.with_rows(attention="cross_attn")) == [
         "not every decoder layer has an attention module 'cross_attn'"
     ]
-    assert structure_problems(model, Layout("x", heads="n_heads", kv_heads="n_kv")) == [
+    assert structure_problems(model, decoder.LAYOUT.with_rows(heads="n_heads", kv_heads="n_kv")) == [
         "its config has no n_heads",
         "its config has no n_kv",
     ]
-    assert structure_problems(model, Layout("x", decoder_layers="lm_head")) == [
+    assert structure_problems(model, decoder.LAYOUT.with_rows(decoder_layers="lm_head")) == [
         "no list of decoder layers at 'lm_head'"
     ]
 

@@ -1,7 +1,7 @@
 """The parity check itself: rows per tensor group, and it does catch a broken layout."""
 
 import cpshard
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.spec.notation import Spec
 from cpshard.tools.parity import check_parity, tensor_group
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -17,7 +17,7 @@ def test_tensor_groups():
 def run_with_attention_left_local():
     """A layout that cuts the sequence but never moves q, k, v: each rank attends within its slice."""
     stay = (Spec("b h s@cp d"), Spec("b h s@cp d"))
-    broken = Layout("broken", qkv=stay, attn_output=(Spec("b s h@cp d"), Spec("b s h@cp d")))
+    broken = DECODER.with_rows(name="broken", qkv=stay, attn_output=(Spec("b s h@cp d"), Spec("b s h@cp d")))
     model = tiny_model("llama")
     batch = tiny_batch(model.config.vocab_size, 2, 12)
     return check_parity(model, batch, cpshard.make_mesh(cp=2), cpshard.make_cp_forward(model, layout=broken))

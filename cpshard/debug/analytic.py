@@ -73,14 +73,14 @@ def step(tensor: str, src: Spec, dst: Spec, dims: dict, layout: Layout, sizes: d
 
 
 def head_dim(config, layout: Layout) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // getattr(config, layout.heads)
+    return getattr(config, "head_dim", None) or config.hidden_size // layout.head_counts(config)[0]
 
 
 def attention_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype) -> tuple[Step, ...]:
     """q, k, v in and the output back, for one attention module. k and v carry their kv heads
     repeated as Ulysses needs (``kv_replication``); raises its ValueError when cp does not divide the
     heads."""
-    heads, kv_heads = getattr(config, layout.heads), getattr(config, layout.kv_heads)
+    heads, kv_heads = layout.head_counts(config)
     kv_total = kv_heads * kv_replication(heads, kv_heads, sizes["cp"])
     itemsize, size = torch.empty((), dtype=dtype).element_size(), head_dim(config, layout)
     parts = (

@@ -114,7 +114,7 @@ def _implementation(
 ) -> tuple[str, str, int | None]:
     """What ``make_cp_forward(implementation=requested)`` runs on ``cp`` ranks, why, and (for Ulysses)
     how often each kv head is repeated."""
-    heads, kv_heads = getattr(config, layout.heads), getattr(config, layout.kv_heads)
+    heads, kv_heads = layout.head_counts(config)
     try:
         name, degree = choose_implementation(requested, heads, cp, degree)
     except ValueError as error:

@@ -125,12 +125,12 @@ def ep_bytes(
 def _sizes(model) -> dict:
     """The model's sizes that the optimum formulas take."""
     layout, config = resolve_layout(model), model.config
-    heads = getattr(config, layout.heads)
+    heads, kv_heads = layout.head_counts(config)
     params = list(params_of(model).values())
     return dict(
         layers=len(model.get_submodule(layout.decoder_layers)),
         heads=heads,
-        kv_heads=getattr(config, layout.kv_heads),
+        kv_heads=kv_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         itemsize=params[0].element_size(),
@@ -163,7 +163,7 @@ def optimum_for(
 ) -> CommOptimum:
     """Rank 0's optimum for ``make_cp_forward(model, implementation=..., sequence_order=...)``: the
     implementation and Ulysses degree it would choose for this cp, and its sequence order."""
-    heads = getattr(model.config, resolve_layout(model).heads)
+    heads = resolve_layout(model).head_counts(model.config)[0]
     chosen, degree = choose_implementation(implementation, heads, cp)
     if chosen == "ulysses":
         return optimum_of(model, batch, length, cp)

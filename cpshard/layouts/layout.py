@@ -1,64 +1,141 @@
 """What an architecture declares, as data: where the sequence is cut and how attention moves.
 
-Defaults describe the generic transformers decoder: ``model.layers`` of decoder layers that
-take rotary ``position_embeddings``, each with a ``self_attn`` that calls its attention
-function through transformers' registry with ``q, k, v`` as ``b h s d``.
+A :class:`Layout` holds no architecture facts of its own: every row is written out in a layout
+file (``layouts/decoder.py`` is the generic transformers decoder, ``layouts/llama.py`` the whole
+Llama table) or derived from a model (:mod:`cpshard.layouts.derive`). The structure checks,
+which say where a model does not fit a layout, live here beside the type.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+
+from torch import nn
 
 from cpshard.spec.notation import Spec
 
+#: how a layout's tensor-parallel plan may treat a module (see :mod:`cpshard.parallel.placement`)
+TP_STYLES = ("colwise", "rowwise", "per_head")
+#: what an LM head may do after its projection, by the config field that holds the amount
+HEAD_TRANSFORMS = ("logits_scaling", "final_logit_softcapping")
 
-def _specs(*pair: str) -> tuple[Spec, Spec]:
-    return Spec(pair[0]), Spec(pair[1])
+
+class LayoutError(ValueError):
+    """A model that a layout cannot serve (or a layout that cannot be right), with what to do."""
+
+
+def specs(before: str, after: str) -> tuple[Spec, Spec]:
+    """A (before, after) pair of specs from their notation."""
+    return Spec(before), Spec(after)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The cp layout of one architecture. Specs come in (before, after) pairs."""
+    """The cp layout of one architecture. Specs come in (before, after) pairs; paths are module paths."""
 
     name: str
-    model_types: tuple[str, ...] = ()
-    decoder_layers: str = "model.layers"
-    attention: str = "self_attn"
-    #: the residual stream, cut once at the first decoder layer (a slice: no communication)
-    hidden: tuple[Spec, Spec] = _specs("b s d", "b s@cp d")
-    #: per-layer inputs cut the same way at every layer (each layer may get its own rotary pair)
-    layer_inputs: tuple[tuple[str, Spec, Spec], ...] = (
-        ("position_embeddings", *_specs("b s d", "b s@cp d")),
-        ("position_ids", *_specs("b s", "b s@cp")),
-    )
-    #: q, k and v: sequence-split in, head-split out (one all-to-all each)
-    qkv: tuple[Spec, Spec] = _specs("b h s@cp d", "b h@cp s d")
-    #: the attention output, as transformers' attention functions return it: back to sequence-split
-    attn_output: tuple[Spec, Spec] = _specs("b s h@cp d", "b s@cp h d")
+    #: the decoder (the model without its LM head) and its list of decoder layers
+    decoder: str
+    decoder_layers: str
+    #: each decoder layer's attention module, which calls the attention function cp replaces
+    attention: str
     #: the last module before the LM head: a sequence order other than contiguous is undone on its output
-    final_norm: str = "model.norm"
-    logits: Spec = Spec("b s@cp v")
-    heads: str = "num_attention_heads"
-    kv_heads: str = "num_key_value_heads"
-    #: the tensor-parallel plan: module paths inside a decoder layer, split column-wise (output
-    #: features over ``tp``) or row-wise (input features; the outputs are summed over ``tp``), or
-    #: replicated but applied per head (each tp rank's heads add their share to the gradient)
-    tensor_parallel: tuple[tuple[str, str], ...] = (
-        ("self_attn.q_norm", "per_head"),
-        ("self_attn.k_norm", "per_head"),
-        ("self_attn.q_proj", "colwise"),
-        ("self_attn.k_proj", "colwise"),
-        ("self_attn.v_proj", "colwise"),
-        ("self_attn.o_proj", "rowwise"),
-        ("mlp.gate_proj", "colwise"),
-        ("mlp.up_proj", "colwise"),
-        ("mlp.down_proj", "rowwise"),
-    )
-    #: where the replicated residual stream enters the column-wise layers: their input gradients sum over ``tp``
-    tensor_parallel_inputs: tuple[str, ...] = ("self_attn", "mlp")
+    final_norm: str
+    #: config fields: the attention heads, the kv heads (None: as many as heads), the MLP width
+    heads: str
+    kv_heads: str | None
+    mlp_width: str | None
+    #: the residual stream, cut once at the first decoder layer (a slice: no communication)
+    hidden: tuple[Spec, Spec]
+    #: q, k and v: sequence-split in, head-split out (one all-to-all each)
+    qkv: tuple[Spec, Spec]
+    #: the attention output, as transformers' attention functions return it: back to sequence-split
+    attn_output: tuple[Spec, Spec]
+    logits: Spec
+    #: the model types whose layout this is
+    model_types: tuple[str, ...] = ()
+    #: per-layer inputs cut the same way at every layer (each layer may get its own rotary pair)
+    layer_inputs: tuple[tuple[str, Spec, Spec], ...] = ()
+    #: what the LM head does after its projection: config fields of :data:`HEAD_TRANSFORMS`
+    head_transforms: tuple[str, ...] = ()
+    #: the tensor-parallel plan: module path inside a decoder layer -> "colwise" (output features over
+    #: ``tp``), "rowwise" (input features; the outputs are summed over ``tp``) or "per_head" (replicated,
+    #: applied per head: each tp rank's heads add their share to the gradient)
+    tensor_parallel: Mapping[str, str] = field(default_factory=dict, hash=False)
+    #: where the replicated residual stream enters the column-wise layers: their input gradients sum over tp
+    tensor_parallel_inputs: tuple[str, ...] = ()
     #: modules inside a decoder layer whose parameters hold one slice per expert on dim 0 (split over ``ep``)
     experts: tuple[str, ...] = ()
+    #: parameters of the attention module with one entry per head on dim 0 (attention sinks): under
+    #: Ulysses each rank's attention sees the entries of its own heads
+    per_head_params: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
+
+    def __reduce__(self):
+        """Pickled (to send to other ranks) with the plan as a plain dict: a mapping proxy does not pickle."""
+        rows = {f.name: getattr(self, f.name) for f in fields(self)}
+        return _from_rows, ({**rows, "tensor_parallel": dict(self.tensor_parallel)},)
+
+    def with_rows(self, **changes) -> Layout:
+        """A variant: ``changes`` replace rows; a mapping row (the tensor-parallel plan) is merged into
+        this one's, so a file states only the modules in which it differs."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"Layout has no rows {sorted(unknown)}")
+        if "tensor_parallel" in changes:
+            changes["tensor_parallel"] = {**self.tensor_parallel, **changes["tensor_parallel"]}
+        return replace(self, **changes)
 
     def for_types(self, name: str, *model_types: str) -> Layout:
         """This layout under another name, registered for ``model_types``."""
         return replace(self, name=name, model_types=model_types)
+
+    def head_counts(self, config) -> tuple[int, int]:
+        """``(heads, kv heads)`` from ``config`` (kv heads = heads where the layout names no kv field)."""
+        heads = getattr(config, self.heads)
+        kv_heads = getattr(config, self.kv_heads, None) if self.kv_heads else None
+        return heads, heads if kv_heads is None else kv_heads
+
+
+def _from_rows(rows: dict) -> Layout:
+    return Layout(**rows)
+
+
+def submodule(model: nn.Module, path: str):
+    """``model.<path>`` or None."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
+    """What in ``model`` does not match ``layout`` (empty when it fits)."""
+    problems = []
+    layers = submodule(model, layout.decoder_layers)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return [f"no list of decoder layers at {layout.decoder_layers!r}"]
+    if not isinstance(submodule(model, layout.final_norm), nn.Module):
+        problems.append(f"no final norm at {layout.final_norm!r}")
+    signature = inspect.signature(layers[0].forward).parameters
+    taken = [key for key, _, _ in layout.layer_inputs if key in signature]
+    if layout.layer_inputs and not taken and not any(p.kind == p.VAR_KEYWORD for p in signature.values()):
+        names = ", ".join(key for key, _, _ in layout.layer_inputs)
+        problems.append(f"its decoder layers ({type(layers[0]).__name__}) take none of {names}")
+    if not all(isinstance(getattr(layer, layout.attention, None), nn.Module) for layer in layers):
+        problems.append(f"not every decoder layer has an attention module {layout.attention!r}")
+    if not getattr(model, "_supports_attention_backend", False):
+        problems.append("it does not call attention through transformers' attention-function registry")
+    config = getattr(model, "config", None)
+    for attr in (layout.heads, layout.kv_heads):
+        if attr is not None and not isinstance(getattr(config, attr, None), int):
+            problems.append(f"its config has no {attr}")
+    odd = [name for name in layout.head_transforms if name not in HEAD_TRANSFORMS]
+    if odd:
+        problems.append(f"unknown head transforms {odd}; cpshard knows {HEAD_TRANSFORMS}")
+    return problems

@@ -1,5 +1,5 @@
-"""Mistral: the generic decoder. Its sliding window lives in the whole-sequence mask, so it stays exact."""
+"""Mistral: Llama's table. Its sliding window lives in the whole-sequence mask, so it stays exact."""
 
-from cpshard.layouts.decoder import LAYOUT as DECODER
+from cpshard.layouts.llama import LAYOUT as LLAMA
 
-LAYOUT = DECODER.for_types("mistral", "mistral")
+LAYOUT = LLAMA.with_rows(name="mistral", model_types=("mistral",))

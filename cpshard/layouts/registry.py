@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 
 from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3, qwen3_moe
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, LayoutError, structure_problems
 
 _FILES = (llama, mistral, qwen3, qwen3_moe, gemma3)
 REGISTERED: dict[str, Layout] = {
@@ -15,33 +13,6 @@ REGISTERED: dict[str, Layout] = {
 }
 #: every layout by its own name (``layout="gemma3"``), the generic one included
 BY_NAME: dict[str, Layout] = {layout.name: layout for layout in (decoder.LAYOUT, *(m.LAYOUT for m in _FILES))}
-
-
-def submodule(model: nn.Module, path: str):
-    """``model.<path>`` or None."""
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
-
-
-def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
-    """What in ``model`` does not match ``layout`` (empty when it fits)."""
-    problems = []
-    layers = submodule(model, layout.decoder_layers)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        return [f"no list of decoder layers at {layout.decoder_layers!r}"]
-    if "position_embeddings" not in inspect.signature(layers[0].forward).parameters:
-        problems.append(f"its decoder layers ({type(layers[0]).__name__}) take no position_embeddings")
-    if not all(isinstance(getattr(layer, layout.attention, None), nn.Module) for layer in layers):
-        problems.append(f"not every decoder layer has an attention module {layout.attention!r}")
-    if not getattr(model, "_supports_attention_backend", False):
-        problems.append("it does not call attention through transformers' attention-function registry")
-    config = getattr(model, "config", None)
-    for attr in (layout.heads, layout.kv_heads):
-        if not isinstance(getattr(config, attr, None), int):
-            problems.append(f"its config has no {attr}")
-    return problems
 
 
 def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
@@ -60,7 +31,7 @@ def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
         )
     problems = structure_problems(model, chosen)
     if problems:
-        raise ValueError(
+        raise LayoutError(
             f"cpshard cannot serve model type {model_type!r} ({type(model).__name__}) with layout "
             f"{chosen.name!r}: {'; '.join(problems)}. Supported: {', '.join(sorted(REGISTERED))}, and any "
             "transformers decoder that fits the generic layout; another architecture needs its own file "

@@ -17,16 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
-#: the verdict of the check, per model
+#: the verdicts of the check, per model and head transforms
 _MATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def transform_logits(logits: torch.Tensor, config) -> torch.Tensor:
-    """What the model's LM head does after the projection (Granite's scaling, Gemma's softcap)."""
-    scaling = getattr(config, "logits_scaling", None)
+def transform_logits(logits: torch.Tensor, config, transforms: tuple[str, ...]) -> torch.Tensor:
+    """What the model's LM head does after the projection: the layout's ``head_transforms`` (Granite's
+    scaling, Gemma's softcap), each where the config sets its amount."""
+    scaling = getattr(config, "logits_scaling", None) if "logits_scaling" in transforms else None
     if scaling:
         logits = logits / scaling
-    cap = getattr(config, "final_logit_softcapping", None)
+    cap = (
+        getattr(config, "final_logit_softcapping", None) if "final_logit_softcapping" in transforms else None
+    )
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
@@ -40,9 +43,9 @@ def head_of(model, params: dict):
     return params[names["weight"]], params[names["bias"]] if "bias" in names else None
 
 
-def own_logits(model, params: dict, hidden: torch.Tensor) -> torch.Tensor:
-    """cpshard's logits of final hidden states ``hidden``: the head's projection and the known transforms."""
-    return transform_logits(F.linear(hidden, *head_of(model, params)), model.config)
+def own_logits(model, params: dict, hidden: torch.Tensor, transforms: tuple[str, ...]) -> torch.Tensor:
+    """cpshard's logits of final hidden states ``hidden``: the head's projection and the ``transforms``."""
+    return transform_logits(F.linear(hidden, *head_of(model, params)), model.config, transforms)
 
 
 class _FixedDecoder(nn.Module):
@@ -72,13 +75,19 @@ def _models_logits(model, params: dict, hidden: torch.Tensor) -> torch.Tensor:
         setattr(owner, attribute, decoder)
 
 
-def head_matches(model, params: dict) -> bool:
+def head_matches(model, params: dict, transforms: tuple[str, ...]) -> bool:
     """Whether :func:`own_logits` gives the model's own logits (checked once per model, on two tokens)."""
-    if model not in _MATCHES:
+    verdicts = _MATCHES.setdefault(model, {})
+    if transforms not in verdicts:
         weight, _ = head_of(model, params)
         generator = torch.Generator().manual_seed(0)
         hidden = torch.randn(1, 2, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
         with torch.no_grad():
-            theirs, ours = _models_logits(model, params, hidden), own_logits(model, params, hidden)
-        _MATCHES[model] = theirs.shape == ours.shape and torch.allclose(theirs, ours, rtol=1e-5, atol=1e-5)
-    return _MATCHES[model]
+            theirs, ours = (
+                _models_logits(model, params, hidden),
+                own_logits(model, params, hidden, transforms),
+            )
+        verdicts[transforms] = theirs.shape == ours.shape and torch.allclose(
+            theirs, ours, rtol=1e-5, atol=1e-5
+        )
+    return verdicts[transforms]

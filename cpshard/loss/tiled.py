@@ -14,20 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from cpshard.loss.cross_entropy import cross_entropy_sum
-from cpshard.loss.head import transform_logits
 from cpshard.spec.sequence import row_blocks
 
 #: logits per chunk: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
 CHUNK_ELEMENTS = 1 << 24
 
 
-def _chunk_loss(hidden, labels, weight, bias, config):
-    return cross_entropy_sum(transform_logits(F.linear(hidden, weight, bias), config), labels)
+def _chunk_loss(hidden, labels, weight, bias, transform):
+    return cross_entropy_sum(transform(F.linear(hidden, weight, bias)), labels)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, config, parts: list[slice]):
+    def forward(ctx, hidden, weight, bias, labels, transform, parts: list[slice]):
         wanted = [need and x is not None for x, need in zip((hidden, weight, bias), ctx.needs_input_grad)]
         grads = [torch.zeros_like(x) if want else None for x, want in zip((hidden, weight, bias), wanted)]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -37,7 +36,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     None if x is None else x.detach().requires_grad_(want)
                     for x, want in zip((hidden[:, part], weight, bias), wanted)
                 ]
-                loss = _chunk_loss(leaves[0], labels[:, part], leaves[1], leaves[2], config)
+                loss = _chunk_loss(leaves[0], labels[:, part], leaves[1], leaves[2], transform)
                 if any(wanted):
                     chunk_grads = iter(
                         torch.autograd.grad(loss, [x for x, want in zip(leaves, wanted) if want])
@@ -59,8 +58,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 def tiled_loss_sum(
-    hidden, labels, weight, bias, config, chunk_elements: int = CHUNK_ELEMENTS
+    hidden, labels, weight, bias, transform, chunk_elements: int = CHUNK_ELEMENTS
 ) -> torch.Tensor:
-    """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, chunk by chunk."""
+    """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, chunk by chunk;
+    ``transform`` is what the LM head does to its logits after the projection."""
     parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], chunk_elements)
-    return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, config, parts)
+    return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, transform, parts)

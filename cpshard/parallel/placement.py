@@ -84,7 +84,7 @@ def style_of(name: str, layout: Layout | None) -> str:
     module = match.group(1)
     if module in layout.experts:
         return "expert"
-    return dict(layout.tensor_parallel).get(module, "shard")
+    return layout.tensor_parallel.get(module, "shard")
 
 
 def placed(style: str, mesh: DeviceMesh) -> Placed:

@@ -17,16 +17,14 @@ from torch import nn
 from cpshard.call import current_call
 from cpshard.comm.collectives import sum_grads_over_group, sum_over_group
 from cpshard.interfaces import Hook
-from cpshard.layouts.layout import Layout
-from cpshard.layouts.registry import submodule
-
-#: how a layout's tensor-parallel plan may treat a module (see :mod:`cpshard.parallel.placement`)
-TP_STYLES = ("colwise", "rowwise", "per_head")
+from cpshard.layouts.layout import TP_STYLES, Layout, submodule
 
 
 def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
     """The plan names known styles, and every count it splits divides by ``tp``: a clear error otherwise."""
-    unknown = [f"{path}: {style!r}" for path, style in layout.tensor_parallel if style not in TP_STYLES]
+    unknown = [
+        f"{path}: {style!r}" for path, style in layout.tensor_parallel.items() if style not in TP_STYLES
+    ]
     if unknown:
         raise ValueError(
             f"layout {layout.name!r}: unknown tensor-parallel styles ({'; '.join(unknown)}); use {TP_STYLES}"
@@ -38,11 +36,8 @@ def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
             f"tensor parallelism (tp={tp}) for the mixture-of-experts layout {layout.name!r} is not available; "
             "use tp=1 and expert parallelism (ep) for it"
         )
-    counts = {
-        layout.heads: getattr(config, layout.heads, None),
-        layout.kv_heads: getattr(config, layout.kv_heads, None),
-        "intermediate_size": getattr(config, "intermediate_size", None),
-    }
+    fields = (layout.heads, layout.kv_heads, layout.mlp_width)
+    counts = {name: getattr(config, name, None) for name in fields if name is not None}
     bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
     if bad:
         raise ValueError(
@@ -73,7 +68,7 @@ def _sum_outputs(name: str, module, args, output):
 def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
     """Each decoder layer's tp entry modules (their input gradients sum over tp) and row-wise layers (their
     outputs sum over tp)."""
-    rowwise = [path for path, style in layout.tensor_parallel if style == "rowwise"]
+    rowwise = [path for path, style in layout.tensor_parallel.items() if style == "rowwise"]
     hooks = []
     for layer in layers:
         for path in layout.tensor_parallel_inputs:

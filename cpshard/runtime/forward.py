@@ -8,6 +8,7 @@ is pure: its result depends on ``(params, batch, mesh)`` alone and nothing is le
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -19,7 +20,7 @@ from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.cross_entropy import IGNORE_INDEX, cross_entropy_sum
-from cpshard.loss.head import head_matches, head_of, own_logits
+from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
 from cpshard.loss.router import load_balancing_loss
 from cpshard.loss.tiled import tiled_loss_sum
 from cpshard.parallel.experts import check_expert_parallel, expert_counts
@@ -68,7 +69,7 @@ class CPForward:
                 f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
                 "cpshard.params_of(cpshard.parallelize(model, mesh)): each rank computes with its own tp and ep blocks"
             )
-        heads = getattr(self.model.config, self.layout.heads) // tp  # the heads this tp rank holds
+        heads = self.layout.head_counts(self.model.config)[0] // tp  # the heads this tp rank holds
         if tp > 1 and self.implementation == "ulysses" and heads % cp:
             raise ValueError(
                 f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: num_attention_heads="
@@ -143,7 +144,7 @@ class CPForward:
             return torch.func.functional_call(
                 self.model, params, (), inputs, strict=False, tie_weights=True
             ).logits, None
-        if not head_matches(self.model, params):
+        if not head_matches(self.model, params, self.layout.head_transforms):
             why, instead = (
                 ("for the router loss (output_router_logits=True)", "without the router loss")
                 if routed
@@ -161,7 +162,7 @@ class CPForward:
         )
         local = output.last_hidden_state
         if self.keep_logits:
-            local = own_logits(self.model, params, local)
+            local = own_logits(self.model, params, local, self.layout.head_transforms)
         return local, output.router_logits if routed else None
 
     def _router_loss(self, router_logits: tuple, padded: PaddedBatch, call: CallPlan) -> torch.Tensor:
@@ -176,7 +177,10 @@ class CPForward:
     def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
         if self.keep_logits:
             return cross_entropy_sum(local, labels)
-        return tiled_loss_sum(local, labels, *head_of(self.model, params), self.model.config)
+        transform = partial(
+            transform_logits, config=self.model.config, transforms=self.layout.head_transforms
+        )
+        return tiled_loss_sum(local, labels, *head_of(self.model, params), transform)
 
     def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor):
         if padded.shift_labels is None:
