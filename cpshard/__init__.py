@@ -10,8 +10,10 @@ from cpshard.parallel.checkpoint import load_checkpoint, save_checkpoint, save_p
 from cpshard.parallel.fsdp import parallelize
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError, launch
+from cpshard.runtime.count import count_label_tokens
 from cpshard.runtime.forward import CPOutput, make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
+from cpshard.runtime.tokens import shard_like_logits
 from cpshard.spec.notation import Spec, SpecError
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "RankError",
     "Spec",
     "SpecError",
+    "count_label_tokens",
     "launch",
     "load_checkpoint",
     "make_cp_forward",
@@ -30,5 +33,6 @@ __all__ = [
     "params_of",
     "save_checkpoint",
     "save_pretrained",
+    "shard_like_logits",
     "value_and_grad",
 ]
