@@ -31,7 +31,7 @@ def _token_logprobs(model, params: dict, batch: dict) -> torch.Tensor:
 
 
 def _objective(example, name: str, logprobs, reference, place, batch):
-    """The example's objective ``name`` on token log-probabilities; ``place`` puts per-token tensors beside them."""
+    """The example's objective ``name`` on token log-probabilities; ``place`` puts per-token tensors alike."""
     mask = example.label_mask(batch["labels"])
     if name == "weighted":
         return example.weighted_token_loss(logprobs, place(mask * torch.linspace(0.2, 2.0, mask.shape[1])))
