@@ -129,3 +129,25 @@ def test_without_accelerate_the_import_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "cpshard.integrations.transformers", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'cpshard\[trainer\]'"):
         importlib.import_module("cpshard.integrations.transformers")
+
+
+def run_unsupported(option: str, folder: str):
+    from cpshard.integrations.transformers import CPTrainer
+
+    arguments = _arguments(folder, MICRO)
+    options = {"compute_metrics": dict(compute_metrics=lambda p: {}), "save": {}}[option]
+    if option == "save":
+        arguments.save_strategy, arguments.save_only_model = "steps", False
+    CPTrainer(tiny_model("llama", vocab_size=VOCAB), arguments, mesh=cpshard.make_mesh(cp=2), **options)
+
+
+@needs_accelerate
+@pytest.mark.parametrize(
+    "option, message",
+    [("compute_metrics", "does not take compute_metrics"), ("save", "save_only_model=True")],
+)
+def test_what_it_does_not_support_is_an_error(ranks2, tmp_path, option, message):
+    with pytest.raises(cpshard.RankError) as caught:
+        ranks2.run(run_unsupported, option, str(tmp_path))
+    assert sorted(caught.value.failures) == [0, 1]
+    assert message in caught.value.failures[0].message

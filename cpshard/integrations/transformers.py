@@ -58,6 +58,17 @@ class CPTrainer(Trainer):
         self.mesh = mesh
         self.cp_forward = make_cp_forward(model, **(forward or {}))
         super().__init__(model, args, **kwargs)
+        unsupported = {  # what would otherwise be ignored, silently
+            "compute_loss_func": self.compute_loss_func is not None,
+            "label_smoothing_factor": self.label_smoother is not None,
+            "compute_metrics": self.compute_metrics is not None,
+        }
+        if any(unsupported.values()):
+            raise ValueError(
+                "CPTrainer computes cp_forward's cross-entropy and evaluates the loss only; it does not take "
+                f"{', '.join(name for name, given in unsupported.items() if given)}: for another objective, "
+                "subclass it and override compute_loss with make_cp_forward(model, token_logprobs=True)"
+            )
         if self.args.save_strategy != "no" and not self.args.save_only_model:
             raise ValueError(
                 "CPTrainer cannot checkpoint the optimizer state for resuming: pass save_only_model=True "
