@@ -43,7 +43,8 @@ _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclass(frozen=True)
 class CPOutput:
-    """The result of one cp call: the global loss, the sequence-sharded logits, the tokens counted."""
+    """The result of one cp call: the global loss, the sequence-sharded logits, the tokens counted, and the
+    sequence-sharded log-probabilities of the labels when asked for."""
 
     loss: torch.Tensor | None
     logits: DTensor | None
