@@ -146,7 +146,16 @@ def test_plain_autograd_gives_one_process_gradients_cp2(ranks2):
         assert max(errors.values()) <= 1e-5, (rank, errors)
 
 
-@pytest.mark.parametrize("sizes", [dict(fsdp=2, cp=2), dict(dp_replicate=2, cp=2), dict(tp=2, cp=2)], ids=str)
-def test_plain_autograd_gives_one_process_gradients_parallel(ranks4, sizes):
-    for rank, errors in enumerate(ranks4.run(run_plain_autograd, sizes)):
+@pytest.mark.parametrize(
+    "sizes, model_type",
+    [
+        (dict(fsdp=2, cp=2), "llama"),
+        (dict(dp_replicate=2, cp=2), "llama"),
+        (dict(tp=2, cp=2), "llama"),
+        (dict(fsdp=2, cp=2, ep=2), "qwen3_moe"),
+    ],
+    ids=str,
+)
+def test_plain_autograd_gives_one_process_gradients_parallel(ranks4, sizes, model_type):
+    for rank, errors in enumerate(ranks4.run(run_plain_autograd, sizes, model_type)):
         assert max(errors.values()) <= 1e-5, (rank, errors)
