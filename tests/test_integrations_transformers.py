@@ -151,3 +151,32 @@ def test_what_it_does_not_support_is_an_error(ranks2, tmp_path, option, message)
         ranks2.run(run_unsupported, option, str(tmp_path))
     assert sorted(caught.value.failures) == [0, 1]
     assert message in caught.value.failures[0].message
+
+
+def run_shuffled_orders():
+    from cpshard.integrations.transformers import CPTrainer
+
+    mesh = cpshard.make_mesh(fsdp=2, cp=2)
+    arguments = _arguments("unused", MICRO)
+    arguments.train_sampling_strategy = "random"
+    trainer = CPTrainer(
+        tiny_model("llama", vocab_size=VOCAB), arguments, mesh=mesh, train_dataset=Rows(1, ROWS)
+    )
+    loader = trainer.get_train_dataloader()
+    orders = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        orders.append(torch.cat([batch["input_ids"][:, 0] for batch in loader]).tolist())
+    return mesh.get_local_rank("fsdp"), orders
+
+
+@needs_accelerate
+def test_each_dp_group_its_own_shard_the_same_on_its_ranks_reshuffled_each_epoch(ranks4):
+    by_group = {}
+    for group, orders in ranks4.run(run_shuffled_orders):
+        assert by_group.setdefault(group, orders) == orders  # the ranks of a dp group: the same batches
+        assert orders[0] != orders[1], orders  # another order each epoch
+    every = sorted(row["input_ids"][0].item() for row in Rows(1, ROWS).rows)
+    for epoch in (0, 1):  # the two dp groups: halves of the data, together all of it
+        first, second = by_group[0][epoch], by_group[1][epoch]
+        assert len(first) == len(second) == ROWS // 2 and sorted(first + second) == every

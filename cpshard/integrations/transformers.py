@@ -49,6 +49,13 @@ def dp_group_of(mesh) -> tuple[int, int]:
     return index, count
 
 
+class _EpochLoader(DataLoader):
+    """A data loader whose ``set_epoch`` (which Trainer calls at each epoch) reshuffles its sampler."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
 class CPTrainer(Trainer):
     """A ``Trainer`` whose loss is ``cp_forward``'s on ``mesh`` (``cpshard.make_mesh``); the model may be
     ``cpshard.parallelize``d first. ``forward``: options of ``cpshard.make_cp_forward`` (e.g.
@@ -87,7 +94,7 @@ class CPTrainer(Trainer):
         sampler = DistributedSampler(
             dataset, num_replicas=count, rank=index, shuffle=shuffle, seed=self.args.seed, drop_last=False
         )
-        return DataLoader(
+        return _EpochLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
