@@ -10,9 +10,11 @@ from cpshard.parallel.checkpoint import CheckpointError, load_checkpoint, save_c
 from cpshard.parallel.fsdp import parallelize
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError, launch
+from cpshard.runtime.count import count_label_tokens
 from cpshard.runtime.forward import CPOutput, make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
 from cpshard.runtime.optim import AdamState, adamw_init, adamw_update
+from cpshard.runtime.tokens import shard_like_logits
 from cpshard.spec.notation import Spec, SpecError
 from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model
 
@@ -31,6 +33,7 @@ __all__ = [
     "RankError",
     "Spec",
     "SpecError",
+    "count_label_tokens",
     "launch",
     "load_checkpoint",
     "make_cp_forward",
@@ -39,5 +42,6 @@ __all__ = [
     "params_of",
     "save_checkpoint",
     "save_pretrained",
+    "shard_like_logits",
     "value_and_grad",
 ]

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.comm.collectives import all_gather_rows, all_reduce_flat, all_to_all, sum_over_group
+from cpshard.comm.collectives import all_gather_rows, all_to_all, sum_many_grads_over_group, sum_over_group
 from cpshard.comm.record import recording
 
 #: (scatter_dim, gather_dim) pairs, negative dims included
@@ -67,28 +67,24 @@ def _reductions_case(group):
         [("all_reduce", "loss", "forward", x.nbytes)],
     )
 
-    # all_reduce_flat: one collective per dtype, each tensor back in its shape and dtype, inputs untouched
-    shapes = [
-        ((2, 3), torch.float32),
-        ((4,), torch.int64),
-        ((3, 1), torch.float64),
-        ((5,), torch.float32),
-        ((), torch.int64),
-    ]
-    mine = [_data(rank * 10 + i, *shape, dtype=dtype) for i, (shape, dtype) in enumerate(shapes)]
-    originals = [t.clone() for t in mine]
+    # sum_many_grads_over_group: the identity; in the backward one all-reduce per dtype of the gradients
+    # that are wanted, each back in its shape and dtype
+    shapes = [((2, 3), torch.float32), ((4,), torch.float64), ((3, 1), torch.float32), ((5,), torch.float64)]
+    mine = [_data(i, *shape, dtype=dtype).requires_grad_(i != 3) for i, (shape, dtype) in enumerate(shapes)]
     with recording() as log:
-        summed = all_reduce_flat(mine, group, name="gradients")
-    for i, (shape, dtype) in enumerate(shapes):
-        checks[f"flat {i}"] = (summed[i], sum(_data(r * 10 + i, *shape, dtype=dtype) for r in members))
-        checks[f"flat input {i}"] = (mine[i], originals[i])
-    bucket_bytes = {}
-    for t in mine:
-        bucket_bytes[t.dtype] = bucket_bytes.get(t.dtype, 0) + t.nbytes
-    checks["flat events"] = (sorted(e.nbytes for e in log.events), sorted(bucket_bytes.values()))
-    checks["flat ops"] = (
-        {(e.op, e.name, e.group_size) for e in log.events},
-        {("all_reduce", "gradients", size)},
+        same = sum_many_grads_over_group(mine, group, name="gradients")
+        weighted = sum((x * _data(rank * 10 + i, *x.shape, dtype=x.dtype)).sum() for i, x in enumerate(same))
+        grads = torch.autograd.grad(weighted, mine[:3])
+    for i in range(len(shapes)):
+        checks[f"many identity {i}"] = (same[i].detach(), mine[i].detach())
+    for i, grad in enumerate(grads):
+        checks[f"many grad {i}"] = (
+            grad,
+            sum(_data(r * 10 + i, *shapes[i][0], dtype=shapes[i][1]) for r in members),
+        )
+    checks["many events"] = (
+        sorted((e.op, e.name, e.phase, e.nbytes, e.group_size) for e in log.events),
+        sorted(("all_reduce", "gradients", "backward", n, size) for n in (4 * 6 + 4 * 3, 8 * 4)),
     )
 
     # all_gather_rows: every rank's tensor, stacked in group order

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cpshard.loss.cross_entropy import IGNORE_INDEX, cross_entropy_sum
+from cpshard.loss.cross_entropy import IGNORE_INDEX, cross_entropy_sum, token_log_probs
 
 VOCAB = 50
 
@@ -88,3 +88,26 @@ def test_one_buffer_of_the_logits_size(dtype):
             loss_fn(leaf, labels).backward()
         counts.append(len(counter.made))
     assert counts[0] == 1 and counts[1] >= 3, counts
+
+
+@pytest.mark.parametrize("block_rows", [1, 5, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_log_probs_match_torch_with_any_upstream_gradient(block_rows, dtype):
+    logits, labels = _case(block_rows, 0.3, dtype)
+    weights = torch.randn(labels.shape, generator=torch.Generator().manual_seed(3))
+
+    def theirs_fn(x, y):
+        picked = x.float().log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return torch.where(y != IGNORE_INDEX, picked, 0.0)
+
+    results = []
+    for fn in (lambda x, y: token_log_probs(x, y, block_rows * VOCAB), theirs_fn):
+        leaf = logits.detach().clone().requires_grad_(True)
+        values = fn(leaf, labels)
+        (values * weights).sum().backward()
+        results.append((values.detach(), leaf.grad))
+    (ours, our_grad), (theirs, their_grad) = results
+    assert ours.shape == labels.shape and not ours[labels == IGNORE_INDEX].any()
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-5)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    assert our_grad.dtype == dtype and (our_grad.float() - their_grad.float()).abs().max() <= tolerance

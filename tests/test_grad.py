@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import cpshard
 from cpshard.tools.parity import reference
@@ -68,3 +69,93 @@ def run_data_parallel_batches():
 def test_data_parallel_loss_and_gradients_are_one_process_over_all_batches(ranks4):
     for loss_diff, grad_diff, count_ok, rank in ranks4.run(run_data_parallel_batches):
         assert loss_diff <= 1e-5 and grad_diff <= 1e-5 and count_ok, (rank, loss_diff, grad_diff)
+
+
+#: what a user differentiates: (from a CPOutput, from one process's loss and logits), each a scalar
+OBJECTIVES = {
+    "loss": (lambda out: out.loss, lambda loss, logits: loss),
+    "full logits": (
+        lambda out: out.logits.full_tensor().log_softmax(-1)[..., :3].sum() * 0.1,
+        lambda loss, logits: logits.log_softmax(-1)[..., :3].sum() * 0.1,
+    ),
+    "logits DTensor": (
+        lambda out: (out.logits**2).sum().full_tensor() * 1e-3,
+        lambda loss, logits: (logits**2).sum() * 1e-3,
+    ),
+    "local logits": (  # each rank its own shard's term: the objective is their sum
+        lambda out: (out.logits.to_local() ** 2).sum() * 1e-3,
+        lambda loss, logits: (logits**2).sum() * 1e-3,
+    ),
+    "loss and logits": (
+        lambda out: out.loss + out.logits.full_tensor()[:, -1].logsumexp(-1).sum(),
+        lambda loss, logits: loss + logits[:, -1].logsumexp(-1).sum(),
+    ),
+}
+
+
+def _worst_relative(grads: dict, ref: dict) -> float:
+    full = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}
+    return max((full[n] - ref[n]).abs().max().item() for n in ref) / max(
+        r.abs().max().item() for r in ref.values()
+    )
+
+
+def run_plain_autograd(sizes: dict, model_type: str = "llama", forward: dict | None = None):
+    """Every objective through backward() and autograd.grad, against one process on all dp groups' batches."""
+    mesh = cpshard.make_mesh(**sizes)
+    model, twin = tiny_model(model_type, vocab_size=130), tiny_model(model_type, vocab_size=130)
+    groups = sizes.get("dp_replicate", 1) * sizes.get("fsdp", 1)
+    batches = [tiny_batch(130, 2, 13, pad="left", seed=seed) for seed in range(1, groups + 1)]
+    if groups > 1:
+        batches[1]["labels"][:, :6] = -100
+        mine = batches[
+            mesh.get_local_rank("dp_replicate") * sizes.get("fsdp", 1) + mesh.get_local_rank("fsdp")
+        ]
+    else:
+        mine = batches[0]
+    whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+    if len(sizes) > 1 or "cp" not in sizes:
+        cpshard.parallelize(model, mesh)
+    params = cpshard.params_of(model)
+    cp_forward = cpshard.make_cp_forward(model, **(forward or {}))
+    leaves = {name: p.detach().requires_grad_(True) for name, p in cpshard.params_of(twin).items()}
+    output = torch.func.functional_call(twin, leaves, (), {**whole, "use_cache": False})
+    errors = {}
+    for name, (objective, reference_objective) in OBJECTIVES.items():
+        ref = dict(
+            zip(
+                leaves,
+                torch.autograd.grad(
+                    reference_objective(output.loss, output.logits), list(leaves.values()), retain_graph=True
+                ),
+            )
+        )
+        for p in params.values():
+            p.grad = None
+        objective(cp_forward(params, mine, mesh)).backward()
+        errors[f"{name} backward()"] = _worst_relative({n: p.grad for n, p in params.items()}, ref)
+        value = objective(cp_forward(params, mine, mesh))
+        errors[f"{name} autograd.grad"] = _worst_relative(
+            dict(zip(params, torch.autograd.grad(value, list(params.values())))), ref
+        )
+    return errors
+
+
+def test_plain_autograd_gives_one_process_gradients_cp2(ranks2):
+    for rank, errors in enumerate(ranks2.run(run_plain_autograd, dict(cp=2))):
+        assert max(errors.values()) <= 1e-5, (rank, errors)
+
+
+@pytest.mark.parametrize(
+    "sizes, model_type",
+    [
+        (dict(fsdp=2, cp=2), "llama"),
+        (dict(dp_replicate=2, cp=2), "llama"),
+        (dict(tp=2, cp=2), "llama"),
+        (dict(fsdp=2, cp=2, ep=2), "qwen3_moe"),
+    ],
+    ids=str,
+)
+def test_plain_autograd_gives_one_process_gradients_parallel(ranks4, sizes, model_type):
+    for rank, errors in enumerate(ranks4.run(run_plain_autograd, sizes, model_type)):
+        assert max(errors.values()) <= 1e-5, (rank, errors)

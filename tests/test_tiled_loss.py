@@ -6,10 +6,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from cpshard.layouts.layout import HEAD_TRANSFORMS
 from cpshard.loss.head import transform_logits
-from cpshard.loss.tiled import tiled_loss_sum
+from cpshard.loss.tiled import tiled_loss_sum, tiled_token_log_probs
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -40,3 +42,42 @@ def test_chunks_give_the_whole_loss_and_gradients(config, with_bias):
         torch.testing.assert_close(
             tiled_loss_sum(hidden, labels, weight, bias, transform, chunk_elements=300), whole
         )
+
+
+class _LargestBuffer(TorchDispatchMode):
+    """The most elements of any tensor the ops inside the block create."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize(
+    "config", [SimpleNamespace(), SimpleNamespace(final_logit_softcapping=3.0)], ids=["plain", "softcap"]
+)
+def test_token_log_probs_chunk_by_chunk_with_exact_gradients(config):
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 13, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 13), generator=generator)
+    labels[:, ::4] = -100
+    upstream = torch.randn(2, 13, generator=generator)  # any function of them: a per-token gradient
+    transform = partial(transform_logits, config=config, transforms=HEAD_TRANSFORMS)
+    logits = transform(F.linear(hidden, weight))
+    picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    whole = torch.where(labels != -100, picked, 0.0)
+    want = torch.autograd.grad((whole * upstream).sum(), (hidden, weight))
+    with _LargestBuffer() as largest:  # 3 tokens a chunk: never the whole [2, 13, 50] logits
+        chunked = tiled_token_log_probs(hidden, labels, weight, None, transform, chunk_elements=2 * 50 * 3)
+        got = torch.autograd.grad((chunked * upstream).sum(), (hidden, weight))
+    torch.testing.assert_close(chunked, whole)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert largest.largest <= max(2 * 50 * 3, weight.numel()) < logits.numel(), largest.largest

@@ -100,7 +100,7 @@ def sum_grads_over_group(x: torch.Tensor, group, name: str = "") -> torch.Tensor
     return _SumGradsOverGroup.apply(x, group, name)
 
 
-def all_reduce_flat(tensors: list[torch.Tensor], group, name: str = "") -> list[torch.Tensor]:
+def _all_reduce_buckets(tensors: list[torch.Tensor], group, log, name: str) -> list[torch.Tensor]:
     """Sum many tensors over the group in one collective per dtype (a bucket, not one per tensor)."""
     size = dist.get_world_size(group)
     result: list[torch.Tensor | None] = [None] * len(tensors)
@@ -109,11 +109,34 @@ def all_reduce_flat(tensors: list[torch.Tensor], group, name: str = "") -> list[
         by_dtype.setdefault(tensor.dtype, []).append(index)
     for indices in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        record(active_log(), "all_reduce", name, "backward", flat, size)
+        record(log, "all_reduce", name, "backward", flat, size)
         dist.all_reduce(flat, group=group)
         for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
             result[i] = piece.view_as(tensors[i])
     return result
+
+
+class _SumManyGradsOverGroup(torch.autograd.Function):
+    """The identity on many tensors; the backward sums their gradients over the group, a bucket per dtype."""
+
+    @staticmethod
+    def forward(ctx, group, name, *xs):
+        ctx.group, ctx.name, ctx.log = group, name, active_log()
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
+        summed = dict(
+            zip(wanted, _all_reduce_buckets([grads[i] for i in wanted], ctx.group, ctx.log, ctx.name))
+        )
+        return (None, None, *(summed.get(i) for i in range(len(grads))))
+
+
+def sum_many_grads_over_group(xs: list[torch.Tensor], group, name: str = "") -> list[torch.Tensor]:
+    """``xs`` as they are; their gradients summed over the group in one all-reduce per dtype, once every
+    gradient is in (the backward of :func:`sum_grads_over_group` for many tensors at once)."""
+    return list(_SumManyGradsOverGroup.apply(group, name, *xs))
 
 
 def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:

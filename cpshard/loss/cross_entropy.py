@@ -1,4 +1,5 @@
-"""Summed token cross-entropy in fp32, a few rows at a time, that allocates one buffer of the logits' size.
+"""Token log-probabilities and their summed cross-entropy in fp32, a few rows at a time, allocating one
+buffer of the logits' size.
 
 ``F.cross_entropy`` keeps the log-probabilities for its backward, which then builds the gradient of
 those (mostly zeros) and the gradient of the logits: three fresh buffers of the logits' size (five
@@ -24,7 +25,7 @@ IGNORE_INDEX = -100
 BLOCK_ELEMENTS = 1 << 19
 
 
-class _CrossEntropySum(torch.autograd.Function):
+class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, block_elements: int) -> torch.Tensor:
         valid = labels != IGNORE_INDEX
@@ -36,13 +37,13 @@ class _CrossEntropySum(torch.autograd.Function):
             torch.gather(log_probs, -1, target[rows], out=picked[rows])
         ctx.save_for_backward(logits, target, valid)
         ctx.blocks = blocks
-        return -torch.where(valid, picked.squeeze(-1), 0.0).sum()
+        return torch.where(valid, picked.squeeze(-1), 0.0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, target, valid = ctx.saved_tensors
         out = torch.empty_like(logits)  # the one buffer of the logits' size
-        scale = (valid * grad).unsqueeze(-1).float()
+        scale = (valid * -grad).unsqueeze(-1).float()  # d log p(target) / d logits = one_hot - softmax
         minus_one = torch.full(target.shape, -1.0, device=logits.device)
         for rows in ctx.blocks:
             probs = torch.softmax(logits[rows].float(), dim=-1)
@@ -50,9 +51,18 @@ class _CrossEntropySum(torch.autograd.Function):
         return out, None, None
 
 
+def token_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, block_elements: int = BLOCK_ELEMENTS
+) -> torch.Tensor:
+    """``log_softmax(logits.float())`` at each label, 0 where it is ignored: ``labels``' shape, from
+    ``[..., V]`` logits; the gradient comes back in the logits' dtype (``block_elements``: for tests)."""
+    flat = _TokenLogProbs.apply(logits.flatten(0, -2), labels.flatten(), block_elements)
+    return flat.view(labels.shape)
+
+
 def cross_entropy_sum(
     logits: torch.Tensor, labels: torch.Tensor, block_elements: int = BLOCK_ELEMENTS
 ) -> torch.Tensor:
-    """``F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")`` over ``[..., V]`` logits;
-    the gradient comes back in the logits' dtype (``block_elements``: the scratch's size, for tests)."""
-    return _CrossEntropySum.apply(logits.flatten(0, -2), labels.flatten(), block_elements)
+    """``F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")`` over ``[..., V]``
+    logits: the negated sum of :func:`token_log_probs`."""
+    return -token_log_probs(logits, labels, block_elements).sum()

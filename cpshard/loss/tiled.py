@@ -4,16 +4,18 @@ Each chunk's logits are computed, consumed and dropped, so a rank never holds it
 ``[L/cp, vocab]`` logits. Each chunk's gradients are computed in the forward, right after its
 loss, while its logits exist (as Liger's fused linear cross-entropy does): the backward only
 scales them, so no chunk's logits are computed twice, as recomputing under checkpointing would.
-The head is the model's own weights, with the model's own logit transforms (Gemma's final
-softcap, Granite's scaling) read from its config.
+Per-token log-probabilities, whose gradient is a vector known only in the backward, are
+checkpointed chunk by chunk instead. The head is the model's own weights, with the model's own
+logit transforms (Gemma's final softcap, Granite's scaling) read from its config.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from cpshard.loss.cross_entropy import cross_entropy_sum
+from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.spec.sequence import row_blocks
 
 #: logits per chunk: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
@@ -64,3 +66,23 @@ def tiled_loss_sum(
     ``transform`` is what the LM head does to its logits after the projection."""
     parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], chunk_elements)
     return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, transform, parts)
+
+
+def _chunk_log_probs(hidden, weight, bias, labels, transform):
+    return token_log_probs(transform(F.linear(hidden, weight, bias)), labels)
+
+
+def tiled_token_log_probs(
+    hidden, labels, weight, bias, transform, chunk_elements: int = CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """The log-probability of each of ``labels`` ``[B, S]`` (0 where ignored) from ``hidden`` ``[B, S, D]``,
+    chunk by chunk. Their gradient is known only in the backward, so each chunk's logits are computed
+    again there (checkpointed), one chunk at a time: the head's matmul twice, never the whole logits."""
+    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], chunk_elements)
+    chunks = [
+        checkpoint(
+            _chunk_log_probs, hidden[:, part], weight, bias, labels[:, part], transform, use_reentrant=False
+        )
+        for part in parts
+    ]
+    return torch.cat(chunks, dim=1)

@@ -19,7 +19,9 @@ from cpshard.spec.sequence import padded_length_for, positions
 
 INPUT_KEYS = ("input_ids", "inputs_embeds")
 TOKEN_KEYS = ("labels", "shift_labels", "attention_mask", "position_ids")
-BATCH_KEYS = INPUT_KEYS + TOKEN_KEYS
+#: the label-token count of the whole optimizer step (gradient accumulation): a 0-dim integer
+COUNT_KEY = "num_items_in_batch"
+BATCH_KEYS = INPUT_KEYS + TOKEN_KEYS + (COUNT_KEY,)
 _FINGERPRINT_DIMS = 3
 #: per key: present, rank, the first dims' sizes and two weighted sums of the values
 _FINGERPRINT_ENTRIES = _FINGERPRINT_DIMS + 4
@@ -36,6 +38,8 @@ def fingerprint(batch) -> torch.Tensor:
     entries.append(float(len(keys)))
     for key in BATCH_KEYS:
         value = batch.get(key) if isinstance(batch, Mapping) else None
+        if isinstance(value, int):
+            value = torch.tensor(value)
         if not isinstance(value, torch.Tensor):
             entries.extend([0.0] * _FINGERPRINT_ENTRIES)
             continue
@@ -94,7 +98,22 @@ def validate(batch) -> tuple[int, int]:
     for key in TOKEN_KEYS:
         if batch.get(key) is not None:
             _require_2d(batch, key, shape)
+    _require_count(batch.get(COUNT_KEY))
     return shape
+
+
+def _require_count(count) -> None:
+    """``num_items_in_batch``: absent, or a positive int / 0-dim integer tensor."""
+    if count is None:
+        return
+    integral = isinstance(count, int) or (
+        isinstance(count, torch.Tensor) and count.dim() == 0 and not count.is_floating_point()
+    )
+    if not integral or int(count) < 1:
+        raise BatchError(
+            f"batch[{COUNT_KEY!r}] must be a positive integer (an int or a 0-dim integer tensor), got "
+            f"{count!r}: the label tokens of every micro-batch, from cpshard.count_label_tokens"
+        )
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -122,6 +141,8 @@ class PaddedBatch:
     shift_labels: torch.Tensor | None
     length: int
     padded_length: int
+    #: ``num_items_in_batch`` when the batch gives it (the loss divides by it), else None
+    num_items: int | torch.Tensor | None = None
 
 
 def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None) -> PaddedBatch:
@@ -142,7 +163,7 @@ def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None) -> PaddedBatch:
         labels = shifted_labels(batch["labels"])
     if labels is not None:
         labels = _pad_tokens(labels, extra, IGNORE_INDEX)
-    return PaddedBatch(inputs, labels, length, length + extra)
+    return PaddedBatch(inputs, labels, length, length + extra, batch.get(COUNT_KEY))
 
 
 def _differing(rows: torch.Tensor, ranks: list[int]) -> list[int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
 from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
@@ -19,28 +19,34 @@ from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
-from cpshard.loss.cross_entropy import IGNORE_INDEX, cross_entropy_sum
+from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
 from cpshard.loss.router import load_balancing_loss
-from cpshard.loss.tiled import tiled_loss_sum
+from cpshard.loss.tiled import tiled_loss_sum, tiled_token_log_probs
 from cpshard.parallel.experts import check_expert_parallel, expert_counts
 from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
 from cpshard.parallel.placement import expert_mesh
 from cpshard.parallel.tensor import check_tensor_parallel
 from cpshard.runtime.batch import PaddedBatch, check_batch, local_token_mask, pad_batch
+from cpshard.runtime.count import loss_normaliser
+from cpshard.runtime.grad import summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
 from cpshard.runtime.recompute import recompute_in
+from cpshard.runtime.tokens import sequence_sharded
 from cpshard.spec.sequence import check_order, chunk_positions, chunks_per_rank
 
 
 @dataclass(frozen=True)
 class CPOutput:
-    """The result of one cp call: the global loss, the sequence-sharded logits, the tokens counted."""
+    """The result of one cp call: the global loss, the sequence-sharded logits, the tokens counted, and the
+    sequence-sharded log-probabilities of the labels when asked for."""
 
     loss: torch.Tensor | None
     logits: DTensor | None
     num_tokens: torch.Tensor
+    #: ``[B, L]``, sharded like the logits: log p(label) per token, 0 where ignored (``token_logprobs=True``)
+    token_logprobs: DTensor | None = None
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -54,6 +60,7 @@ class CPForward:
     def __init__(self, model, layout: Layout, implementation: str, logits: bool, strict: bool, options: dict):
         self.model, self.layout, self.implementation = model, layout, implementation
         self.keep_logits, self.strict = logits, strict
+        self.keep_token_logprobs = options["token_logprobs"]
         self.ulysses_degree, self.sequence_order = options["ulysses_degree"], options["sequence_order"]
         self.module_names = {id(module): name for name, module in model.named_modules()}
         self.decoder_prefix = self.module_names[id(model.get_decoder())]
@@ -116,9 +123,8 @@ class CPForward:
             batch, cp * chunks_per_rank(strategy[2]), getattr(self.model.config, "pad_token_id", None)
         )
         call = self._plan(mesh, cp, strategy, padded)
-        params = gather_params(
-            params, mesh, self.layout
-        )  # DTensor parameters (cpshard.parallelize) made whole
+        # gradients summed over the ranks that hold other tokens; DTensor parameters made whole
+        params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
         with (
             running(call),
             recompute_in(call, self.model),
@@ -127,10 +133,12 @@ class CPForward:
             local, router_logits = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
-        loss, num_tokens = self._loss(local, params, padded, mesh, held)
+        loss, num_tokens, logprobs = self._loss(local, params, padded, mesh, held)
         if loss is not None and router_logits:
             loss = loss + self._router_loss(router_logits, padded, call)
-        return CPOutput(loss, self._logits(local, padded, mesh), num_tokens)
+        logits = sequence_sharded(local, padded.length, mesh) if self.keep_logits else None
+        logprobs = None if logprobs is None else sequence_sharded(logprobs, padded.length, mesh)
+        return CPOutput(loss, logits, num_tokens, logprobs)
 
     def _local_outputs(self, params: dict, inputs: dict) -> tuple[torch.Tensor, tuple | None]:
         """This rank's logits (with ``logits=False`` its final hidden states: the head runs in chunks), and
@@ -174,37 +182,39 @@ class CPForward:
         )
         return self.model.config.router_aux_loss_coef * aux
 
-    def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
-        if self.keep_logits:
-            return cross_entropy_sum(local, labels)
+    def _head(self, params: dict) -> tuple:
+        """``(weight, bias, transform)``: the LM head as the losses without logits apply it."""
         transform = partial(
             transform_logits, config=self.model.config, transforms=self.layout.head_transforms
         )
-        return tiled_loss_sum(local, labels, *head_of(self.model, params), transform)
+        return *head_of(self.model, params), transform
+
+    def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
+        if self.keep_logits:
+            return cross_entropy_sum(local, labels)
+        return tiled_loss_sum(local, labels, *self._head(params))
+
+    def _token_logprobs(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
+        if self.keep_logits:
+            return token_log_probs(local, labels)
+        return tiled_token_log_probs(local, labels, *self._head(params))
 
     def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor):
+        """``(loss, num_tokens, this rank's token log-probabilities or None)``; the loss is their negated
+        sum over the normaliser when they are asked for (one pass over the head)."""
         if padded.shift_labels is None:
-            return None, torch.zeros((), dtype=torch.int64)
+            if self.keep_token_logprobs:
+                raise ValueError("token_logprobs=True needs labels: give the batch labels or shift_labels")
+            return None, torch.zeros((), dtype=torch.int64), None
         local_labels = padded.shift_labels.index_select(1, held)
-        num_tokens = (padded.shift_labels != IGNORE_INDEX).sum()
-        batch_group = group_over(mesh, tuple(d for d in TOKEN_DIMS if d != "cp"))
-        if batch_group is not None:
-            num_tokens = sum_over_group(num_tokens, batch_group, name="token count")
-        loss = self._loss_sum(local, params, local_labels) / num_tokens.clamp(min=1)
+        num_tokens, divisor = loss_normaliser(padded.shift_labels, padded.num_items, mesh)
+        logprobs = self._token_logprobs(local, params, local_labels) if self.keep_token_logprobs else None
+        loss_sum = -logprobs.sum() if logprobs is not None else self._loss_sum(local, params, local_labels)
+        loss = loss_sum / divisor
         token_group = group_over(mesh, TOKEN_DIMS)
         if token_group is not None:
             loss = sum_over_group(loss, token_group, name="loss")
-        return loss, num_tokens
-
-    def _logits(self, local_logits, padded: PaddedBatch, mesh) -> DTensor | None:
-        if not self.keep_logits:
-            return None
-        batch, _, vocab = local_logits.shape
-        shape = torch.Size((batch, padded.length, vocab))
-        stride = (padded.length * vocab, vocab, 1)
-        return DTensor.from_local(
-            local_logits, mesh["cp"], [Shard(1)], run_check=False, shape=shape, stride=stride
-        )
+        return loss, num_tokens, logprobs
 
 
 def make_cp_forward(
@@ -216,15 +226,20 @@ def make_cp_forward(
     strict=False,
     ulysses_degree=None,
     sequence_order="auto",
+    token_logprobs=False,
 ) -> CPForward:
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
 
     ``ulysses_degree``: for hybrid, the Ulysses group size (default: the largest that fits).
     ``sequence_order``: "contiguous" or "head_tail" (causal load balance); "auto" takes head_tail
-    for ring and hybrid, contiguous for Ulysses (whose attention sees whole sequences anyway)."""
+    for ring and hybrid, contiguous for Ulysses (whose attention sees whole sequences anyway).
+    ``token_logprobs``: also give ``CPOutput.token_logprobs``, the log-probability of each label (a block
+    of rows at a time; with ``logits=False`` a chunk of tokens at a time, never the whole logits)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if sequence_order != "auto":
         check_order(sequence_order)
-    options = dict(ulysses_degree=ulysses_degree, sequence_order=sequence_order)
+    options = dict(
+        ulysses_degree=ulysses_degree, sequence_order=sequence_order, token_logprobs=token_logprobs
+    )
     return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)

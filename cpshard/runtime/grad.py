@@ -1,22 +1,48 @@
-"""``value_and_grad``: the loss and gradients of a cp forward, already reduced over the mesh."""
+"""Gradients under plain autograd, and ``value_and_grad``: the loss and those gradients in one call.
+
+Each rank differentiates its own share of the loss. The parameters enter the cp computation
+through :func:`summed_in_backward`, the identity whose backward sums each gradient over the ranks
+that hold other tokens (one bucketed all-reduce per dtype), so ``backward()`` or
+``torch.autograd.grad`` of anything computed from a ``CPOutput`` leaves one process's gradient.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from cpshard.comm.collectives import all_reduce_flat
+from cpshard.comm.collectives import sum_many_grads_over_group
 from cpshard.parallel.mesh import TOKEN_DIMS, group_over
 from cpshard.parallel.placement import REPLICA_DIMS
 
 
-def value_and_grad(cp_forward):
-    """``fn(params, batch, mesh) -> (CPOutput, grads)``, grads with the keys of ``params``.
+def summed_in_backward(params: dict, mesh) -> dict:
+    """``params`` as they are, their gradients summed over the ranks that hold other tokens.
 
-    Each rank differentiates its own share of the loss; one bucketed all-reduce over every
-    dimension that holds different tokens then gives each rank the whole gradient. DTensor
-    parameters get DTensor gradients with their placements (see :func:`sum_over_tokens`).
-    """
+    Plain tensors sum over every such dimension here. DTensors (``cpshard.parallelize``) are summed
+    over ``fsdp x cp`` by the reduce-scatter of their gather (:func:`cpshard.parallel.fsdp.gather_params`),
+    so their local shards sum over ``dp_replicate`` here."""
+    result = dict(params)
+    for sharded, dims in ((False, TOKEN_DIMS), (True, REPLICA_DIMS)):
+        names = [n for n, v in params.items() if isinstance(v, DTensor) == sharded and v.requires_grad]
+        group = group_over(mesh, dims) if names else None
+        if group is None:
+            continue
+        values = [params[n].to_local() if sharded else params[n] for n in names]
+        for name, value in zip(names, sum_many_grads_over_group(values, group, name="gradients")):
+            if sharded:
+                p = params[name]
+                value = DTensor.from_local(
+                    value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            result[name] = value
+    return result
+
+
+def value_and_grad(cp_forward):
+    """``fn(params, batch, mesh) -> (CPOutput, grads)``, grads with the keys of ``params``: the gradients of
+    ``output.loss`` that plain autograd gives, whatever the parameters' ``requires_grad`` says. DTensor
+    parameters get DTensor gradients with their placements."""
 
     def run(params: dict, batch: dict, mesh):
         leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
@@ -25,33 +51,6 @@ def value_and_grad(cp_forward):
             raise ValueError("value_and_grad needs a loss: give the batch labels or shift_labels")
         grads = torch.autograd.grad(output.loss, list(leaves.values()), allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves.values(), grads)]
-        return output, dict(zip(leaves, sum_over_tokens(grads, mesh)))
+        return output, dict(zip(leaves, grads))
 
     return run
-
-
-def sum_over_tokens(grads: list, mesh) -> list:
-    """Each rank's share of the gradients summed over the ranks that hold other tokens.
-
-    Plain gradients sum over every such dimension here. Sharded ones (``cpshard.parallelize``) were
-    summed over ``fsdp x cp`` by the reduce-scatter of their parameters' gather, and sum over
-    ``dp_replicate`` here, shard by shard."""
-    result = list(grads)
-    for sharded, dims in ((False, TOKEN_DIMS), (True, REPLICA_DIMS)):
-        picked = [i for i, g in enumerate(grads) if isinstance(g, DTensor) == sharded]
-        group = group_over(mesh, dims) if picked else None
-        if group is None:
-            continue
-        summed = all_reduce_flat(
-            [grads[i].to_local() if sharded else grads[i] for i in picked], group, name="gradients"
-        )
-        for i, local in zip(picked, summed):
-            g = grads[i]
-            result[i] = (
-                DTensor.from_local(
-                    local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
-                )
-                if sharded
-                else local
-            )
-    return result

@@ -227,7 +227,7 @@ class TorchLossForward(CPForward):
     logits (cpshard's own makes one buffer of the logits' size instead of three; a peer would not have it)."""
 
     def __init__(self, model):
-        options = dict(ulysses_degree=None, sequence_order="auto")
+        options = dict(ulysses_degree=None, sequence_order="auto", token_logprobs=False)
         super().__init__(model, resolve_layout(model), "ulysses", logits=True, strict=False, options=options)
 
     def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:

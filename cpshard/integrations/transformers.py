@@ -1,0 +1,149 @@
+"""``CPTrainer``: transformers' ``Trainer`` with the loss computed by ``cp_forward``.
+
+What the plain ``Trainer`` gets wrong under context parallelism, and what changes here:
+
+- its data loader splits batches over every rank, so the ranks of a cp group get different
+  batches; here each dp group (the ranks that share ``dp_replicate`` and ``fsdp`` coordinates)
+  takes one shard of the data, the same on all of its ranks;
+- it wraps the model in DDP across every rank; cpshard's gradients are already reduced over the
+  ranks that hold other tokens (plain autograd, see ``cpshard.value_and_grad``), so nothing wraps it;
+- it counts ``num_items_in_batch`` over every rank, cp times too many; here over the dp groups only
+  (``cpshard.count_label_tokens``), and the loss is the step's token-loss sum over that count;
+- it saves each rank's own weights; here ``cpshard.save_pretrained`` gathers sharded ones first.
+
+Evaluation reports the loss alone (``prediction_step`` returns no logits). Resuming from a
+checkpoint (optimizer state) is not supported: pass ``save_only_model=True`` or ``save_strategy="no"``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+try:
+    import accelerate  # noqa: F401 - transformers' Trainer runs on it
+    from transformers import Trainer
+except ImportError as error:
+    raise ImportError(
+        f"cpshard.integrations.transformers needs transformers' Trainer and accelerate ({error}); "
+        "install the extra: pip install 'cpshard[trainer]'"
+    ) from error
+
+from cpshard.parallel.checkpoint import save_pretrained
+from cpshard.parallel.mesh import mesh_size
+from cpshard.runtime.count import count_label_tokens
+from cpshard.runtime.forward import make_cp_forward, params_of
+
+#: the mesh dimensions whose ranks hold other data, in the order their coordinates number the dp groups
+DATA_DIMS = ("dp_replicate", "fsdp")
+
+
+def dp_group_of(mesh) -> tuple[int, int]:
+    """``(index, count)``: which of the mesh's dp groups this rank belongs to, and how many there are."""
+    index, count = 0, 1
+    for dim in DATA_DIMS:
+        size = mesh_size(mesh, dim)
+        index, count = index * size + (mesh.get_local_rank(dim) if size > 1 else 0), count * size
+    return index, count
+
+
+class _EpochLoader(DataLoader):
+    """A data loader whose ``set_epoch`` (which Trainer calls at each epoch) reshuffles its sampler."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+class CPTrainer(Trainer):
+    """A ``Trainer`` whose loss is ``cp_forward``'s on ``mesh`` (``cpshard.make_mesh``); the model may be
+    ``cpshard.parallelize``d first. ``forward``: options of ``cpshard.make_cp_forward`` (e.g.
+    ``logits=False``). Everything else is ``Trainer``'s."""
+
+    def __init__(self, model, args=None, *, mesh, forward: dict | None = None, **kwargs):
+        self.mesh = mesh
+        self.cp_forward = make_cp_forward(model, **(forward or {}))
+        super().__init__(model, args, **kwargs)
+        unsupported = {  # what would otherwise be ignored, silently
+            "compute_loss_func": self.compute_loss_func is not None,
+            "label_smoothing_factor": self.label_smoother is not None,
+            "compute_metrics": self.compute_metrics is not None,
+        }
+        if any(unsupported.values()):
+            raise ValueError(
+                "CPTrainer computes cp_forward's cross-entropy and evaluates the loss only; it does not take "
+                f"{', '.join(name for name, given in unsupported.items() if given)}: for another objective, "
+                "subclass it and override compute_loss with make_cp_forward(model, token_logprobs=True)"
+            )
+        if self.args.save_strategy != "no" and not self.args.save_only_model:
+            raise ValueError(
+                "CPTrainer cannot checkpoint the optimizer state for resuming: pass save_only_model=True "
+                "or save_strategy='no'"
+            )
+        # the model owns its gradient reduction: Trainer then does not wrap it in DDP (transformers' path for
+        # models sharded at load time)
+        self.is_distributed_loading_by_transformers = True
+        self.model_accepts_loss_kwargs = True  # cp_forward takes num_items_in_batch, whatever the model
+
+    def _sync_replicated_trainable_parameters(self, model) -> None:
+        """Nothing to average: cp_forward's gradients are already reduced over the ranks."""
+
+    def _data_loader(self, dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        index, count = dp_group_of(self.mesh)
+        sampler = DistributedSampler(
+            dataset, num_replicas=count, rank=index, shuffle=shuffle, seed=self.args.seed, drop_last=False
+        )
+        return _EpochLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="cp"),
+            drop_last=self.args.dataloader_drop_last,
+        )
+
+    def get_train_dataloader(self) -> DataLoader:
+        """One shard of the data per dp group, the same on every rank of it (shuffled alike on each)."""
+        if self.train_dataset is None:
+            raise ValueError("CPTrainer: training requires a train_dataset")
+        shuffle = self.args.train_sampling_strategy != "sequential"
+        return self._data_loader(self.train_dataset, self._train_batch_size, shuffle)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        if dataset is None:
+            raise ValueError("CPTrainer: evaluation requires an eval_dataset")
+        return self._data_loader(dataset, self.args.eval_batch_size, shuffle=False)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        """The label tokens of the step's micro-batches over the dp groups (not over cp and tp ranks)."""
+        if not batch_samples or "labels" not in batch_samples[0] and "shift_labels" not in batch_samples[0]:
+            return None
+        return count_label_tokens(batch_samples, self.mesh).to(device)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """cp_forward's loss: the same on every rank, over the step's ``num_items_in_batch`` when given."""
+        batch = dict(inputs)
+        if num_items_in_batch is not None:
+            batch["num_items_in_batch"] = num_items_in_batch
+        output = self.cp_forward(params_of(self.accelerator.unwrap_model(model)), batch, self.mesh)
+        return (output.loss, output) if return_outputs else output.loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss of the whole eval batch over every dp group (no logits are gathered)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The whole weights (sharded ones gathered on every rank) as ``from_pretrained`` loads them."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = self.accelerator.unwrap_model(self.model)
+        save_pretrained(model, params_of(model), output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))

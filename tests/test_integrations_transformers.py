@@ -1,0 +1,182 @@
+"""CPTrainer against one process's plain Trainer on the same data: the logged training losses, the eval
+loss and the final weights (saved with save_pretrained) after a few steps of gradient accumulation 2,
+under cp=2 (2 ranks) and fsdp2 x cp2 (4 ranks)."""
+
+import importlib
+import importlib.util
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import cpshard
+from cpshard.tools.tiny import tiny_batch, tiny_model
+
+needs_accelerate = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None,
+    reason="CPTrainer needs accelerate, the 'trainer' extra: pip install -e '.[trainer]'",
+)
+
+VOCAB, LENGTH, ROWS = 130, 13, 16
+STEPS, MICRO, ACCUMULATION = 3, 2, 2
+
+
+class Rows(torch.utils.data.Dataset):
+    """Rows of token ids with labels; some labels ignored, so micro-batches count different tokens."""
+
+    def __init__(self, seed: int, rows: int):
+        batch = tiny_batch(VOCAB, rows, LENGTH, pad="right", seed=seed)
+        batch["labels"][::3, : LENGTH // 2] = -100
+        self.rows = [{key: value[i] for key, value in batch.items()} for i in range(rows)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def _arguments(folder, batch_size: int) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(folder),
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        adam_epsilon=1e-4,  # see tests/test_parallel.py: bounds fp32 rounding's effect on Adam's update
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+
+
+def _losses(trainer) -> dict:
+    history = trainer.state.log_history
+    return {
+        "train": [entry["loss"] for entry in history if "loss" in entry],
+        "eval": trainer.evaluate()["eval_loss"],
+    }
+
+
+def run_cp_trainer(sizes: dict, folder: str):
+    mesh = cpshard.make_mesh(**sizes)
+    model = tiny_model("llama", vocab_size=VOCAB)
+    if len(sizes) > 1:
+        cpshard.parallelize(model, mesh)
+    from cpshard.integrations.transformers import CPTrainer
+
+    trainer = CPTrainer(
+        model, _arguments(folder, MICRO), mesh=mesh, train_dataset=Rows(1, ROWS), eval_dataset=Rows(2, 8)
+    )
+    trainer.train()
+    losses = _losses(trainer)
+    trainer.save_model(folder)
+    weights = {
+        n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()
+    }
+    return losses, weights
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The plain Trainer on one process, by dp-group count (its batch: every dp group's micro-batch)."""
+
+    def train(groups: int):
+        model = tiny_model("llama", vocab_size=VOCAB)
+        arguments = _arguments(tmp_path_factory.mktemp("one"), MICRO * groups)
+        trainer = Trainer(model, arguments, train_dataset=Rows(1, ROWS), eval_dataset=Rows(2, 8))
+        trainer.train()
+        return _losses(trainer), {n: p.detach() for n, p in model.named_parameters()}
+
+    return train
+
+
+def _compare(results, reference, folder):
+    (ref_losses, ref_weights) = reference
+    saved = AutoModelForCausalLM.from_pretrained(folder)
+    checks = {"saved": max((p - ref_weights[n]).abs().max().item() for n, p in saved.named_parameters())}
+    initial = dict(tiny_model("llama", vocab_size=VOCAB).named_parameters())
+    moved = min((ref_weights[n] - p).abs().max().item() for n, p in initial.items())
+    assert moved > 1e-4 and len(set(ref_losses["train"])) == STEPS, (moved, ref_losses)  # it trained
+    for rank, (losses, weights) in enumerate(results):
+        assert len(losses["train"]) == len(ref_losses["train"]) == STEPS, (losses, ref_losses)
+        checks[f"rank {rank} train"] = max(abs(a - b) for a, b in zip(losses["train"], ref_losses["train"]))
+        checks[f"rank {rank} eval"] = abs(losses["eval"] - ref_losses["eval"])
+        checks[f"rank {rank} weights"] = max(
+            (weights[n] - ref_weights[n]).abs().max().item() for n in weights
+        )
+    assert max(checks.values()) <= 1e-5, checks
+
+
+@needs_accelerate
+def test_cp_trainer_is_one_process_trainer_cp2(ranks2, one_process, tmp_path):
+    _compare(ranks2.run(run_cp_trainer, dict(cp=2), str(tmp_path)), one_process(1), tmp_path)
+
+
+@needs_accelerate
+def test_cp_trainer_is_one_process_trainer_fsdp2xcp2(ranks4, one_process, tmp_path):
+    _compare(ranks4.run(run_cp_trainer, dict(fsdp=2, cp=2), str(tmp_path)), one_process(2), tmp_path)
+
+
+def test_without_accelerate_the_import_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "cpshard.integrations.transformers", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'cpshard\[trainer\]'"):
+        importlib.import_module("cpshard.integrations.transformers")
+
+
+def run_unsupported(option: str, folder: str):
+    from cpshard.integrations.transformers import CPTrainer
+
+    arguments = _arguments(folder, MICRO)
+    options = {"compute_metrics": dict(compute_metrics=lambda p: {}), "save": {}}[option]
+    if option == "save":
+        arguments.save_strategy, arguments.save_only_model = "steps", False
+    CPTrainer(tiny_model("llama", vocab_size=VOCAB), arguments, mesh=cpshard.make_mesh(cp=2), **options)
+
+
+@needs_accelerate
+@pytest.mark.parametrize(
+    "option, message",
+    [("compute_metrics", "does not take compute_metrics"), ("save", "save_only_model=True")],
+)
+def test_what_it_does_not_support_is_an_error(ranks2, tmp_path, option, message):
+    with pytest.raises(cpshard.RankError) as caught:
+        ranks2.run(run_unsupported, option, str(tmp_path))
+    assert sorted(caught.value.failures) == [0, 1]
+    assert message in caught.value.failures[0].message
+
+
+def run_shuffled_orders():
+    from cpshard.integrations.transformers import CPTrainer
+
+    mesh = cpshard.make_mesh(fsdp=2, cp=2)
+    arguments = _arguments("unused", MICRO)
+    arguments.train_sampling_strategy = "random"
+    trainer = CPTrainer(
+        tiny_model("llama", vocab_size=VOCAB), arguments, mesh=mesh, train_dataset=Rows(1, ROWS)
+    )
+    loader = trainer.get_train_dataloader()
+    orders = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        orders.append(torch.cat([batch["input_ids"][:, 0] for batch in loader]).tolist())
+    return mesh.get_local_rank("fsdp"), orders
+
+
+@needs_accelerate
+def test_each_dp_group_its_own_shard_the_same_on_its_ranks_reshuffled_each_epoch(ranks4):
+    by_group = {}
+    for group, orders in ranks4.run(run_shuffled_orders):
+        assert by_group.setdefault(group, orders) == orders  # the ranks of a dp group: the same batches
+        assert orders[0] != orders[1], orders  # another order each epoch
+    every = sorted(row["input_ids"][0].item() for row in Rows(1, ROWS).rows)
+    for epoch in (0, 1):  # the two dp groups: halves of the data, together all of it
+        first, second = by_group[0][epoch], by_group[1][epoch]
+        assert len(first) == len(second) == ROWS // 2 and sorted(first + second) == every
