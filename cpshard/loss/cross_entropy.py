@@ -4,8 +4,8 @@ buffer of the logits' size.
 ``F.cross_entropy`` keeps the log-probabilities for its backward, which then builds the gradient of
 those (mostly zeros) and the gradient of the logits: three fresh buffers of the logits' size (five
 for half-precision logits: their fp32 copy, and the gradient cast back). At long sequences they are
-most of a step's peak memory; at short ones the first touch of each costs more time than the
-arithmetic on it (on CPU a fresh 128 MiB buffer is ~75 ms of page faults, its softmax ~16 ms). Here
+most of a step's peak memory; at short ones the first touch of each (its page faults) costs more time
+than the arithmetic on it. Here
 the forward takes the log-softmax of a block of rows at a time, in a cache-sized scratch, and keeps
 only the logits; the backward writes ``softmax - one_hot``, scaled, into the one gradient buffer,
 block by block, with torch's own softmax kernel (so it equals ``F.cross_entropy``'s gradient to an

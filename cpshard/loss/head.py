@@ -1,7 +1,7 @@
 """The model's LM head as cpshard computes it, and the check that it is the model's own.
 
 cpshard runs the head itself where the model's forward cannot serve: the loss without the logits
-(:mod:`cpshard.loss.tiled`), and MoE models whose forward would add a slice-local router loss. It
+(:mod:`cpshard.loss.blocked`), and MoE models whose forward would add a slice-local router loss. It
 knows the transforms transformers' heads apply after the projection (Granite's scaling, Gemma's
 final softcap). A head that does anything else (Cohere's ``logit_scale``, say) would give a wrong
 loss of the right shape, so before cpshard uses its own head on a model it runs the model's own

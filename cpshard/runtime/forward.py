@@ -19,10 +19,10 @@ from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
+from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs
 from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
 from cpshard.loss.router import load_balancing_loss
-from cpshard.loss.tiled import tiled_loss_sum, tiled_token_log_probs
 from cpshard.parallel.experts import check_expert_parallel, expert_counts
 from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
@@ -141,7 +141,7 @@ class CPForward:
         return CPOutput(loss, logits, num_tokens, logprobs)
 
     def _local_outputs(self, params: dict, inputs: dict) -> tuple[torch.Tensor, tuple | None]:
-        """This rank's logits (with ``logits=False`` its final hidden states: the head runs in chunks), and
+        """This rank's logits (with ``logits=False`` its final hidden states: the head runs a block at a time), and
         its MoE router logits where the config asks for the load-balancing loss (else None).
 
         Such models run their decoder alone and the head here: the model's own forward would add the
@@ -156,7 +156,7 @@ class CPForward:
             why, instead = (
                 ("for the router loss (output_router_logits=True)", "without the router loss")
                 if routed
-                else ("to compute the loss chunk by chunk (logits=False)", "with logits=True")
+                else ("to compute the loss a block at a time (logits=False)", "with logits=True")
             )
             raise ValueError(
                 f"{type(self.model).__name__}'s LM head gives other logits than its projection with the transforms cpshard "
@@ -192,12 +192,12 @@ class CPForward:
     def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
         if self.keep_logits:
             return cross_entropy_sum(local, labels)
-        return tiled_loss_sum(local, labels, *self._head(params))
+        return blocked_loss_sum(local, labels, *self._head(params))
 
     def _token_logprobs(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
         if self.keep_logits:
             return token_log_probs(local, labels)
-        return tiled_token_log_probs(local, labels, *self._head(params))
+        return blocked_token_log_probs(local, labels, *self._head(params))
 
     def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor):
         """``(loss, num_tokens, this rank's token log-probabilities or None)``; the loss is their negated
@@ -234,7 +234,7 @@ def make_cp_forward(
     ``sequence_order``: "contiguous" or "head_tail" (causal load balance); "auto" takes head_tail
     for ring and hybrid, contiguous for Ulysses (whose attention sees whole sequences anyway).
     ``token_logprobs``: also give ``CPOutput.token_logprobs``, the log-probability of each label (a block
-    of rows at a time; with ``logits=False`` a chunk of tokens at a time, never the whole logits)."""
+    of rows at a time; with ``logits=False`` a block of tokens at a time, never the whole logits)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if sequence_order != "auto":

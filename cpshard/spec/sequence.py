@@ -3,6 +3,11 @@
 ``contiguous``: rank r holds chunk r of P. ``head_tail``: the sequence is cut into 2P chunks and
 rank r holds chunks r and 2P-1-r, so that under a causal mask every rank has the same work
 (the early chunk sees few keys, the late one many). Pure functions of sizes and ranks.
+
+Three words, used one way throughout cpshard: a **chunk** is one of the equal pieces of the sequence
+that an order hands out; a **block** is a piece of work cut to a memory budget (:func:`row_blocks`:
+rows of the loss, queries of Ulysses' sdpa; in ring attention, one q chunk against one k chunk); a
+**tile** is the unit inside a ring block that a mask can skip whole.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The chunked loss: equal to the whole-logits loss, value and gradients, for each logit transform."""
+"""The loss a block of tokens at a time: equal to the whole-logits loss, value and gradients, for each logit transform."""
 
 from functools import partial
 from types import SimpleNamespace
@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from cpshard.layouts.layout import HEAD_TRANSFORMS
+from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs
 from cpshard.loss.head import transform_logits
-from cpshard.loss.tiled import tiled_loss_sum, tiled_token_log_probs
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -19,7 +19,7 @@ from cpshard.loss.tiled import tiled_loss_sum, tiled_token_log_probs
     "config",
     [SimpleNamespace(), SimpleNamespace(final_logit_softcapping=3.0), SimpleNamespace(logits_scaling=4.0)],
 )
-def test_chunks_give_the_whole_loss_and_gradients(config, with_bias):
+def test_blocks_give_the_whole_loss_and_gradients(config, with_bias):
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 13, 8, generator=generator, requires_grad=True)
     weight = torch.randn(50, 8, generator=generator, requires_grad=True)
@@ -31,16 +31,16 @@ def test_chunks_give_the_whole_loss_and_gradients(config, with_bias):
     logits = transform(F.linear(hidden, weight, bias))
     whole = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     want = torch.autograd.grad(0.3 * whole, leaves)
-    chunked = tiled_loss_sum(
-        hidden, labels, weight, bias, transform, chunk_elements=2 * 50 * 3
-    )  # 3 tokens a chunk
-    got = torch.autograd.grad(0.3 * chunked, leaves)
-    torch.testing.assert_close(chunked, whole)
+    blocked = blocked_loss_sum(
+        hidden, labels, weight, bias, transform, block_elements=2 * 50 * 3
+    )  # 3 tokens a block
+    got = torch.autograd.grad(0.3 * blocked, leaves)
+    torch.testing.assert_close(blocked, whole)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     with torch.no_grad():  # the loss alone: no gradients computed on the way
         torch.testing.assert_close(
-            tiled_loss_sum(hidden, labels, weight, bias, transform, chunk_elements=300), whole
+            blocked_loss_sum(hidden, labels, weight, bias, transform, block_elements=300), whole
         )
 
 
@@ -62,7 +62,7 @@ class _LargestBuffer(TorchDispatchMode):
 @pytest.mark.parametrize(
     "config", [SimpleNamespace(), SimpleNamespace(final_logit_softcapping=3.0)], ids=["plain", "softcap"]
 )
-def test_token_log_probs_chunk_by_chunk_with_exact_gradients(config):
+def test_token_log_probs_block_by_block_with_exact_gradients(config):
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(2, 13, 8, generator=generator, requires_grad=True)
     weight = torch.randn(50, 8, generator=generator, requires_grad=True)
@@ -74,10 +74,10 @@ def test_token_log_probs_chunk_by_chunk_with_exact_gradients(config):
     picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     whole = torch.where(labels != -100, picked, 0.0)
     want = torch.autograd.grad((whole * upstream).sum(), (hidden, weight))
-    with _LargestBuffer() as largest:  # 3 tokens a chunk: never the whole [2, 13, 50] logits
-        chunked = tiled_token_log_probs(hidden, labels, weight, None, transform, chunk_elements=2 * 50 * 3)
-        got = torch.autograd.grad((chunked * upstream).sum(), (hidden, weight))
-    torch.testing.assert_close(chunked, whole)
+    with _LargestBuffer() as largest:  # 3 tokens a block: never the whole [2, 13, 50] logits
+        blocked = blocked_token_log_probs(hidden, labels, weight, None, transform, block_elements=2 * 50 * 3)
+        got = torch.autograd.grad((blocked * upstream).sum(), (hidden, weight))
+    torch.testing.assert_close(blocked, whole)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert largest.largest <= max(2 * 50 * 3, weight.numel()) < logits.numel(), largest.largest

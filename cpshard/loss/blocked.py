@@ -1,11 +1,11 @@
-"""The loss without the logits: the LM head and cross-entropy, chunk by chunk of tokens.
+"""The loss without the logits: the LM head and cross-entropy, a block of tokens at a time.
 
-Each chunk's logits are computed, consumed and dropped, so a rank never holds its whole
-``[L/cp, vocab]`` logits. Each chunk's gradients are computed in the forward, right after its
+Each block's logits are computed, consumed and dropped, so a rank never holds its whole
+``[L/cp, vocab]`` logits. Each block's gradients are computed in the forward, right after its
 loss, while its logits exist (as Liger's fused linear cross-entropy does): the backward only
-scales them, so no chunk's logits are computed twice, as recomputing under checkpointing would.
+scales them, so no block's logits are computed twice, as recomputing under checkpointing would.
 Per-token log-probabilities, whose gradient is a vector known only in the backward, are
-checkpointed chunk by chunk instead. The head is the model's own weights, with the model's own
+checkpointed block by block instead. The head is the model's own weights, with the model's own
 logit transforms (Gemma's final softcap, Granite's scaling) read from its config.
 """
 
@@ -18,15 +18,15 @@ from torch.utils.checkpoint import checkpoint
 from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.spec.sequence import row_blocks
 
-#: logits per chunk: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
-CHUNK_ELEMENTS = 1 << 24
+#: logits per block: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
+BLOCK_ELEMENTS = 1 << 24
 
 
-def _chunk_loss(hidden, labels, weight, bias, transform):
+def _block_loss(hidden, labels, weight, bias, transform):
     return cross_entropy_sum(transform(F.linear(hidden, weight, bias)), labels)
 
 
-class _ChunkedHeadLoss(torch.autograd.Function):
+class _BlockedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, transform, parts: list[slice]):
         wanted = [need and x is not None for x, need in zip((hidden, weight, bias), ctx.needs_input_grad)]
@@ -38,16 +38,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     None if x is None else x.detach().requires_grad_(want)
                     for x, want in zip((hidden[:, part], weight, bias), wanted)
                 ]
-                loss = _chunk_loss(leaves[0], labels[:, part], leaves[1], leaves[2], transform)
+                loss = _block_loss(leaves[0], labels[:, part], leaves[1], leaves[2], transform)
                 if any(wanted):
-                    chunk_grads = iter(
+                    block_grads = iter(
                         torch.autograd.grad(loss, [x for x, want in zip(leaves, wanted) if want])
                     )
                     if wanted[0]:
-                        grads[0][:, part] = next(chunk_grads)
+                        grads[0][:, part] = next(block_grads)
                     for i in (1, 2):
                         if wanted[i]:
-                            grads[i] += next(chunk_grads)
+                            grads[i] += next(block_grads)
             total += loss.detach()
         ctx.grads = grads
         return total
@@ -59,30 +59,30 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return *grads, None, None, None
 
 
-def tiled_loss_sum(
-    hidden, labels, weight, bias, transform, chunk_elements: int = CHUNK_ELEMENTS
+def blocked_loss_sum(
+    hidden, labels, weight, bias, transform, block_elements: int = BLOCK_ELEMENTS
 ) -> torch.Tensor:
-    """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, chunk by chunk;
+    """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, block by block;
     ``transform`` is what the LM head does to its logits after the projection."""
-    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], chunk_elements)
-    return _ChunkedHeadLoss.apply(hidden, weight, bias, labels, transform, parts)
+    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], block_elements)
+    return _BlockedHeadLoss.apply(hidden, weight, bias, labels, transform, parts)
 
 
-def _chunk_log_probs(hidden, weight, bias, labels, transform):
+def _block_log_probs(hidden, weight, bias, labels, transform):
     return token_log_probs(transform(F.linear(hidden, weight, bias)), labels)
 
 
-def tiled_token_log_probs(
-    hidden, labels, weight, bias, transform, chunk_elements: int = CHUNK_ELEMENTS
+def blocked_token_log_probs(
+    hidden, labels, weight, bias, transform, block_elements: int = BLOCK_ELEMENTS
 ) -> torch.Tensor:
     """The log-probability of each of ``labels`` ``[B, S]`` (0 where ignored) from ``hidden`` ``[B, S, D]``,
-    chunk by chunk. Their gradient is known only in the backward, so each chunk's logits are computed
-    again there (checkpointed), one chunk at a time: the head's matmul twice, never the whole logits."""
-    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], chunk_elements)
-    chunks = [
+    block by block. Their gradient is known only in the backward, so each block's logits are computed
+    again there (checkpointed), one block at a time: the head's matmul twice, never the whole logits."""
+    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], block_elements)
+    blocks = [
         checkpoint(
-            _chunk_log_probs, hidden[:, part], weight, bias, labels[:, part], transform, use_reentrant=False
+            _block_log_probs, hidden[:, part], weight, bias, labels[:, part], transform, use_reentrant=False
         )
         for part in parts
     ]
-    return torch.cat(chunks, dim=1)
+    return torch.cat(blocks, dim=1)
