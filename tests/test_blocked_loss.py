@@ -1,4 +1,5 @@
-"""The loss a block of tokens at a time: equal to the whole-logits loss, value and gradients, for each logit transform."""
+"""The loss a block of tokens at a time: equal to the whole-logits loss, value and gradients, for each
+logit transform."""
 
 from functools import partial
 from types import SimpleNamespace

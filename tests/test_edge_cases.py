@@ -25,7 +25,8 @@ def _mesh():
 
 
 def _padded(batch: dict, real: list[int], side: str) -> dict:
-    """``batch`` with ``real[row]`` real tokens per row, the rest padding on ``side`` (labels ignored there)."""
+    """``batch`` with ``real[row]`` real tokens per row, the rest padding on ``side`` (labels ignored
+    there)."""
     rows, length = batch["input_ids"].shape
     mask = torch.zeros(rows, length, dtype=torch.long)
     for row, count in enumerate(real):
@@ -44,7 +45,7 @@ def _assert_parity(parities, what):
     assert all(math.isfinite(p.diffs["loss"]) for p in parities), f"{what}: the loss is not finite"
 
 
-# ---- padding that fills whole rows and whole ranks ---------------------------------------------------------------
+# ---- padding that fills whole rows and whole ranks -----------------------------------------------
 
 
 def run_padding_only(side: str, forward: dict, attn: str):
@@ -73,7 +74,7 @@ def test_rows_and_ranks_of_padding_only_match_one_process(ranks4, forward, side,
     )
 
 
-# ---- no label token at all ----------------------------------------------------------------------------------------
+# ---- no label token at all -----------------------------------------------------------------------
 
 
 def _without_label_tokens(kind: str, vocab: int) -> dict:
@@ -141,7 +142,7 @@ def test_no_label_token_gives_zero_loss_and_zero_gradients(ranks2, ranks4, kind,
         }, f"{kind}, {forward}"
 
 
-# ---- L smaller than cp ---------------------------------------------------------------------------------------------
+# ---- L smaller than cp ---------------------------------------------------------------------------
 
 
 def run_shorter_than_cp(length: int, forward: dict):
@@ -171,7 +172,7 @@ def test_a_rank_without_tokens_keeps_a_differentiable_loss_without_logits(ranks4
     _assert_parity(ranks4.run(run_without_logits_shorter_than_cp, 3), "logits=False L=3")
 
 
-# ---- bf16 ------------------------------------------------------------------------------------------------------------
+# ---- bf16 ----------------------------------------------------------------------------------------
 
 
 def _relative_rows(ours: tuple, theirs: tuple) -> dict[str, float]:
@@ -186,7 +187,8 @@ def _relative_rows(ours: tuple, theirs: tuple) -> dict[str, float]:
 
 
 def run_bf16(forward: dict):
-    """cp in bf16, one process in bf16 and one process in fp32, all on the same (bf16-representable) weights."""
+    """cp in bf16, one process in bf16 and one process in fp32, all on the same (bf16-representable)
+    weights."""
     model = tiny_model("llama", dtype=torch.bfloat16)
     params = cpshard.params_of(model)
     batch = tiny_batch(model.config.vocab_size, 2, 32, pad="left")

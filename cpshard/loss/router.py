@@ -18,9 +18,11 @@ from cpshard.comm.collectives import sum_over_group
 def load_balancing_loss(
     gate_logits, num_experts: int, top_k: int, token_mask: torch.Tensor, group
 ) -> torch.Tensor:
-    """transformers' ``load_balancing_loss_func`` over the tokens of every rank of ``group``, from this rank's.
+    """transformers' ``load_balancing_loss_func`` over the tokens of every rank of ``group``, from this
+    rank's.
 
-    ``gate_logits``: one ``[tokens, E]`` tensor per MoE layer, this rank's tokens in ``token_mask``'s order."""
+    ``gate_logits``: one ``[tokens, E]`` tensor per MoE layer, this rank's tokens in ``token_mask``'s
+    order."""
     device = gate_logits[0].device
     mask = token_mask.reshape(-1).to(device)
     picks = torch.zeros(num_experts, dtype=torch.float32, device=device)

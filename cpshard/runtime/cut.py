@@ -54,7 +54,8 @@ def _contiguous_again(module, args, output):
 
 
 def cut_hooks(layers: torch.nn.ModuleList, final_norm: torch.nn.Module) -> list[Hook]:
-    """The cut on every decoder layer (the first also cuts the residual stream), the order undone after the norm."""
+    """The cut on every decoder layer (the first also cuts the residual stream), the order undone after
+    the norm."""
     cuts = [
         Hook(layer, partial(_cut_layer_inputs, index == 0), pre=True) for index, layer in enumerate(layers)
     ]

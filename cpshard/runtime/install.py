@@ -32,7 +32,8 @@ def attention_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
 
 
 def install_attention(model: nn.Module, layout: Layout) -> None:
-    """Make the model dispatch to cpshard's attention around the function it uses now (nothing when it does)."""
+    """Make the model dispatch to cpshard's attention around the function it uses now (nothing when it
+    does)."""
     in_use = {
         getattr(getattr(m, "config", None), "_attn_implementation", None)
         for m in attention_modules(model, layout)
@@ -41,7 +42,8 @@ def install_attention(model: nn.Module, layout: Layout) -> None:
     unwrapped = sorted(name for name in in_use if not name.startswith(ATTENTION_PREFIX))
     if len(unwrapped) > 1:
         raise ValueError(
-            f"{type(model).__name__}'s attention modules use {', '.join(unwrapped)} at once; cpshard wraps one "
+            f"{type(model).__name__}'s attention modules use {', '.join(unwrapped)} at once; "
+            "cpshard wraps one "
             "attention implementation per model: set one with model.set_attn_implementation"
         )
     if unwrapped:
