@@ -33,6 +33,7 @@ from cpshard.runtime.grad import value_and_grad
 from cpshard.tools.baselines import CollectiveCounter, barrier, baseline_step, missing, plain_step
 from cpshard.tools.memory import current_rss, peak_rss, reset_peak_rss
 from cpshard.tools.tiny import tiny_batch, tiny_model
+from cpshard.tools.usage import UsageError, llama_sizes
 
 #: cpshard's variants and their make_cp_forward options
 CPSHARD = {
@@ -48,10 +49,6 @@ CHECKPOINTED = ("ulysses-checkpointed",)
 PEERS = ("dtensor", "deepspeed", "yunchang")
 VARIANTS = ("single", *CPSHARD, *PEERS)
 MIB = 2**20
-
-
-class UsageError(ValueError):
-    """Options the bench cannot run with: exit status 2, this one line."""
 
 
 @dataclass(frozen=True)
@@ -94,14 +91,8 @@ class BenchConfig:
             )
 
     def model_sizes(self) -> dict:
-        return dict(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            intermediate_size=4 * self.hidden,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.hidden // self.heads,
+        return llama_sizes(
+            vocab=self.vocab, hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads
         )
 
 

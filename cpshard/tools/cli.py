@@ -12,9 +12,9 @@ from functools import partial
 
 from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.tools.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
-from cpshard.tools.bench import UsageError as BenchUsageError
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, UsageError, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
+from cpshard.tools.usage import UsageError as BenchUsageError
 
 USAGE_ERROR = 2
 

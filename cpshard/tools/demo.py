@@ -26,6 +26,7 @@ from cpshard.runtime.optim import adamw_init, adamw_update
 from cpshard.tools.memory import current_rss, peak_rss, reset_peak_rss
 from cpshard.tools.parity import RTOL, Parity, check_parity, failing_rows, format_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
+from cpshard.tools.usage import llama_sizes, say
 
 
 def flag(name: str) -> str:
@@ -69,14 +70,8 @@ class DemoConfig:
 
     def model_sizes(self) -> dict:
         """The transformers config overrides of the demo model."""
-        return dict(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            intermediate_size=4 * self.hidden,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.hidden // self.heads,
+        return llama_sizes(
+            vocab=self.vocab, hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads
         )
 
 
@@ -237,11 +232,7 @@ def describe(config: DemoConfig) -> str:
     )
 
 
-def _print(text: str) -> None:
-    print(text, flush=True)  # before the ranks' own progress lines, even into a pipe
-
-
-def run_demo(config: DemoConfig, out=_print) -> bool:
+def run_demo(config: DemoConfig, out=say) -> bool:
     """Run the demo on fresh local ranks and print its report; True when parity passes."""
     out(describe(config))
     out(f"  starting {config.nprocs} ranks ...")

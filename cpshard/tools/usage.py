@@ -1,0 +1,25 @@
+"""What the command line's subcommands share: their usage error, their printing, their model's sizes."""
+
+from __future__ import annotations
+
+
+class UsageError(ValueError):
+    """Options a subcommand cannot run with: exit status 2 and this one line, before anything starts."""
+
+
+def say(text: str) -> None:
+    """Print at once, even into a pipe: progress comes before the ranks' own lines."""
+    print(text, flush=True)
+
+
+def llama_sizes(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int) -> dict:
+    """The config overrides of a Llama of these sizes (an MLP 4x wider, heads of ``hidden / heads``)."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+    )
