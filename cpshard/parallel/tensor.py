@@ -31,11 +31,6 @@ def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
         )
     if tp == 1:
         return
-    if layout.experts:
-        raise NotImplementedError(
-            f"tensor parallelism (tp={tp}) for the mixture-of-experts layout {layout.name!r} is not available; "
-            "use tp=1 and expert parallelism (ep) for it"
-        )
     fields = (layout.heads, layout.kv_heads, layout.mlp_width)
     counts = {name: getattr(config, name, None) for name in fields if name is not None}
     bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
@@ -65,15 +60,21 @@ def _sum_outputs(name: str, module, args, output):
     return None if group is None else sum_over_group(output, group, name)
 
 
+def holds_experts(layer: nn.Module, path: str, layout: Layout) -> bool:
+    """The module at ``path`` holds one of the layer's experts modules (a MoE block: its router runs
+    replicated and :mod:`cpshard.parallel.experts` sums its experts' input gradients over tp itself)."""
+    return any(e.startswith(f"{path}.") and submodule(layer, e) is not None for e in layout.experts)
+
+
 def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
-    """Each decoder layer's tp entry modules (their input gradients sum over tp) and row-wise layers (their
-    outputs sum over tp)."""
+    """Each decoder layer's tp entry modules (their input gradients sum over tp; MoE blocks aside) and
+    row-wise layers (their outputs sum over tp)."""
     rowwise = [path for path, style in layout.tensor_parallel.items() if style == "rowwise"]
     hooks = []
     for layer in layers:
         for path in layout.tensor_parallel_inputs:
             module = submodule(layer, path)
-            if module is not None:
+            if module is not None and not holds_experts(layer, path, layout):
                 hooks.append(Hook(module, _sum_input_grads, pre=True))
         for path in rowwise:
             module = submodule(layer, path)

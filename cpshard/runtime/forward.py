@@ -23,7 +23,7 @@ from cpshard.loss.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
 from cpshard.loss.router import load_balancing_loss
 from cpshard.loss.tiled import tiled_loss_sum
-from cpshard.parallel.experts import check_expert_parallel, expert_counts
+from cpshard.parallel.experts import check_expert_parallel, choose_expert_plan, expert_counts
 from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
 from cpshard.parallel.placement import expert_mesh
@@ -55,6 +55,7 @@ class CPForward:
         self.model, self.layout, self.implementation = model, layout, implementation
         self.keep_logits, self.strict = logits, strict
         self.ulysses_degree, self.sequence_order = options["ulysses_degree"], options["sequence_order"]
+        self.expert_plan = options["expert_plan"]
         self.module_names = {id(module): name for name, module in model.named_modules()}
         self.decoder_prefix = self.module_names[id(model.get_decoder())]
         install(model, layout)
@@ -63,7 +64,7 @@ class CPForward:
         """``(implementation, Ulysses degree, sequence order)`` for this mesh, after the checks of tp and ep."""
         tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
         check_tensor_parallel(self.model.config, self.layout, tp)
-        check_expert_parallel(self.model.config, self.layout, ep)
+        check_expert_parallel(self.model.config, self.layout, ep, tp)
         if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
             raise ValueError(
                 f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
@@ -105,6 +106,7 @@ class CPForward:
             split_mesh=split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None,
             tp_group=mesh.get_group("tp") if tp > 1 else None,
             expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
+            expert_plan=choose_expert_plan(self.expert_plan, tp, ep),
         )
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
@@ -216,15 +218,20 @@ def make_cp_forward(
     strict=False,
     ulysses_degree=None,
     sequence_order="auto",
+    expert_plan="auto",
 ) -> CPForward:
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
 
     ``ulysses_degree``: for hybrid, the Ulysses group size (default: the largest that fits).
     ``sequence_order``: "contiguous" or "head_tail" (causal load balance); "auto" takes head_tail
-    for ring and hybrid, contiguous for Ulysses (whose attention sees whole sequences anyway)."""
+    for ring and hybrid, contiguous for Ulysses (whose attention sees whole sequences anyway).
+    ``expert_plan``: how MoE experts run beside tp, "dispatch" (each tp rank sends its share of the
+    (token, expert) pairs to the owners) or "all_reduce" (for an ep group inside a tp group: each rank
+    runs its own experts, no token exchange); "auto" takes "all_reduce" wherever it applies."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if sequence_order != "auto":
         check_order(sequence_order)
-    options = dict(ulysses_degree=ulysses_degree, sequence_order=sequence_order)
+    choose_expert_plan(expert_plan, 1, 1)  # a known name, or a clear error now
+    options = dict(ulysses_degree=ulysses_degree, sequence_order=sequence_order, expert_plan=expert_plan)
     return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)
