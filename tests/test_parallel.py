@@ -121,48 +121,29 @@ def run_training(
 ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 #: documents packed in each row (position_ids restart), no padding
 PACKED = dict(packed=True)
+RING_NO_LOGITS = dict(implementation="ring", logits=False)
+
+
+def _moe_beside_tp(ep: int, forward: dict | None = None, batch: dict | None = None) -> tuple:
+    """Qwen3-MoE with the router loss on cp2 x tp2 x ``ep`` (ep=2: the ep groups are the tp groups)."""
+    return dict(cp=2, tp=2, ep=ep), False, "qwen3_moe", ROUTER_LOSS, forward or {}, batch
+
+
 COMBINATIONS = {
     "fsdp2xcp2": (dict(fsdp=2, cp=2), False, "llama"),
     "hsdp2xcp2-tied": (dict(dp_replicate=2, cp=2), True, "llama"),
     "tp2xcp2": (dict(tp=2, cp=2), False, "llama"),
     "fsdp2xtp2-tied": (dict(fsdp=2, tp=2, cp=1), True, "llama"),
-    "tp2xcp2-qwen3-ring-nologits": (
-        dict(tp=2, cp=2),
-        False,
-        "qwen3",
-        {},
-        dict(implementation="ring", logits=False),
-    ),
+    "tp2xcp2-qwen3-ring-nologits": (dict(tp=2, cp=2), False, "qwen3", {}, RING_NO_LOGITS),
     "moe-fsdp2xcp2-ep2": (dict(fsdp=2, cp=2, ep=2), False, "qwen3_moe"),
     "moe-fsdp2xcp2-ep4": (dict(fsdp=2, cp=2, ep=4), False, "qwen3_moe"),
     "moe-hsdp2xcp2-ep2": (dict(dp_replicate=2, cp=2, ep=2), False, "qwen3_moe"),
     "moe-aux-loss-fsdp2xcp2-ep2": (dict(fsdp=2, cp=2, ep=2), False, "qwen3_moe", ROUTER_LOSS),
-    "moe-aux-loss-cp2xtp2-ep4": (dict(cp=2, tp=2, ep=4), False, "qwen3_moe", ROUTER_LOSS),
-    "moe-aux-loss-cp2xtp2-ep2-all-reduce": (dict(cp=2, tp=2, ep=2), False, "qwen3_moe", ROUTER_LOSS),
-    "moe-aux-loss-cp2xtp2-ep2-dispatch-packed": (
-        dict(cp=2, tp=2, ep=2),
-        False,
-        "qwen3_moe",
-        ROUTER_LOSS,
-        dict(expert_plan="dispatch"),
-        PACKED,
-    ),
-    "moe-aux-loss-cp2xtp2-ep2-all-reduce-packed-ring-nologits": (
-        dict(cp=2, tp=2, ep=2),
-        False,
-        "qwen3_moe",
-        ROUTER_LOSS,
-        dict(implementation="ring", logits=False),
-        PACKED,
-    ),
-    "moe-aux-loss-cp2xtp2-ep4-packed-ring-nologits": (
-        dict(cp=2, tp=2, ep=4),
-        False,
-        "qwen3_moe",
-        ROUTER_LOSS,
-        dict(implementation="ring", logits=False),
-        PACKED,
-    ),
+    "moe-aux-loss-cp2xtp2-ep4": _moe_beside_tp(4),
+    "moe-aux-loss-cp2xtp2-ep2-all-reduce": _moe_beside_tp(2),
+    "moe-aux-loss-cp2xtp2-ep2-dispatch-packed": _moe_beside_tp(2, dict(expert_plan="dispatch"), PACKED),
+    "moe-aux-loss-cp2xtp2-ep2-all-reduce-packed-ring-nologits": _moe_beside_tp(2, RING_NO_LOGITS, PACKED),
+    "moe-aux-loss-cp2xtp2-ep4-packed-ring-nologits": _moe_beside_tp(4, RING_NO_LOGITS, PACKED),
 }
 
 

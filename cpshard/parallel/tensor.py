@@ -63,7 +63,8 @@ def _sum_outputs(name: str, module, args, output):
 def holds_experts(layer: nn.Module, path: str, layout: Layout) -> bool:
     """The module at ``path`` holds one of the layer's experts modules (a MoE block: its router runs
     replicated and :mod:`cpshard.parallel.experts` sums its experts' input gradients over tp itself)."""
-    return any(e.startswith(f"{path}.") and submodule(layer, e) is not None for e in layout.experts)
+    inside = [e for e in layout.experts if e == path or e.startswith(f"{path}.")]
+    return any(submodule(layer, e) is not None for e in inside)
 
 
 def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
