@@ -30,7 +30,8 @@ ADAMW = dict(lr=1e-3, eps=1e-4)
 
 
 def _fsdp_layout_matches(params: dict, mesh, tied: bool) -> bool:
-    """The same model under torch's own fully_shard (per decoder layer, then the root) holds the same shards."""
+    """The same model under torch's own fully_shard (per decoder layer, then the root) holds the same
+    shards."""
     twin = tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=tied)
     for layer in twin.model.layers:
         fully_shard(layer, mesh=param_mesh(mesh))

@@ -1,11 +1,12 @@
 """Tensor parallelism inside a cp call: the layout's column-wise and row-wise layers over ``tp``.
 
-The functional call receives each rank's tp block of the split weights (see :mod:`cpshard.parallel.placement`):
-column-wise layers (q/k/v, gate/up) compute this rank's heads or features, and row-wise layers
-(o/down) a partial sum that one all-reduce over ``tp`` completes. Where the replicated residual
-stream enters the column-wise layers, the gradient is a sum of every tp rank's part: one
-all-reduce in the backward. Attention sees ``heads / tp`` heads per rank, which Ulysses then
-splits over ``cp``. Hooks are installed once per model and act only inside a call with ``tp > 1``.
+The functional call receives each rank's tp block of the split weights (see
+:mod:`cpshard.parallel.placement`): column-wise layers (q/k/v, gate/up) compute this rank's heads
+or features, and row-wise layers (o/down) a partial sum that one all-reduce over ``tp`` completes.
+Where the replicated residual stream enters the column-wise layers, the gradient is a sum of every
+tp rank's part: one all-reduce in the backward. Attention sees ``heads / tp`` heads per rank, which
+Ulysses then splits over ``cp``. Hooks are installed once per model and act only inside a call with
+``tp > 1``.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
     bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
     if bad:
         raise ValueError(
-            f"tp={tp} must divide {', '.join(f'{name}={count}' for name, count in bad.items())}: each tp rank "
-            "holds an equal share of the heads and features; choose a tp that divides them"
+            f"tp={tp} must divide {', '.join(f'{name}={count}' for name, count in bad.items())}: "
+            "each tp rank holds an equal share of the heads and features; choose a tp that divides them"
         )
 
 

@@ -55,7 +55,7 @@ class CPForward:
         self.model, self.layout, self.implementation = model, layout, implementation
         self.keep_logits, self.strict = logits, strict
         self.ulysses_degree, self.sequence_order = options["ulysses_degree"], options["sequence_order"]
-        self.expert_plan = options["expert_plan"]
+        self.expert_plan = options.get("expert_plan", "auto")  # make_cp_forward's default
         self.module_names = {id(module): name for name, module in model.named_modules()}
         self.decoder_prefix = self.module_names[id(model.get_decoder())]
         install(model, layout)
