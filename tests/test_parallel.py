@@ -145,6 +145,7 @@ COMBINATIONS = {
     "moe-aux-loss-cp2xtp2-ep2-dispatch-packed": _moe_beside_tp(2, dict(expert_plan="dispatch"), PACKED),
     "moe-aux-loss-cp2xtp2-ep2-all-reduce-packed-ring-nologits": _moe_beside_tp(2, RING_NO_LOGITS, PACKED),
     "moe-aux-loss-cp2xtp2-ep4-packed-ring-nologits": _moe_beside_tp(4, RING_NO_LOGITS, PACKED),
+    "moe-fsdp2xtp2-ep4": (dict(fsdp=2, tp=2, cp=1, ep=4), False, "qwen3_moe"),
 }
 
 
