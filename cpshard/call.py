@@ -44,6 +44,8 @@ class CallPlan:
     tp_group: ProcessGroup | None = None
     #: the process group of the ``ep`` ranks (expert parallelism), None when ep is 1
     expert_group: ProcessGroup | None = None
+    #: how the experts layer runs beside tp: "dispatch" or "all_reduce" (see :mod:`cpshard.parallel.experts`)
+    expert_plan: str = "dispatch"
     #: what every layer derives alike from the call's inputs, derived once (see :meth:`shared`)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 

@@ -115,8 +115,10 @@ def test_save_pretrained_folder_loads_with_from_pretrained(saved):
     [
         ("llama", dict(tp=2, cp=2), dict(fsdp=2, cp=2)),
         ("qwen3_moe", dict(fsdp=2, cp=2, ep=4), dict(dp_replicate=2, cp=2, ep=2)),
+        ("qwen3_moe", dict(cp=2, tp=2, ep=4), dict(cp=2, tp=2, ep=2)),
+        ("qwen3_moe", dict(cp=2, tp=2, ep=2), dict(fsdp=2, cp=2, ep=4)),
     ],
-    ids=["tp2xcp2-to-fsdp2xcp2", "moe-ep4-to-hsdp-ep2"],
+    ids=["tp2xcp2-to-fsdp2xcp2", "moe-ep4-to-hsdp-ep2", "moe-tp2-ep4-to-tp2-ep2", "moe-tp2-ep2-to-fsdp2-ep4"],
 )
 def test_tp_and_ep_saves_load_anywhere_and_with_from_pretrained(
     ranks4, tmp_path, model_type, saved_under, loaded_under

@@ -3,6 +3,8 @@ one process's experts layer on all tokens (outputs, and gradients of hidden stat
 every expert weight), routes every token as one process does, and moves exactly the rows the routing
 implies."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ import cpshard
 from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import all_to_all_rows
 from cpshard.comm.record import parallelism_of, recording
-from cpshard.debug.optimum import ep_bytes
+from cpshard.debug.optimum import ep_bytes, tp_share_bytes
 from cpshard.layouts.decoder import LAYOUT
 from cpshard.parallel.experts import (
     check_experts,
@@ -28,6 +30,7 @@ from cpshard.parallel.experts import (
     rank_counts,
     route,
 )
+from cpshard.parallel.placement import expert_mesh
 from cpshard.tools.tiny import tiny_config, tiny_model
 
 E, K, H, FFN = 8, 2, 16, 8
@@ -111,36 +114,47 @@ def _call(group, names=None) -> CallPlan:
     )
 
 
+def _sharded_run(data: dict, inner: str, call: CallPlan, block: slice, mine) -> dict:
+    """The experts module of ``data`` on this rank's tokens (``mine``) with its ``block`` of experts, inside
+    ``call``: outputs and gradients, and the collectives launched."""
+    module = data["experts"]
+    module.config._experts_implementation = experts_name(
+        inner
+    )  # the registry path, as install_experts sets it
+    local = {
+        name: getattr(module, name)[block].detach().clone().requires_grad_(True)
+        for name in ("gate_up_proj", "down_proj")
+    }
+    hidden, weights = mine(data["hidden"]).requires_grad_(True), mine(data["weights"]).requires_grad_(True)
+    with running(call), recording() as log:
+        out = torch.func.functional_call(module, local, (hidden, mine(data["index"]), weights))
+        (out * mine(data["upstream"])).sum().backward()
+    grads = {  # no row arrived: no gradient
+        name: torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for name, leaf in local.items()
+    }
+    return dict(out=out.detach(), hidden=hidden.grad, weights=weights.grad, grads=grads, log=log)
+
+
 def _ep_case(ep: int, skew: str, inner: str) -> dict:
     group = _ep_group(ep)
     rank, seed = dist.get_rank(group), dist.get_process_group_ranks(group)[0]
     data = _whole(seed, skew, ep)
     expected = _reference(data)
-    module = data["experts"]
-    module.config._experts_implementation = experts_name(
-        inner
-    )  # the registry path, as install_experts sets it
     block = slice(rank * E // ep, (rank + 1) * E // ep)
-    local = {
-        name: getattr(module, name)[block].detach().clone().requires_grad_(True)
-        for name in ("gate_up_proj", "down_proj")
-    }
-    hidden = _mine(data["hidden"], rank, ep).requires_grad_(True)
-    weights = _mine(data["weights"], rank, ep).requires_grad_(True)
-    index = _mine(data["index"], rank, ep)
-    with running(_call(group, {id(module): "mlp.experts"})), recording() as log:
-        out = torch.func.functional_call(module, local, (hidden, index, weights))
-        (out * _mine(data["upstream"], rank, ep)).sum().backward()
+    run = _sharded_run(
+        data, inner, _call(group, {id(data["experts"]): "mlp.experts"}), block, lambda x: _mine(x, rank, ep)
+    )
     checks = {
-        "out": (out.detach(), _mine(expected["out"], rank, ep)),
-        "grad hidden": (hidden.grad, _mine(expected["hidden"], rank, ep)),
-        "grad weights": (weights.grad, _mine(expected["weights"], rank, ep)),
+        "out": (run["out"], _mine(expected["out"], rank, ep)),
+        "grad hidden": (run["hidden"], _mine(expected["hidden"], rank, ep)),
+        "grad weights": (run["weights"], _mine(expected["weights"], rank, ep)),
     }
-    for name, leaf in local.items():
-        grad = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad  # no row arrived: no gradient
+    for name, grad in run["grads"].items():
         checks[f"grad {name}"] = (grad, expected[name][block])
     whole_index = data["index"].reshape(-1)
-    sent, received = index.numel(), int(((whole_index >= block.start) & (whole_index < block.stop)).sum())
+    sent = _mine(data["index"], rank, ep).numel()
+    received = int(((whole_index >= block.start) & (whole_index < block.stop)).sum())
+    log = run["log"]
     events = [(e.name, e.phase, e.nbytes) for e in log.events]
     expected_events = [
         ("mlp.experts counts", "forward", E * 8),
@@ -161,6 +175,50 @@ def _ep_case(ep: int, skew: str, inner: str) -> dict:
         received=received,
         ops={(e.op, e.group_size) for e in log.events},
     )
+
+
+def _tp_case(ep: int, plan: str, skew: str, inner: str) -> dict:
+    """cp2 x tp2 with ``ep``: the two tp ranks of a cp slice hold its tokens and share its pairs; the
+    outputs and the gradients of hidden states and routing weights are one process's on every rank, the
+    expert-weight gradients summed over efsdp are one process's on their block, and the bytes are the
+    plan's analytic count."""
+    mesh = cpshard.make_mesh(cp=2, tp=2, ep=ep)
+    experts_mesh = expert_mesh(mesh)
+    cp_rank, ep_rank = mesh.get_local_rank("cp"), experts_mesh.get_local_rank("ep")
+    data = _whole(0, skew, 2)
+    expected = _reference(data)
+    block = slice(ep_rank * E // ep, (ep_rank + 1) * E // ep)
+    call = replace(
+        _call(experts_mesh.get_group("ep"), {id(data["experts"]): "mlp.experts"}),
+        tp_group=mesh.get_group("tp"),
+        expert_plan=plan,
+    )
+    run = _sharded_run(data, inner, call, block, lambda x: _mine(x, cp_rank, 2))
+    checks = {
+        "out": (run["out"], _mine(expected["out"], cp_rank, 2)),
+        "grad hidden": (run["hidden"], _mine(expected["hidden"], cp_rank, 2)),
+        "grad weights": (run["weights"], _mine(expected["weights"], cp_rank, 2)),
+    }
+    grads = list(run["grads"].values())
+    if experts_mesh.size(experts_mesh.mesh_dim_names.index("efsdp")) > 1:
+        grads = all_reduce_flat(grads, experts_mesh.get_group("efsdp"))
+    for name, grad in zip(run["grads"], grads):
+        checks[f"grad {name}"] = (grad, expected[name][block])
+    tokens = ROWS * LENGTH // 2
+    analytic = tp_share_bytes(tokens, H, K, 4)
+    if plan == "dispatch":  # this rank's half of its slice's pairs out; its experts' pairs of the ep group in
+        group_index = data["index"] if ep == 4 else _mine(data["index"], cp_rank, 2)
+        received = int(((group_index >= block.start) & (group_index < block.stop)).sum())
+        dispatched = ep_bytes(tokens * K // 2, received, H, 4, E)
+        analytic = {phase: analytic[phase] + dispatched[phase] for phase in analytic}
+    by_phase = run["log"].bytes_by("phase")
+    checks["bytes"] = (
+        (by_phase.get("forward"), by_phase.get("backward")),
+        (analytic["forward"], analytic["backward"]),
+    )
+    ops = {("all_reduce", 2)} | ({("all_to_all", ep)} if plan == "dispatch" else set())
+    checks["ops"] = ({(e.op, e.group_size) for e in run["log"].events}, ops)
+    return checks
 
 
 def _routing_case(ep: int) -> dict:
@@ -277,12 +335,27 @@ def _run_cases(ep: int) -> dict:
     return dict(cases=cases, routing=_routing_case(ep), errors=_error_case(), outside=_outside_case())
 
 
+def _tp_cases(ep: int, plan: str, cases: list) -> list[dict]:
+    return [_tp_case(ep, plan, skew, inner) for skew, inner in cases]
+
+
 def _assert_same(actual, expected, where):
     if isinstance(actual, torch.Tensor):
         assert actual.shape == expected.shape and actual.dtype == expected.dtype, where
         torch.testing.assert_close(actual, expected, **TOLERANCE, msg=where)
     else:
         assert actual == expected, f"{where}: {actual} != {expected}"
+
+
+@pytest.mark.parametrize("ep, plan", [(4, "dispatch"), (2, "all_reduce"), (2, "dispatch")])
+def test_expert_parallel_beside_tensor_parallel_matches_one_process(ranks4, ep, plan):
+    cases = [(skew, inner) for skew in SKEWS for inner in ("eager", "grouped_mm")]
+    for rank, results in enumerate(ranks4.run(_tp_cases, ep, plan, cases)):
+        for (skew, inner), checks in zip(cases, results):
+            for what, (actual, expected) in checks.items():
+                _assert_same(
+                    actual, expected, f"cp2 x tp2 x ep{ep} {plan}, rank {rank}, {skew} {inner}, {what}"
+                )
 
 
 @pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (4, 4)])

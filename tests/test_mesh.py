@@ -19,6 +19,7 @@ from cpshard.parallel.mesh import MESH_DIMS, TOKEN_DIMS, cp_size, group_over, sp
         (dict(cp=2, dp_replicate="2"), ["dp_replicate='2'"]),
         (dict(cp=2, ep=0), ["ep=0"]),
         (dict(cp=2, fsdp=3, ep=4), ["ep=4", "3 * 2 * 1 = 6"]),
+        (dict(cp=3, tp=2, ep=3), ["ep=3 with tp=2", "must hold whole tp groups", "or lie inside one"]),
     ],
 )
 def test_make_mesh_rejects_sizes_before_any_process_group(sizes, words):

@@ -30,7 +30,8 @@ ADAMW = dict(lr=1e-3, eps=1e-4)
 
 
 def _fsdp_layout_matches(params: dict, mesh, tied: bool) -> bool:
-    """The same model under torch's own fully_shard (per decoder layer, then the root) holds the same shards."""
+    """The same model under torch's own fully_shard (per decoder layer, then the root) holds the same
+    shards."""
     twin = tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=tied)
     for layer in twin.model.layers:
         fully_shard(layer, mesh=param_mesh(mesh))
@@ -65,13 +66,16 @@ def run_training(
     model_type: str = "llama",
     config: dict | None = None,
     forward: dict | None = None,
+    batch: dict | None = None,
 ):
-    """One step against one process on all the dp groups' batches, then three AdamW steps."""
+    """One step against one process on all the dp groups' batches, then three AdamW steps; ``batch``: the
+    batches' shape (:func:`cpshard.tiny_batch`'s options; default left-padded)."""
     mesh = cpshard.make_mesh(**sizes)
     options = dict(vocab_size=VOCAB, tie_word_embeddings=tied, **(config or {}))
     model, twin = (tiny_model(model_type, **options) for _ in range(2))
     replicas, fsdp = sizes.get("dp_replicate", 1), sizes.get("fsdp", 1)
-    batches = [tiny_batch(VOCAB, 2, 13, pad="left", seed=seed) for seed in range(1, replicas * fsdp + 1)]
+    shape = batch or dict(pad="left")
+    batches = [tiny_batch(VOCAB, 2, 13, seed=seed, **shape) for seed in range(1, replicas * fsdp + 1)]
     if len(batches) > 1:
         batches[1]["labels"][:, :6] = -100  # different token counts per data group
     mine = batches[mesh.get_local_rank("dp_replicate") * fsdp + mesh.get_local_rank("fsdp")]
@@ -116,22 +120,32 @@ def run_training(
 
 #: the router's load-balancing loss, weighted so that its share of every gradient is well above the tolerance
 ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+#: documents packed in each row (position_ids restart), no padding
+PACKED = dict(packed=True)
+RING_NO_LOGITS = dict(implementation="ring", logits=False)
+
+
+def _moe_beside_tp(ep: int, forward: dict | None = None, batch: dict | None = None) -> tuple:
+    """Qwen3-MoE with the router loss on cp2 x tp2 x ``ep`` (ep=2: the ep groups are the tp groups)."""
+    return dict(cp=2, tp=2, ep=ep), False, "qwen3_moe", ROUTER_LOSS, forward or {}, batch
+
+
 COMBINATIONS = {
     "fsdp2xcp2": (dict(fsdp=2, cp=2), False, "llama"),
     "hsdp2xcp2-tied": (dict(dp_replicate=2, cp=2), True, "llama"),
     "tp2xcp2": (dict(tp=2, cp=2), False, "llama"),
     "fsdp2xtp2-tied": (dict(fsdp=2, tp=2, cp=1), True, "llama"),
-    "tp2xcp2-qwen3-ring-nologits": (
-        dict(tp=2, cp=2),
-        False,
-        "qwen3",
-        {},
-        dict(implementation="ring", logits=False),
-    ),
+    "tp2xcp2-qwen3-ring-nologits": (dict(tp=2, cp=2), False, "qwen3", {}, RING_NO_LOGITS),
     "moe-fsdp2xcp2-ep2": (dict(fsdp=2, cp=2, ep=2), False, "qwen3_moe"),
     "moe-fsdp2xcp2-ep4": (dict(fsdp=2, cp=2, ep=4), False, "qwen3_moe"),
     "moe-hsdp2xcp2-ep2": (dict(dp_replicate=2, cp=2, ep=2), False, "qwen3_moe"),
     "moe-aux-loss-fsdp2xcp2-ep2": (dict(fsdp=2, cp=2, ep=2), False, "qwen3_moe", ROUTER_LOSS),
+    "moe-aux-loss-cp2xtp2-ep4": _moe_beside_tp(4),
+    "moe-aux-loss-cp2xtp2-ep2-all-reduce": _moe_beside_tp(2),
+    "moe-aux-loss-cp2xtp2-ep2-dispatch-packed": _moe_beside_tp(2, dict(expert_plan="dispatch"), PACKED),
+    "moe-aux-loss-cp2xtp2-ep2-all-reduce-packed-ring-nologits": _moe_beside_tp(2, RING_NO_LOGITS, PACKED),
+    "moe-aux-loss-cp2xtp2-ep4-packed-ring-nologits": _moe_beside_tp(4, RING_NO_LOGITS, PACKED),
+    "moe-fsdp2xtp2-ep4": (dict(fsdp=2, tp=2, cp=1, ep=4), False, "qwen3_moe"),
 }
 
 
@@ -198,8 +212,14 @@ def bad_parallel(kind: str):
     elif kind == "tp-unknown-style":
         typo = replace(resolve_layout(model), tensor_parallel=(("self_attn.q_proj", "colwsie"),))
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=typo)
-    elif kind == "ep-with-tp":
-        cpshard.make_mesh(cp=1, fsdp=2, tp=2, ep=2)
+    elif kind == "moe-tp-without-ep":
+        cpshard.parallelize(tiny_model("qwen3_moe"), cpshard.make_mesh(cp=2, tp=2))
+    elif kind == "all-reduce-plan-other-tokens":
+        moe, mesh = tiny_model("qwen3_moe"), cpshard.make_mesh(cp=2, tp=2, ep=4)
+        params = cpshard.params_of(cpshard.parallelize(moe, mesh))
+        cpshard.make_cp_forward(moe, expert_plan="all_reduce")(params, batch, mesh)
+    elif kind == "unknown-expert-plan":
+        cpshard.make_cp_forward(model, expert_plan="allreduce")
     elif kind == "world":
         cpshard.make_mesh(cp=2, fsdp=3)
     elif kind == "no-dims":
@@ -229,7 +249,15 @@ BAD = {
         "ep=2, but the layout 'llama' of model type 'llama' declares no experts",
     ),
     "tp-unknown-style": ("ValueError", "unknown tensor-parallel styles (self_attn.q_proj: 'colwsie')"),
-    "ep-with-tp": ("NotImplementedError", "expert parallelism with tensor parallelism (ep=2, tp=2)"),
+    "moe-tp-without-ep": (
+        "NotImplementedError",
+        "(tp=2) for the mixture-of-experts layout 'qwen3_moe' needs",
+    ),
+    "all-reduce-plan-other-tokens": ("ValueError", "with ep=4 and tp=2 the ep group's ranks hold different"),
+    "unknown-expert-plan": (
+        "ValueError",
+        "expert_plan='allreduce'; choose one of auto, dispatch, all_reduce",
+    ),
     "world": ("ValueError", "world size 4 != dp_replicate=1 * fsdp=3 * cp=2 * tp=1"),
     "no-dims": ("ValueError", "this mesh has dimensions dp, cp and lacks dp_replicate, fsdp"),
     "twice": ("ValueError", "is a DTensor already"),

@@ -122,6 +122,17 @@ def ep_bytes(
     return {"forward": num_experts * 8 + (sent + received) * row, "backward": (received + sent) * row}
 
 
+def tp_share_bytes(tokens: int, hidden_size: int, top_k: int, element_size: int) -> dict[str, int]:
+    """Bytes one rank puts into the all-reduces over tp that join the tp ranks' shares of one experts layer
+    of ``tokens`` tokens: the combined output forward; the gradients of the experts' input and of the
+    routing weights backward. The "all_reduce" plan moves only these; "dispatch" adds :func:`ep_bytes`
+    for its share's pairs."""
+    return {
+        "forward": tokens * hidden_size * element_size,
+        "backward": tokens * (hidden_size + top_k) * element_size,
+    }
+
+
 def _sizes(model) -> dict:
     """The model's sizes that the optimum formulas take."""
     layout, config = resolve_layout(model), model.config

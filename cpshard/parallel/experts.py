@@ -9,6 +9,16 @@ where the routing weights combine them. No token reaches an expert twice; the ba
 reverse all-to-alls, so an owner's expert-weight gradients already sum over every token of the ep
 group and need no further reduction over ``ep``.
 
+Under tensor parallelism the ``tp`` ranks of a cp slice hold the same tokens. Each routes them with the
+replicated router and takes a disjoint share of their (token, k) pairs (:func:`pair_share`), so each
+pair reaches its expert once; one all-reduce over ``tp`` then joins the shares' combined outputs. Two
+plans (:data:`EXPERT_PLANS`): "dispatch" sends each share to the owners as above; "all_reduce" serves an
+ep group that lies inside one tp group (its ranks hold the same tokens): each rank runs its own experts
+on its share's pairs that picked them, with no token exchange at all. Either way the router and the
+residual stream stay replicated with whole gradients on every tp rank: the experts' input and routing
+weight gradients (each rank's share) are summed over ``tp`` here, so the MoE block is no tp entry
+module (:func:`cpshard.parallel.tensor.tensor_parallel_hooks` skips it).
+
 Registered in transformers' experts registry (``ExpertsInterface``) as ``cpshard_ep_<inner>``,
 the way :mod:`cpshard.attention.cp_attention` wraps attention: outside a cp call, or when the call has no
 expert group, it is the model's own implementation, untouched.
@@ -23,10 +33,12 @@ import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from cpshard.call import current_call
-from cpshard.comm.collectives import all_to_all, all_to_all_rows
+from cpshard.comm.collectives import all_to_all, all_to_all_rows, sum_grads_over_group, sum_over_group
 from cpshard.interfaces import SeenAs, register_wrapper
 
 PREFIX = "cpshard_ep_"
+#: how the experts layer runs under ep (see the module docstring); "auto" picks "all_reduce" where it can
+EXPERT_PLANS = ("auto", "dispatch", "all_reduce")
 
 
 def expert_counts(config) -> tuple[int, int]:
@@ -116,17 +128,23 @@ def local_count(module) -> int:
     return weight.shape[0]
 
 
-def ep_experts(
-    function, module, hidden_states, top_k_index, top_k_weights, group, name: str = "experts"
-) -> torch.Tensor:
-    """The experts layer under expert parallelism over ``group``; ``module`` holds the local expert block."""
-    ep, total = dist.get_world_size(group), module.num_experts
+def check_block(module, ep: int, name: str) -> None:
+    """``module`` holds this rank's block of ``num_experts // ep`` experts; a clear error otherwise."""
+    total = module.num_experts
     if total % ep or local_count(module) != total // ep:
         raise ValueError(
             f"{name}: expert parallelism over {ep} ranks needs each rank's block of {total} // {ep} experts; "
             f"got weights for {local_count(module)} experts"
             + (f" ({total} experts do not divide over {ep} ranks)" if total % ep else "")
         )
+
+
+def ep_experts(
+    function, module, hidden_states, top_k_index, top_k_weights, group, name: str = "experts"
+) -> torch.Tensor:
+    """The experts layer under expert parallelism over ``group``; ``module`` holds the local expert block."""
+    ep, total = dist.get_world_size(group), module.num_experts
+    check_block(module, ep, name)
     routing = route(top_k_index, total)
     received_per_expert = exchange_counts(routing.per_expert, group, name=f"{name} counts")
     send, receive = routing.per_rank(ep), rank_counts(received_per_expert, ep)
@@ -136,6 +154,69 @@ def ep_experts(
     out = compute_local(function, module, rows, local_expert_ids(received_per_expert, ep), total // ep)
     returned = all_to_all_rows(out, receive, send, group, name=f"{name} return")
     return combine(returned, routing, top_k_weights).to(hidden_states.dtype)
+
+
+def pair_share(top_k_index: torch.Tensor, shares: int, share: int, num_experts: int) -> torch.Tensor:
+    """``top_k_index`` with every pair outside share ``share`` of ``shares`` (contiguous runs of the
+    flattened pairs) sent nowhere (the sentinel ``num_experts``): ranks holding the same tokens each
+    take a disjoint share, and together every pair once."""
+    if shares == 1:
+        return top_k_index
+    pairs = torch.arange(top_k_index.numel(), device=top_k_index.device).view_as(top_k_index)
+    return torch.where(pairs * shares // top_k_index.numel() == share, top_k_index, num_experts)
+
+
+def owned_experts(function, module, hidden_states, top_k_index, top_k_weights, rank: int, ep: int, name: str):
+    """``[tokens, hidden]``: the pairs that picked this rank's experts (block ``rank`` of ``ep``), through
+    them and combined; the other pairs add zero. No collective: the caller sums over the ranks."""
+    check_block(module, ep, name)
+    total, local = module.num_experts, module.num_experts // ep
+    owned = (top_k_index >= rank * local) & (top_k_index < (rank + 1) * local)
+    index = torch.where(owned, top_k_index, total)
+    routing = route(index, total)
+    local_ids = index.reshape(-1)[routing.order[: routing.valid]] - rank * local
+    out = compute_local(function, module, gather_pairs(hidden_states, routing), local_ids, local)
+    return combine(out, routing, top_k_weights).to(hidden_states.dtype)
+
+
+def check_expert_plan(plan: str) -> None:
+    """Raise a ValueError naming the plans when ``plan`` is not one of them."""
+    if plan not in EXPERT_PLANS:
+        raise ValueError(f"expert_plan={plan!r}; choose one of {', '.join(EXPERT_PLANS)}")
+
+
+def choose_expert_plan(plan: str, tp: int, ep: int) -> str:
+    """``plan`` for a mesh of ``tp`` and ``ep``: "auto" is "all_reduce" where the ep group lies inside a tp
+    group (ep divides tp: its ranks hold the same tokens), else "dispatch"."""
+    check_expert_plan(plan)
+    same_tokens = tp > 1 and tp % ep == 0
+    if plan == "auto":
+        return "all_reduce" if same_tokens else "dispatch"
+    if plan == "all_reduce" and ep > 1 and not same_tokens:
+        raise ValueError(
+            f"expert_plan='all_reduce' runs each rank's experts on the tokens its whole ep group holds, "
+            f"but with ep={ep} and tp={tp} the ep group's ranks hold different tokens (only the tp ranks of "
+            "a cp slice share them); use an ep that divides tp, or expert_plan='dispatch'"
+        )
+    return plan
+
+
+def tp_experts(call, function, module, hidden_states, top_k_index, top_k_weights, name: str):
+    """The experts layer when the ``tp`` ranks hold the same tokens: each runs a disjoint share of the
+    pairs by the call's plan, and one all-reduce over ``tp`` joins the shares."""
+    tp_group, ep_group, total = call.tp_group, call.expert_group, module.num_experts
+    tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    # the router and residual stream are replicated: their gradients are the sum of every share's
+    hidden_states = sum_grads_over_group(hidden_states, tp_group, f"{name} tp input")
+    top_k_weights = sum_grads_over_group(top_k_weights, tp_group, f"{name} tp routing weights")
+    if call.expert_plan == "all_reduce":  # the ep group lies inside the tp group: tp // ep shares
+        index = pair_share(top_k_index, tp // ep, tp_rank // ep, total)
+        partial = owned_experts(function, module, hidden_states, index, top_k_weights, ep_rank, ep, name)
+    else:
+        index = pair_share(top_k_index, tp, tp_rank, total)
+        partial = ep_experts(function, module, hidden_states, index, top_k_weights, ep_group, name)
+    return sum_over_group(partial, tp_group, f"{name} tp sum")
 
 
 def _inner_function(inner: str, module):
@@ -152,6 +233,8 @@ def _ep_function(inner: str):
             return function(module, hidden_states, top_k_index, top_k_weights)
         name = call.name_of(module)  # cpshard.comm.record counts collectives named "...experts..." as ep's
         name = name if "experts" in name else f"{name} experts"
+        if call.tp_group is not None:
+            return tp_experts(call, function, module, hidden_states, top_k_index, top_k_weights, name)
         return ep_experts(
             function, module, hidden_states, top_k_index, top_k_weights, call.expert_group, name
         )
@@ -219,11 +302,17 @@ def check_experts(config, ep: int) -> None:
         )
 
 
-def check_expert_parallel(config, layout, ep: int) -> None:
-    """The layout's experts can serve ``ep`` (a model without experts only ep=1); see
+def check_expert_parallel(config, layout, ep: int, tp: int = 1) -> None:
+    """The layout's experts can serve ``ep`` beside ``tp`` (a model without experts only ep=1); see
     :func:`check_experts`."""
     if layout.experts:
         check_experts(config, ep)
+        if tp > 1 and ep == 1:
+            raise NotImplementedError(
+                f"tensor parallelism (tp={tp}) for the mixture-of-experts layout {layout.name!r} needs "
+                "expert parallelism: cpshard does not split experts over tp; build the mesh with an ep that "
+                f"tp divides or that divides tp (ep={tp}, for one)"
+            )
     elif ep > 1:
         raise ValueError(
             f"ep={ep}, but the layout {layout.name!r} of model type "

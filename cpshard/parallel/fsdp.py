@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout | str = "auto
     if max(mesh_size(mesh, "tp"), expert_degree(mesh)) > 1:  # only then does the layout's plan matter
         layout = resolve_layout(model, layout)
         check_tensor_parallel(model.config, layout, mesh_size(mesh, "tp"))
-        check_expert_parallel(model.config, layout, expert_degree(mesh))
+        check_expert_parallel(model.config, layout, expert_degree(mesh), mesh_size(mesh, "tp"))
     else:
         layout = None
     named = dict(model.named_parameters())

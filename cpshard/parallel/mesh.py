@@ -35,8 +35,9 @@ def make_mesh(
     """The root mesh ``dp_replicate x fsdp x cp x tp`` over every rank of the default group.
 
     ``ep`` regroups the ranks of ``fsdp x cp x tp`` (row-major) into expert groups of ``ep``
-    consecutive ranks; it is recorded with the mesh (:func:`expert_degree`), whose sub-meshes
-    :mod:`cpshard.parallel.placement` builds with DeviceMesh's flatten and unflatten."""
+    consecutive ranks (whole tp groups, or part of one); it is recorded with the mesh
+    (:func:`expert_degree`), whose sub-meshes :mod:`cpshard.parallel.placement` builds with
+    DeviceMesh's flatten and unflatten."""
     sizes = {"dp_replicate": dp_replicate, "fsdp": fsdp, "cp": cp, "tp": tp}
     for name, size in {**sizes, "ep": ep}.items():
         if not isinstance(size, int) or size < 1:
@@ -45,10 +46,11 @@ def make_mesh(
         raise ValueError(
             f"make_mesh: ep={ep} must divide fsdp * cp * tp = {fsdp} * {cp} * {tp} = {fsdp * cp * tp}"
         )
-    if ep > 1 and tp > 1:
-        raise NotImplementedError(
-            f"make_mesh: expert parallelism with tensor parallelism (ep={ep}, tp={tp}) is not available: "
-            "the tp ranks hold the same tokens and would each send them to the experts; use tp=1 with ep"
+    if ep > 1 and tp > 1 and ep % tp and tp % ep:
+        raise ValueError(
+            f"make_mesh: ep={ep} with tp={tp}: an ep group (consecutive ranks, tp innermost) must hold whole "
+            "tp groups (ep a multiple of tp) or lie inside one (ep divides tp), so that the tp ranks' shares "
+            "of their tokens meet at the same experts"
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     _init_default_group(device_type)

@@ -1,11 +1,12 @@
 """Tensor parallelism inside a cp call: the layout's column-wise and row-wise layers over ``tp``.
 
-The functional call receives each rank's tp block of the split weights (see :mod:`cpshard.parallel.placement`):
-column-wise layers (q/k/v, gate/up) compute this rank's heads or features, and row-wise layers
-(o/down) a partial sum that one all-reduce over ``tp`` completes. Where the replicated residual
-stream enters the column-wise layers, the gradient is a sum of every tp rank's part: one
-all-reduce in the backward. Attention sees ``heads / tp`` heads per rank, which Ulysses then
-splits over ``cp``. Hooks are installed once per model and act only inside a call with ``tp > 1``.
+The functional call receives each rank's tp block of the split weights (see
+:mod:`cpshard.parallel.placement`): column-wise layers (q/k/v, gate/up) compute this rank's heads
+or features, and row-wise layers (o/down) a partial sum that one all-reduce over ``tp`` completes.
+Where the replicated residual stream enters the column-wise layers, the gradient is a sum of every
+tp rank's part: one all-reduce in the backward. Attention sees ``heads / tp`` heads per rank, which
+Ulysses then splits over ``cp``. Hooks are installed once per model and act only inside a call with
+``tp > 1``.
 """
 
 from __future__ import annotations
@@ -31,18 +32,13 @@ def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
         )
     if tp == 1:
         return
-    if layout.experts:
-        raise NotImplementedError(
-            f"tensor parallelism (tp={tp}) for the mixture-of-experts layout {layout.name!r} is not available; "
-            "use tp=1 and expert parallelism (ep) for it"
-        )
     fields = (layout.heads, layout.kv_heads, layout.mlp_width)
     counts = {name: getattr(config, name, None) for name in fields if name is not None}
     bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
     if bad:
         raise ValueError(
-            f"tp={tp} must divide {', '.join(f'{name}={count}' for name, count in bad.items())}: each tp rank "
-            "holds an equal share of the heads and features; choose a tp that divides them"
+            f"tp={tp} must divide {', '.join(f'{name}={count}' for name, count in bad.items())}: "
+            "each tp rank holds an equal share of the heads and features; choose a tp that divides them"
         )
 
 
@@ -65,15 +61,22 @@ def _sum_outputs(name: str, module, args, output):
     return None if group is None else sum_over_group(output, group, name)
 
 
+def holds_experts(layer: nn.Module, path: str, layout: Layout) -> bool:
+    """The module at ``path`` holds one of the layer's experts modules (a MoE block: its router runs
+    replicated and :mod:`cpshard.parallel.experts` sums its experts' input gradients over tp itself)."""
+    inside = [e for e in layout.experts if e == path or e.startswith(f"{path}.")]
+    return any(submodule(layer, e) is not None for e in inside)
+
+
 def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
-    """Each decoder layer's tp entry modules (their input gradients sum over tp) and row-wise layers (their
-    outputs sum over tp)."""
+    """Each decoder layer's tp entry modules (their input gradients sum over tp; MoE blocks aside) and
+    row-wise layers (their outputs sum over tp)."""
     rowwise = [path for path, style in layout.tensor_parallel.items() if style == "rowwise"]
     hooks = []
     for layer in layers:
         for path in layout.tensor_parallel_inputs:
             module = submodule(layer, path)
-            if module is not None:
+            if module is not None and not holds_experts(layer, path, layout):
                 hooks.append(Hook(module, _sum_input_grads, pre=True))
         for path in rowwise:
             module = submodule(layer, path)

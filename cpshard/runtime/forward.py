@@ -23,7 +23,12 @@ from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs
 from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
 from cpshard.loss.router import load_balancing_loss
-from cpshard.parallel.experts import check_expert_parallel, expert_counts
+from cpshard.parallel.experts import (
+    check_expert_parallel,
+    check_expert_plan,
+    choose_expert_plan,
+    expert_counts,
+)
 from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
 from cpshard.parallel.placement import expert_mesh
@@ -54,14 +59,27 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
 
+@dataclass(frozen=True)
+class ForwardOptions:
+    """make_cp_forward's options beyond the layout, the implementation and the outputs (see there)."""
+
+    ulysses_degree: int | None = None
+    sequence_order: str = "auto"
+    token_logprobs: bool = False
+    expert_plan: str = "auto"
+
+
 class CPForward:
     """A cp forward for one model: call it as ``cp_forward(params, batch, mesh)``."""
 
-    def __init__(self, model, layout: Layout, implementation: str, logits: bool, strict: bool, options: dict):
+    def __init__(
+        self, model, layout: Layout, implementation: str, logits: bool, strict: bool, options: ForwardOptions
+    ):
         self.model, self.layout, self.implementation = model, layout, implementation
         self.keep_logits, self.strict = logits, strict
-        self.keep_token_logprobs = options["token_logprobs"]
-        self.ulysses_degree, self.sequence_order = options["ulysses_degree"], options["sequence_order"]
+        self.keep_token_logprobs = options.token_logprobs
+        self.ulysses_degree, self.sequence_order = options.ulysses_degree, options.sequence_order
+        self.expert_plan = options.expert_plan
         self.module_names = {id(module): name for name, module in model.named_modules()}
         self.decoder_prefix = self.module_names[id(model.get_decoder())]
         install(model, layout)
@@ -70,7 +88,7 @@ class CPForward:
         """``(implementation, Ulysses degree, sequence order)`` for this mesh, after the checks of tp and ep."""
         tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
         check_tensor_parallel(self.model.config, self.layout, tp)
-        check_expert_parallel(self.model.config, self.layout, ep)
+        check_expert_parallel(self.model.config, self.layout, ep, tp)
         if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
             raise ValueError(
                 f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
@@ -112,6 +130,7 @@ class CPForward:
             split_mesh=split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None,
             tp_group=mesh.get_group("tp") if tp > 1 else None,
             expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
+            expert_plan=choose_expert_plan(self.expert_plan, tp, ep),
         )
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
@@ -227,6 +246,7 @@ def make_cp_forward(
     ulysses_degree=None,
     sequence_order="auto",
     token_logprobs=False,
+    expert_plan="auto",
 ) -> CPForward:
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
 
@@ -234,12 +254,14 @@ def make_cp_forward(
     ``sequence_order``: "contiguous" or "head_tail" (causal load balance); "auto" takes head_tail
     for ring and hybrid, contiguous for Ulysses (whose attention sees whole sequences anyway).
     ``token_logprobs``: also give ``CPOutput.token_logprobs``, the log-probability of each label (a block
-    of rows at a time; with ``logits=False`` a block of tokens at a time, never the whole logits)."""
+    of rows at a time; with ``logits=False`` a block of tokens at a time, never the whole logits).
+    ``expert_plan``: how MoE experts run beside tp, "dispatch" (each tp rank sends its share of the
+    (token, expert) pairs to the owners) or "all_reduce" (for an ep group inside a tp group: each rank
+    runs its own experts, no token exchange); "auto" takes "all_reduce" wherever it applies."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if sequence_order != "auto":
         check_order(sequence_order)
-    options = dict(
-        ulysses_degree=ulysses_degree, sequence_order=sequence_order, token_logprobs=token_logprobs
-    )
+    check_expert_plan(expert_plan)
+    options = ForwardOptions(ulysses_degree, sequence_order, token_logprobs, expert_plan)
     return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)

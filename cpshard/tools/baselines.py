@@ -32,7 +32,7 @@ from cpshard.call import active_call
 from cpshard.interfaces import SeenAs, register_once
 from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.cross_entropy import IGNORE_INDEX
-from cpshard.runtime.forward import CPForward
+from cpshard.runtime.forward import CPForward, ForwardOptions
 from cpshard.runtime.grad import value_and_grad
 from cpshard.tools.parity import reference
 
@@ -227,7 +227,7 @@ class TorchLossForward(CPForward):
     logits (cpshard's own makes one buffer of the logits' size instead of three; a peer would not have it)."""
 
     def __init__(self, model):
-        options = dict(ulysses_degree=None, sequence_order="auto", token_logprobs=False)
+        options = ForwardOptions()
         super().__init__(model, resolve_layout(model), "ulysses", logits=True, strict=False, options=options)
 
     def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
