@@ -24,6 +24,7 @@ from cpshard.attention.blocks import ring_blocks
 from cpshard.attention.ring import RingAttention
 from cpshard.call import active_call
 from cpshard.comm.redistribute import redistribute
+from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import chunks_per_rank, group_positions, row_blocks
 
@@ -48,14 +49,22 @@ def without_padding_keys(key, value, attention_mask, length: int):
     return key[:, :, :length], value[:, :, :length], attention_mask[..., :length]
 
 
-class _GroupedAs:
-    """The attention module as the inner function should see it: ``groups`` q heads per local kv head."""
+class _AsSeenByRank:
+    """The attention module as the inner function should see it on one rank of a head split: ``groups`` q
+    heads per local kv head, and the per-head parameters (sinks) of this rank's heads only."""
 
-    def __init__(self, module, groups: int):
-        self._module, self.num_key_value_groups = module, groups
+    def __init__(self, module, groups: int, per_head: dict):
+        self._module, self._per_head, self.num_key_value_groups = module, per_head, groups
 
     def __getattr__(self, name):
+        if name in self._per_head:
+            return self._per_head[name]
         return getattr(self._module, name)
+
+
+def _local_heads(module, names: tuple[str, ...], heads: int, rank: int) -> dict:
+    """The module's per-head parameters ``names``, cut to the ``heads`` heads of ``rank``."""
+    return {name: getattr(module, name)[rank * heads : (rank + 1) * heads] for name in names}
 
 
 @cache
@@ -76,18 +85,24 @@ def _on_axis(spec: Spec, axis: str) -> Spec:
     return Spec(tuple(Dim(d.name, tuple(axis if a == "cp" else a for a in d.axes)) for d in spec.dims))
 
 
-def _heads_for_sequences(module, query, key, value, layout, mesh, axis: str, path: str):
-    """Ulysses' first half over ``axis``: sequence-split q, k, v become head-split whole sequences."""
+def _heads_for_sequences(module, query, key, value, kwargs: dict, layout, mesh, axis: str, path: str):
+    """Ulysses' first half over ``axis``: sequence-split q, k, v become head-split whole sequences; the
+    module (and any of ``kwargs`` that is one of its per-head parameters) shows this rank's heads."""
     replicas = kv_replication(query.shape[1], key.shape[1], mesh[axis].size())
     if replicas > 1:
         key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
-        module = _GroupedAs(module, query.shape[1] // key.shape[1])
     seq_split, head_split = (_on_axis(spec, axis) for spec in layout.qkv)
     query, key, value = (
         redistribute(x, seq_split, head_split, mesh, name=f"{path} {part}")
         for part, x in (("q", query), ("k", key), ("v", value))
     )
-    return module, query, key, value
+    if replicas > 1 or layout.per_head_params:
+        names = tuple(n for n in layout.per_head_params if isinstance(getattr(module, n, None), torch.Tensor))
+        per_head = _local_heads(module, names, query.shape[1], mesh.get_local_rank(axis))
+        full = {id(getattr(module, name)): name for name in per_head}
+        kwargs = {k: per_head[full[id(v)]] if id(v) in full else v for k, v in kwargs.items()}
+        module = _AsSeenByRank(module, query.shape[1] // key.shape[1], per_head)
+    return module, query, key, value, kwargs
 
 
 def _sequences_for_heads(output, layout, mesh, axis: str, path: str):
@@ -140,8 +155,8 @@ def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
 
 def _ulysses_attention(inner: str, function, module, query, key, value, attention_mask, call, **kwargs):
     path = call.name_of(module)
-    module, query, key, value = _heads_for_sequences(
-        module, query, key, value, call.layout, call.mesh, "cp", path
+    module, query, key, value, kwargs = _heads_for_sequences(
+        module, query, key, value, kwargs, call.layout, call.mesh, "cp", path
     )
     boolean = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
     if isinstance(attention_mask, torch.Tensor):
@@ -163,10 +178,16 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
         raise ValueError(
             "ring attention does not apply attention dropout; set the model's attention_dropout to 0"
         )
+    if call.layout.per_head_params:
+        raise LayoutError(
+            f"{call.name_of(module)}: the ring's merge has no place for the per-head parameters "
+            f"{call.layout.per_head_params} (attention sinks), so ring and hybrid would ignore them; "
+            "use implementation='ulysses' (cp must divide the heads)"
+        )
     mesh, degree, path = call.split_mesh, call.ulysses, call.name_of(module)
     if degree > 1:
-        module, query, key, value = _heads_for_sequences(
-            module, query, key, value, call.layout, mesh, "cp_ulysses", path
+        module, query, key, value, kwargs = _heads_for_sequences(
+            module, query, key, value, kwargs, call.layout, mesh, "cp_ulysses", path
         )
     groups = mesh["cp_ring"].size()
     held = [

@@ -31,6 +31,7 @@ from cpshard.parallel.placement import expert_mesh
 from cpshard.parallel.tensor import check_tensor_parallel, install_tensor_parallel
 from cpshard.runtime.batch import PaddedBatch, check_batch, local_token_mask, pad_batch
 from cpshard.runtime.cut import install_cut
+from cpshard.runtime.probe import verify_once
 from cpshard.runtime.recompute import recompute_in
 from cpshard.spec.sequence import chunk_positions, chunks_per_rank
 
@@ -145,9 +146,12 @@ class CPForward:
         return dict(implementation=implementation, ulysses=degree, order=order, split_mesh=split, **groups)
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
+        verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
         cp = cp_size(mesh)
         plan = self._plan(mesh, cp, params)
-        check_batch(batch, mesh)  # valid and the same across each cp group, or every rank raises
+        check_batch(
+            batch, mesh, getattr(self.model.config, "vocab_size", None)
+        )  # valid and the same across each cp group, or every rank raises
         multiple = cp * chunks_per_rank(plan["order"])
         padded = pad_batch(batch, multiple, getattr(self.model.config, "pad_token_id", None))
         call = CPCall(

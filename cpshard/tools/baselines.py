@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from cpshard.attention.cp_attention import _GroupedAs, kv_replication, without_padding_keys
+from cpshard.attention.cp_attention import _AsSeenByRank, kv_replication, without_padding_keys
 from cpshard.call import active_call
 from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.cross_entropy import IGNORE_INDEX
@@ -188,7 +188,7 @@ def _attention(exchange):
         replicas = kv_replication(query.shape[1], key.shape[1], call.cp_size)
         if replicas > 1:
             key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
-            module = _GroupedAs(module, query.shape[1] // key.shape[1])
+            module = _AsSeenByRank(module, query.shape[1] // key.shape[1], {})
         return exchange(module, query, key, value, attention_mask, call, **kwargs)
 
     return attention
