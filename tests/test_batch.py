@@ -71,6 +71,30 @@ def test_validate_errors(batch, words):
 
 
 @pytest.mark.parametrize(
+    "labels, words",
+    [
+        (torch.tensor([[3, 9, -100, 10, 1]] * 2), ["holds 10 at [0, 3]", "below the vocabulary size 10"]),
+        (
+            torch.tensor([[3, -1, -100, 4, 1]] * 2),
+            ["holds -1 at [0, 1]", "or -100 for tokens without a loss"],
+        ),
+        (torch.ones(2, 5), ["integer token ids", "torch.float32"]),
+        (torch.ones(2, 5, dtype=torch.bool), ["integer token ids", "torch.bool"]),
+    ],
+)
+@pytest.mark.parametrize("key", ["labels", "shift_labels"])
+def test_validate_labels(labels, words, key):
+    batch = {"input_ids": _ids(B, L), key: labels}
+    with pytest.raises(BatchError) as info:
+        validate(batch, vocab_size=10)
+    missing = [word for word in words if word not in str(info.value)]
+    assert not missing, f"{info.value} lacks {missing}"
+    assert f"batch[{key!r}]" in str(info.value)
+    ok = torch.tensor([[3, 9, -100, 0, 1]] * 2)
+    assert validate({"input_ids": _ids(B, L), key: ok}, vocab_size=10) == (B, L)
+
+
+@pytest.mark.parametrize(
     "batch",
     [
         _batch(),

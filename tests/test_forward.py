@@ -210,12 +210,16 @@ def bad_call(kind: str):
     elif kind == "differs-shape":
         batch["input_ids"] = batch["input_ids"][:, : 8 - rank]
         batch["labels"] = batch["labels"][:, : 8 - rank]
+    elif kind == "labels-vocab":
+        batch["labels"][1, 6] = model.config.vocab_size  # on rank 1's half only
+    elif kind == "labels-negative":
+        batch["labels"][0, 1] = -5
+    elif kind == "labels-dtype":
+        batch["labels"] = batch["labels"].float()
     elif kind == "world":
         cpshard.make_mesh(cp=3)
     elif kind == "unserved":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cpshard.make_cp_forward(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
+        cpshard.make_cp_forward(tiny_model("mamba", attn_implementation="eager"))
     elif kind == "implementation":
         cpshard.make_cp_forward(model, implementation="magic")
     forward_options = {
@@ -238,8 +242,14 @@ BAD_INPUTS = {
     "mask-4d": ("BatchError", "batch['attention_mask'] must be 2-D"),
     "differs": ("BatchError", "the batch differs across the cp group: ranks [1]"),
     "differs-shape": ("BatchError", "the batch differs across the cp group: ranks [1]"),
+    "labels-vocab": (
+        "BatchError",
+        "batch['labels'] holds 128 at [1, 6]: labels must be token ids below the vocabulary size 128",
+    ),
+    "labels-negative": ("BatchError", "batch['labels'] holds -5 at [0, 1]"),
+    "labels-dtype": ("BatchError", "batch['labels'] must hold integer token ids, got dtype torch.float32"),
     "world": ("ValueError", "world size 2 != dp_replicate=1 * fsdp=1 * cp=3 * tp=1"),
-    "unserved": ("LayoutError", "model type 'gpt2'"),
+    "unserved": ("LayoutError", "model type 'mamba'"),
     "implementation": ("ValueError", "implementation='magic'"),
 }
 

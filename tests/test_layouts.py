@@ -47,25 +47,29 @@ def test_registered_types_get_their_file(models, model_type, layout):
 @pytest.mark.parametrize("model_type", ["qwen2", "olmo2"])
 def test_other_decoders_get_the_generic_layout(models, model_type):
     assert model_type not in REGISTERED
-    assert resolve_layout(models[model_type]) is decoder.LAYOUT
+    derived = resolve_layout(models[model_type])
+    assert derived.name == f"derived:{model_type}" and derived.model_types == (model_type,)
+    for row in ("decoder", "decoder_layers", "attention", "final_norm", "heads", "kv_heads", "qkv", "logits"):
+        assert getattr(derived, row) == getattr(decoder.LAYOUT, row), row
+    assert [key for key, *_ in derived.layer_inputs] == ["position_embeddings", "position_ids"]
 
 
 @pytest.mark.parametrize(
-    "model, model_type",
+    "model, model_type, why",
     [
-        ("gpt2", "'gpt2' (GPT2LMHeadModel)"),
-        (torch.nn.Linear(2, 2), "'Linear' (Linear)"),
-        (torch.nn.Module(), "'Module' (Module)"),
+        ("mamba", "'mamba' (MambaForCausalLM)", "backbone.layers (MambaBlock) has an attention module"),
+        (torch.nn.Linear(2, 2), "'Linear' (Linear)", "not a transformers model"),
+        (torch.nn.Module(), "'Module' (Module)", "not a transformers model"),
     ],
 )
-def test_models_that_do_not_fit_are_refused(models, model, model_type):
-    model = models[model] if isinstance(model, str) else model
+def test_models_that_do_not_fit_are_refused(models, model, model_type, why):
+    model = tiny_model(model, attn_implementation="auto") if isinstance(model, str) else model
     with pytest.raises(ValueError) as info:
         resolve_layout(model)
     message = str(info.value)
     assert f"model type {model_type}" in message
-    assert "no list of decoder layers at 'model.layers'" in message
-    assert f"Supported: {', '.join(SUPPORTED)}" in message
+    assert why in message
+    assert f"Layout files: {', '.join(SUPPORTED)}" in message
 
 
 def test_registry():

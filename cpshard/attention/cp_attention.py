@@ -25,6 +25,7 @@ from cpshard.attention.ring import RingAttention
 from cpshard.call import active_call
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
+from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import chunks_per_rank, group_positions, row_blocks
 
@@ -54,6 +55,11 @@ def without_padding_keys(key, value, attention_mask, length: int):
     return key[:, :, :length], value[:, :, :length], attention_mask[..., :length]
 
 
+def _local_heads(module, names: tuple[str, ...], heads: int, rank: int) -> dict:
+    """The module's per-head parameters ``names``, cut to the ``heads`` heads of ``rank``."""
+    return {name: getattr(module, name)[rank * heads : (rank + 1) * heads] for name in names}
+
+
 @cache
 def _model_eager(module_class: type):
     """The eager attention function of the modeling file that defines ``module_class``."""
@@ -72,18 +78,24 @@ def _on_axis(spec: Spec, axis: str) -> Spec:
     return Spec(tuple(Dim(d.name, tuple(axis if a == "cp" else a for a in d.axes)) for d in spec.dims))
 
 
-def _heads_for_sequences(module, query, key, value, layout, mesh, axis: str, path: str):
-    """Ulysses' first half over ``axis``: sequence-split q, k, v become head-split whole sequences."""
+def _heads_for_sequences(module, query, key, value, kwargs: dict, layout, mesh, axis: str, path: str):
+    """Ulysses' first half over ``axis``: sequence-split q, k, v become head-split whole sequences; the
+    module (and any of ``kwargs`` that is one of its per-head parameters) shows this rank's heads."""
     replicas = kv_replication(query.shape[1], key.shape[1], mesh[axis].size())
     if replicas > 1:
         key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
-        module = SeenAs(module, num_key_value_groups=query.shape[1] // key.shape[1])
     seq_split, head_split = (_on_axis(spec, axis) for spec in layout.qkv)
     query, key, value = (
         redistribute(x, seq_split, head_split, mesh, name=f"{path} {part}")
         for part, x in (("q", query), ("k", key), ("v", value))
     )
-    return module, query, key, value
+    if replicas > 1 or layout.per_head_params:
+        names = tuple(n for n in layout.per_head_params if isinstance(getattr(module, n, None), torch.Tensor))
+        per_head = _local_heads(module, names, query.shape[1], mesh.get_local_rank(axis))
+        full = {id(getattr(module, name)): name for name in per_head}
+        kwargs = {k: per_head[full[id(v)]] if id(v) in full else v for k, v in kwargs.items()}
+        module = SeenAs(module, num_key_value_groups=query.shape[1] // key.shape[1], **per_head)
+    return module, query, key, value, kwargs
 
 
 def _sequences_for_heads(output, layout, mesh, axis: str, path: str):
@@ -136,8 +148,8 @@ def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
 
 def _ulysses_attention(inner: str, function, module, query, key, value, attention_mask, call, **kwargs):
     path = call.name_of(module)
-    module, query, key, value = _heads_for_sequences(
-        module, query, key, value, call.layout, call.mesh, "cp", path
+    module, query, key, value, kwargs = _heads_for_sequences(
+        module, query, key, value, kwargs, call.layout, call.mesh, "cp", path
     )
     boolean = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
     if isinstance(attention_mask, torch.Tensor):
@@ -159,10 +171,16 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
         raise ValueError(
             "ring attention does not apply attention dropout; set the model's attention_dropout to 0"
         )
+    if call.layout.per_head_params:
+        raise LayoutError(
+            f"{call.name_of(module)}: the ring's merge has no place for the per-head parameters "
+            f"{call.layout.per_head_params} (attention sinks), so ring and hybrid would ignore them; "
+            "use implementation='ulysses' (cp must divide the heads)"
+        )
     mesh, degree, path = call.split_mesh, call.ulysses, call.name_of(module)
     if degree > 1:
-        module, query, key, value = _heads_for_sequences(
-            module, query, key, value, call.layout, mesh, "cp_ulysses", path
+        module, query, key, value, kwargs = _heads_for_sequences(
+            module, query, key, value, kwargs, call.layout, mesh, "cp_ulysses", path
         )
     groups = mesh["cp_ring"].size()
     held = [

@@ -102,6 +102,20 @@ class Layout:
         return heads, heads if kv_heads is None else kv_heads
 
 
+#: signs, in a module's own code, that it hands attention to transformers' registry
+_REGISTRY_CALLS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
+
+
+def calls_attention_registry(module: nn.Module) -> bool:
+    """Whether ``module``'s forward calls its attention function through transformers' registry (the
+    function cpshard replaces); read from its source, since a class flag may be missing or wrong."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return any(call in source for call in _REGISTRY_CALLS)
+
+
 def _from_rows(rows: dict) -> Layout:
     return Layout(**rows)
 
@@ -127,9 +141,10 @@ def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
     if layout.layer_inputs and not taken and not any(p.kind == p.VAR_KEYWORD for p in signature.values()):
         names = ", ".join(key for key, _, _ in layout.layer_inputs)
         problems.append(f"its decoder layers ({type(layers[0]).__name__}) take none of {names}")
-    if not all(isinstance(getattr(layer, layout.attention, None), nn.Module) for layer in layers):
+    attentions = [getattr(layer, layout.attention, None) for layer in layers]
+    if not all(isinstance(module, nn.Module) for module in attentions):
         problems.append(f"not every decoder layer has an attention module {layout.attention!r}")
-    if not getattr(model, "_supports_attention_backend", False):
+    elif not all(calls_attention_registry(module) for module in attentions):
         problems.append("it does not call attention through transformers' attention-function registry")
     config = getattr(model, "config", None)
     for attr in (layout.heads, layout.kv_heads):

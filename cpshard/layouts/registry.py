@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3, qwen3_moe
+from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.layout import Layout, LayoutError, structure_problems
 
 _FILES = (llama, mistral, qwen3, qwen3_moe, gemma3)
@@ -15,13 +16,23 @@ REGISTERED: dict[str, Layout] = {
 BY_NAME: dict[str, Layout] = {layout.name: layout for layout in (decoder.LAYOUT, *(m.LAYOUT for m in _FILES))}
 
 
+def _derived(model: nn.Module, model_type: str) -> Layout:
+    try:
+        return derive_layout(model)
+    except LayoutError as error:
+        raise LayoutError(
+            f"cpshard cannot serve model type {model_type!r} ({type(model).__name__}): {error}. Layout files: "
+            f"{', '.join(sorted(REGISTERED))}; others are derived from the model where cp can serve them"
+        ) from None
+
+
 def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
-    """The layout for ``model``: the one given, the one registered for its type, else the generic one."""
+    """The layout for ``model``: the one given, the one registered for its type, else one derived from it."""
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     if isinstance(layout, Layout):
         chosen = layout
     elif layout == "auto":
-        chosen = REGISTERED.get(model_type, decoder.LAYOUT)
+        chosen = REGISTERED.get(model_type) or _derived(model, model_type)
     elif layout in BY_NAME or layout in REGISTERED:
         chosen = BY_NAME.get(layout) or REGISTERED[layout]
     else:

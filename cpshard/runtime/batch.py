@@ -73,8 +73,30 @@ def _require_2d(batch: Mapping, key: str, shape: tuple[int, int]) -> None:
         )
 
 
-def validate(batch) -> tuple[int, int]:
-    """Raise a :class:`BatchError` naming what is wrong; return ``(B, L)``."""
+def _check_labels(batch: Mapping, vocab_size: int | None) -> None:
+    """Labels are integer token ids below the vocabulary size, or IGNORE_INDEX: else the loss would index
+    out of range on the rank that holds the bad token only, while the others wait in a collective."""
+    for key in ("labels", "shift_labels"):
+        labels = batch.get(key)
+        if labels is None:
+            continue
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise BatchError(f"batch[{key!r}] must hold integer token ids, got dtype {labels.dtype}")
+        bad = (labels != IGNORE_INDEX) & (
+            (labels < 0) | (labels >= (vocab_size or torch.iinfo(labels.dtype).max))
+        )
+        if bad.any():
+            where = tuple(bad.nonzero()[0].tolist())
+            bound = f"below the vocabulary size {vocab_size}" if vocab_size else "non-negative"
+            raise BatchError(
+                f"batch[{key!r}] holds {int(labels[where])} at {list(where)}: labels must be token ids "
+                f"{bound}, or {IGNORE_INDEX} for tokens without a loss"
+            )
+
+
+def validate(batch, vocab_size: int | None = None) -> tuple[int, int]:
+    """Raise a :class:`BatchError` naming what is wrong (labels against ``vocab_size`` where given);
+    return ``(B, L)``."""
     if not isinstance(batch, Mapping):
         raise BatchError(f"the batch must be a dict of tensors, got {type(batch).__name__}")
     unknown = sorted(set(batch) - set(BATCH_KEYS), key=str)
@@ -99,6 +121,7 @@ def validate(batch) -> tuple[int, int]:
         if batch.get(key) is not None:
             _require_2d(batch, key, shape)
     _require_count(batch.get(COUNT_KEY))
+    _check_labels(batch, vocab_size)
     return shape
 
 
@@ -193,7 +216,7 @@ def _dp_groups(mesh) -> list[list[int]]:
     return mesh.mesh.permute(*other, *same).reshape(-1, width).tolist()
 
 
-def check_batch(batch, mesh) -> tuple[int, int]:
+def check_batch(batch, mesh, vocab_size: int | None = None) -> tuple[int, int]:
     """:func:`validate` the batch and check it is the same on every rank of each dp group; return ``(B, L)``.
 
     Every rank of the mesh raises, or none does: one all-gather over the whole mesh, before any other
@@ -204,7 +227,7 @@ def check_batch(batch, mesh) -> tuple[int, int]:
     from cpshard.parallel.mesh import group_over
 
     try:
-        shape, error = validate(batch), None
+        shape, error = validate(batch, vocab_size), None
     except BatchError as raised:
         shape, error = None, raised
     group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))

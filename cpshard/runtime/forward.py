@@ -37,6 +37,7 @@ from cpshard.runtime.batch import PaddedBatch, check_batch, local_token_mask, pa
 from cpshard.runtime.count import loss_normaliser
 from cpshard.runtime.grad import summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
+from cpshard.runtime.probe import verify_once
 from cpshard.runtime.recompute import recompute_in
 from cpshard.runtime.tokens import sequence_sharded
 from cpshard.spec.sequence import check_order, chunk_positions, chunks_per_rank
@@ -134,9 +135,12 @@ class CPForward:
         )
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
+        verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
         cp = cp_size(mesh)
+        verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
         strategy = self._strategy(mesh, cp, params)
-        check_batch(batch, mesh)  # valid and the same across each cp group, or every rank raises
+        # valid and the same across each cp group, or every rank raises
+        check_batch(batch, mesh, getattr(self.model.config, "vocab_size", None))
         ensure_installed(self.model, self.layout)
         padded = pad_batch(
             batch, cp * chunks_per_rank(strategy[2]), getattr(self.model.config, "pad_token_id", None)

@@ -1,4 +1,4 @@
-"""The ``cpshard`` command line: one sub-command per job (``demo``, ``check``, ``bench``).
+"""The ``cpshard`` command line: one sub-command per job (``demo``, ``check``, ``bench``, ``layout``).
 
 Exit status: 0 on success, 1 when a check fails, 2 on bad usage (one line on stderr saying why).
 """
@@ -14,6 +14,7 @@ from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.tools.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, UsageError, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
+from cpshard.tools.layout_file import layout_for
 from cpshard.tools.usage import UsageError as BenchUsageError
 
 USAGE_ERROR = 2
@@ -169,12 +170,34 @@ def _run_bench(args, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _add_layout(commands) -> None:
+    parser = commands.add_parser(
+        "layout",
+        help="print the layout cpshard uses for a model type or config folder, as an editable layout file",
+        description="Print the cp layout of MODEL (a model type or a local folder with config.json): its "
+        "registered file, else the layout derived from the model, as Python to save, edit and pass as "
+        "make_cp_forward(model, layout=LAYOUT). Exit status 1 when cpshard cannot serve the model.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="a model type (llama, gpt2, ...) or a config folder")
+    parser.set_defaults(run=_run_layout)
+
+
+def _run_layout(args) -> int:
+    try:
+        print(layout_for(args.model), end="")
+    except ValueError as error:
+        print(f"cpshard layout: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cpshard", description="Exact context parallelism for transformers models.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
     _add_demo(commands)
     _add_check(commands)
     _add_bench(commands)
+    _add_layout(commands)
     return parser
 
 
@@ -183,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
-        parser.error("choose a command: demo, check, bench")
+        parser.error("choose a command: demo, check, bench, layout")
     return args.run(args)
 
 

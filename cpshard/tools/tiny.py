@@ -25,8 +25,34 @@ SMALL = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-#: sizes for model types that :data:`SMALL` does not cover: a mixture of experts with a dense first layer
+#: multi-head latent attention (DeepSeek-V2/V3 and kin): small latent ranks, a dense first layer
+_LATENT = dict(
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
+#: absolute position tables (and GPT-BigCode's causal mask buffer) are max_position_embeddings long
+_ABSOLUTE = dict(max_position_embeddings=256)
+#: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default)
 PER_TYPE = {
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa"), _LATENT),
+    **dict.fromkeys(("longcat_flash", "minicpm3", "sarvam_mla", "youtu", "axk1", "axk2"), _LATENT),
+    **dict.fromkeys(("gpt_bigcode", "openai-gpt", "gpt2", "biogpt", "xglm", "opt", "gpt_neo"), _ABSOLUTE),
+    "gptj": dict(rotary_dim=8),
+    "codegen": dict(rotary_dim=8),
+    "gpt_neo": dict(**_ABSOLUTE, attention_types=[[["global", "local"], 1]]),
+    "falcon": dict(head_dim=None),
+    "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
     "qwen3_moe": dict(
         num_experts=8,
         num_experts_per_tok=2,
@@ -40,7 +66,10 @@ PER_TYPE = {
 def tiny_config(model_type: str, **overrides):
     """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``."""
     try:
-        return AutoConfig.for_model(model_type, **{**SMALL, **PER_TYPE.get(model_type, {}), **overrides})
+        sizes = {**SMALL, **PER_TYPE.get(model_type, {}), **overrides}
+        return AutoConfig.for_model(
+            model_type, **{key: value for key, value in sizes.items() if value is not None}
+        )
     except ValueError as error:
         raise ValueError(f"unknown model type {model_type!r}: {error}") from None
 
@@ -48,7 +77,15 @@ def tiny_config(model_type: str, **overrides):
 def tiny_model(
     model_type: str, seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **overrides
 ):
-    """A random causal LM of ``model_type``, the same on every process for the same seed."""
+    """A random causal LM of ``model_type``, the same on every process for the same seed.
+    ``attn_implementation="auto"``: sdpa where the model supports it, else eager."""
+    if attn_implementation == "auto":
+        try:
+            return tiny_model(model_type, seed, "sdpa", dtype, **overrides)
+        except ValueError as error:
+            if "does not support an attention implementation" not in str(error):
+                raise
+            return tiny_model(model_type, seed, "eager", dtype, **overrides)
     config = tiny_config(model_type, **overrides)
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng():

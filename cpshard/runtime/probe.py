@@ -1,0 +1,143 @@
+"""Verify before trusting: a layout that is not a registered, tested file is checked once per model.
+
+On its first call, cp_forward runs a short probe sequence (three tokens per rank and one more, the
+model's own weights) under cp and in one process, on every rank, and compares each
+decoder layer's output at the positions the rank holds, then the logits, then every gradient of the
+next-token loss (a backward can differ where the forward agrees). A mismatch, or an error
+in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that differs:
+cp would give wrong results for this model. Cost: a forward without gradients and a forward and
+backward, plain and under cp, on ``3 * cp + 1`` tokens (and a copy of the gradients), once per model
+and layout, and one all-reduce of a number.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from cpshard.call import active_call
+from cpshard.layouts.layout import LayoutError
+from cpshard.layouts.registry import REGISTERED
+from cpshard.parallel.mesh import cp_size
+from cpshard.runtime.grad import value_and_grad
+from cpshard.spec.sequence import positions
+
+#: the layouts verified per model (by name); a layout is marked before its probe runs
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: a layer's output passes when it is this close, relative to its scale (fp32; half types get 1e-2)
+RTOL = 1e-4
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return RTOL if dtype in (torch.float32, torch.float64) else 1e-2
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = want.abs().max().clamp(min=1.0)
+    return got.shape == want.shape and bool((got - want).abs().max() <= _tolerance(want.dtype) * scale)
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _layer_outputs(layers, run) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each layer's output hidden states during ``run()`` and, under a cp call, the real positions this
+    rank holds (None outside one: the whole sequence)."""
+    outputs = []
+
+    def keep(module, args, output):
+        hidden, call, held = _first(output), active_call(), None
+        if call is not None:
+            held = positions(call.order, call.padded_length, call.cp_size, call.mesh.get_local_rank("cp"))
+            real = held < call.length
+            hidden, held = hidden[:, real], held[real]
+        outputs.append((hidden.detach(), held))
+
+    handles = [layer.register_forward_hook(keep) for layer in layers]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+def _probe_ids(model, cp: int, device) -> torch.Tensor:
+    """Two rows of ``3 * cp + 1`` token ids spread over the vocabulary (odd: the cp padding is exercised)."""
+    vocab = max(getattr(model.config, "vocab_size", 8) - 3, 1)
+    return (torch.arange(2 * (3 * cp + 1)) * 7).remainder(vocab).add(3).view(2, -1).to(device)
+
+
+def first_difference(cp_forward, params: dict, mesh) -> str | None:
+    """What first differs between cp and one process on the probe sequence (None: nothing)."""
+    model, layout = cp_forward.model, cp_forward.layout
+    layers = model.get_submodule(layout.decoder_layers)
+    ids = _probe_ids(model, cp_size(mesh), next(iter(params.values())).device)
+    results: dict = {}
+
+    def plain():
+        inputs = {"input_ids": ids, "use_cache": False}
+        results["plain"] = torch.func.functional_call(
+            model, params, (), inputs, strict=False, tie_weights=True
+        )
+
+    def under_cp():
+        results["cp"] = cp_forward(params, {"input_ids": ids}, mesh)
+
+    with torch.no_grad():
+        theirs, ours = _layer_outputs(layers, plain), _layer_outputs(layers, under_cp)
+    for index, ((got, held), (want, _)) in enumerate(zip(ours, theirs)):
+        if not _close(got, want[:, held]):
+            return f"the output of {layout.decoder_layers}.{index}"
+    logits = results["cp"].logits
+    if logits is not None and not _close(logits.full_tensor(), results["plain"].logits):
+        return "the logits (every layer agrees: look at the final norm and the LM head)"
+    return _first_gradient_difference(cp_forward, params, ids, mesh)
+
+
+def _first_gradient_difference(cp_forward, params: dict, ids: torch.Tensor, mesh) -> str | None:
+    """The first parameter whose gradient of the probe's loss differs (a backward the forward cannot show)."""
+    model = cp_forward.model
+    leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
+    theirs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    _, ours = value_and_grad(cp_forward)(params, {"input_ids": ids, "labels": ids}, mesh)
+    for (name, leaf), want in zip(leaves.items(), theirs):
+        if not _close(ours[name], torch.zeros_like(leaf) if want is None else want):
+            return f"the gradient of {name}"
+    return None
+
+
+def verify_once(cp_forward, params: dict, mesh) -> None:
+    """Probe a layout that is not a registered file, once per model; a LayoutError on every rank if cp
+    differs from one process, or if the probe's cp run fails."""
+    model, layout = cp_forward.model, cp_forward.layout
+    if any(layout is registered for registered in REGISTERED.values()) or cp_size(mesh) == 1:
+        return
+    if any(isinstance(value, DTensor) for value in params.values()):
+        return  # a parallelized model (tp, ep): its layout was verified on the plain model's first call
+    verified = _VERIFIED.setdefault(model, set())
+    if layout.name in verified:
+        return
+    verified.add(layout.name)  # the probe's own cp call must not probe again
+    try:
+        what, error = first_difference(cp_forward, params, mesh), None
+    except Exception as raised:  # noqa: BLE001 -- reported on every rank below
+        what, error = "the probe's cp run", raised
+    failed = torch.tensor([what is not None], dtype=torch.int64)
+    dist.all_reduce(failed, group=mesh.get_group("cp"))
+    if failed.item():
+        verified.discard(layout.name)
+        detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+        where = what or "another cp rank's part of the probe"
+        raise LayoutError(
+            f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: on a probe "
+            f"sequence, {where} differs between cp and one process{detail}. Some module mixes tokens along the "
+            "sequence where cp cannot see it, or a per-position input is not cut; write a layout file "
+            "for this architecture or run it without cp"
+        ) from error

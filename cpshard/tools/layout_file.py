@@ -1,0 +1,55 @@
+"""``cpshard layout``: the layout cpshard derives for a model type or a config folder, as a layout file.
+
+The printed file is Python a user can read, save and edit, then pass as ``make_cp_forward(model,
+layout=LAYOUT)``. The model is built tiny from the config (layout rows name config fields and module
+paths, never sizes), so nothing is downloaded and no weights are needed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+from transformers import AutoConfig
+
+from cpshard.layouts.layout import Layout
+from cpshard.layouts.registry import REGISTERED, resolve_layout
+from cpshard.spec.notation import Spec
+from cpshard.tools.tiny import SMALL, tiny_model
+
+
+def _value(value) -> str:
+    if isinstance(value, Spec):
+        return repr(value)
+    if isinstance(value, tuple):
+        inner = ", ".join(_value(v) for v in value)
+        return f"({inner}{',' if len(value) == 1 else ''})"
+    if hasattr(value, "items"):
+        return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def layout_source(layout: Layout, origin: str) -> str:
+    """``layout`` as a layout file: one row per line."""
+    rows = "\n".join(f"    {f.name}={_value(getattr(layout, f.name))}," for f in fields(layout))
+    return (
+        f'"""The cp layout of {origin}, as cpshard derived it (edit it, then make_cp_forward(model, '
+        'layout=LAYOUT))."""\n\nfrom cpshard import Layout, Spec\n\nLAYOUT = Layout(\n' + rows + "\n)\n"
+    )
+
+
+def _model_for(source: str):
+    """A tiny model of a model type, or of the config in a local folder."""
+    if not os.path.isdir(source):
+        return tiny_model(source, attn_implementation="auto")
+    config = AutoConfig.from_pretrained(source)
+    sizes = {key: value for key, value in SMALL.items() if hasattr(config, key)}
+    return tiny_model(config.model_type, attn_implementation="auto", **{**config.to_dict(), **sizes})
+
+
+def layout_for(source: str) -> str:
+    """The layout file for ``source`` (a model type or a config folder): registered or derived."""
+    model = _model_for(source)
+    layout = resolve_layout(model)
+    kind = "the registered file" if layout in REGISTERED.values() else "derived"
+    return layout_source(layout, f"{model.config.model_type} ({kind})")

@@ -1,0 +1,61 @@
+"""Layouts derived from the model: the rows found in families off ``model.layers``, and the refusals."""
+
+import pytest
+
+from cpshard.layouts.derive import derive_layout
+from cpshard.layouts.layout import LayoutError, structure_problems
+from cpshard.tools.tiny import tiny_model
+
+
+@pytest.mark.parametrize(
+    "model_type, rows",
+    [
+        (
+            "gpt_neox",
+            dict(
+                decoder_layers="gpt_neox.layers",
+                attention="attention",
+                final_norm="gpt_neox.final_layer_norm",
+            ),
+        ),
+        ("gptj", dict(decoder_layers="transformer.h", attention="attn", final_norm="transformer.ln_f")),
+        (
+            "phi",
+            dict(decoder_layers="model.layers", attention="self_attn", final_norm="model.final_layernorm"),
+        ),
+        ("lfm2", dict(final_norm="model.embedding_norm")),
+        ("gpt_oss", dict(per_head_params=("sinks",))),
+        ("stablelm", dict(attention="self_attn")),
+    ],
+)
+def test_rows_read_off_the_model(model_type, rows):
+    model = tiny_model(model_type, attn_implementation="auto")
+    layout = derive_layout(model)
+    assert {row: getattr(layout, row) for row in rows} == rows
+    assert layout.model_types == (model_type,) and structure_problems(model, layout) == []
+    assert "position_embeddings" in [key for key, *_ in layout.layer_inputs]
+
+
+def test_kv_heads_fall_back_to_heads():
+    model = tiny_model("llama")
+    del model.config.num_key_value_heads
+    layout = derive_layout(model)
+    assert layout.kv_heads is None and layout.head_counts(model.config) == (4, 4)
+
+
+@pytest.mark.parametrize(
+    "model_type, words",
+    [
+        ("minimax", ["model.layers.1.self_attn (MiniMaxLightningAttention)", "attention registry"]),
+        ("zaya", ["conv_qk_depthwise (Conv1d: a convolution along the sequence)", "outside the attention"]),
+        ("mamba", ["backbone.layers (MambaBlock) has an attention module"]),
+        ("hy_v4", ["model.layers.0 receives a residual stream of shape [1, 13, 4, 64]"]),
+        ("dory", ["model.layers.0 runs 2 times in one forward (looped layers)"]),
+        ("bloom", ["transformer.h.0.self_attention (BloomAttention)", "attention registry"]),
+    ],
+)
+def test_what_cp_cannot_serve_is_refused_naming_module_and_reason(model_type, words):
+    with pytest.raises(LayoutError) as info:
+        derive_layout(tiny_model(model_type, attn_implementation="auto"))
+    missing = [word for word in words if word not in str(info.value)]
+    assert not missing, f"{info.value} lacks {missing}"

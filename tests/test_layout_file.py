@@ -1,0 +1,22 @@
+"""``cpshard layout``: the printed layout file is Python that gives back the layout cpshard uses."""
+
+import pytest
+
+from cpshard.layouts.registry import resolve_layout
+from cpshard.tools.cli import main
+from cpshard.tools.layout_file import layout_for
+from cpshard.tools.tiny import tiny_model
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "gpt_oss", "qwen3"])
+def test_the_printed_file_gives_back_the_layout(model_type):
+    namespace = {}
+    exec(layout_for(model_type), namespace)  # noqa: S102 -- the file a user would save and import
+    assert namespace["LAYOUT"] == resolve_layout(tiny_model(model_type, attn_implementation="auto"))
+
+
+def test_cli_prints_or_refuses(capsys):
+    assert main(["layout", "gpt_neox"]) == 0
+    assert "decoder_layers='gpt_neox.layers'," in capsys.readouterr().out
+    assert main(["layout", "zaya"]) == 1
+    assert "convolution along the sequence" in capsys.readouterr().err
