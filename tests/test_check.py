@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cpshard.layouts.decoder import LAYOUT as DECODER
+from cpshard.parallel.processes import RankError
 from cpshard.spec.notation import Spec
 from cpshard.tools.check import (
     CheckConfig,
@@ -48,16 +49,15 @@ def test_check_passes_on_supported_models(ranks2, config):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_broken_layout_fails_with_exit_1_naming_the_rows(ranks2, dtype):
+def test_broken_layout_is_refused_by_the_probe_on_every_rank(ranks2, dtype):
+    """A layout that is not a tested file is probed first: one that leaves q, k, v local never runs."""
     config = CheckConfig("llama", seq=16, dtype=dtype)
-    parities = ranks2.run(check_job, config, BROKEN)
-    report = format_report(config, parities)
-    assert exit_status(config, parities) == 1, report
-    verdict = report.splitlines()[-1]
-    assert verdict.startswith("FAIL:"), report
-    for row in ("logits", "grad model.layers.0.self_attn"):
-        assert row in verdict, report
-        assert any(line.split()[-1] == "FAIL" and row in line for line in report.splitlines()), report
+    with pytest.raises(RankError) as caught:
+        ranks2.run(check_job, config, BROKEN)
+    failures = caught.value.failures
+    assert sorted(failures) == [0, 1]
+    for failure in failures.values():
+        assert failure.kind == "LayoutError" and "cannot vouch for layout 'broken'" in failure.message
 
 
 def test_pass_rule_is_relative_to_each_rows_scale():
@@ -104,7 +104,7 @@ def test_local_folders_with_and_without_weights(ranks2, tmp_path):
         (["llama", "--pad", "left", "--seq", "1"], "--pad left needs --seq of at least 4"),
         (["llama", "--implementation", "hybrid"], "hybrid needs a Ulysses degree"),
         (["llama", "--cp", "3", "--implementation", "ulysses"], "not divisible by cp=3"),
-        (["gpt2"], "cpshard cannot serve model type 'gpt2'"),
+        (["mamba"], "cpshard cannot serve model type 'mamba'"),
         (["t5"], "model type 't5' has no causal LM"),
         (["llama", "--dtype", "float16"], "invalid choice: 'float16'"),
     ],

@@ -142,6 +142,8 @@ def _recorded_inputs(model: nn.Module, layers: nn.ModuleList, layers_path: str) 
             if pair is not None and all(_sequence_spec(v) == pair for v in parts):
                 seen.setdefault("inputs", {})[key] = pair
 
+    if any(p.is_meta for p in model.parameters()):  # nothing can run: the generic decoder's inputs
+        return DECODER.layer_inputs
     handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
     ids = torch.arange(PROBE_LENGTH).remainder(max(getattr(model.config, "vocab_size", 2) - 3, 1)) + 3
     try:

@@ -90,13 +90,16 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
 
     with torch.no_grad():
         theirs, ours = _layer_outputs(layers, plain), _layer_outputs(layers, under_cp)
-    for index, ((got, held), (want, _)) in enumerate(zip(ours, theirs)):
-        if not _close(got, want[:, held]):
-            return f"the output of {layout.decoder_layers}.{index}"
+    differing = [i for i in range(len(ours)) if not _close(ours[i][0], theirs[i][0][:, ours[i][1]])]
     logits = results["cp"].logits
-    if logits is not None and not _close(logits.full_tensor(), results["plain"].logits):
+    logits_differ = logits is not None and not _close(logits.full_tensor(), results["plain"].logits)
+    # every rank runs every collective of the probe, whatever it found: an early return would hang the others
+    gradient = _first_gradient_difference(cp_forward, params, ids, mesh)
+    if differing:
+        return f"the output of {layout.decoder_layers}.{differing[0]}"
+    if logits_differ:
         return "the logits (every layer agrees: look at the final norm and the LM head)"
-    return _first_gradient_difference(cp_forward, params, ids, mesh)
+    return gradient
 
 
 def _first_gradient_difference(cp_forward, params: dict, ids: torch.Tensor, mesh) -> str | None:
@@ -136,8 +139,9 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
         detail = f" ({type(error).__name__}: {error})" if error is not None else ""
         where = what or "another cp rank's part of the probe"
         raise LayoutError(
-            f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: on a probe "
-            f"sequence, {where} differs between cp and one process{detail}. Some module mixes tokens along the "
-            "sequence where cp cannot see it, or a per-position input is not cut; write a layout file "
+            f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: on a "
+            f"probe sequence, {where} differs between cp and one process{detail}. Some module mixes "
+            "tokens along the sequence where cp cannot see it, or a per-position input is not cut; "
+            "write a layout file "
             "for this architecture or run it without cp"
         ) from error
