@@ -6,7 +6,14 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.comm.collectives import all_gather_rows, all_to_all, sum_many_grads_over_group, sum_over_group
+from cpshard.comm.collectives import (
+    all_gather_rows,
+    all_to_all,
+    gather_shares,
+    share_rows,
+    sum_many_grads_over_group,
+    sum_over_group,
+)
 from cpshard.comm.record import recording
 
 #: (scatter_dim, gather_dim) pairs, negative dims included
@@ -43,6 +50,32 @@ def _all_to_all_case(group, scatter_dim, gather_dim):
         "events": (
             [(e.op, e.name, e.phase, e.nbytes, e.group_size) for e in log.events],
             [("all_to_all", "probe", phase, x.nbytes, size) for phase in ("forward", "backward")],
+        ),
+    }
+
+
+def _shares_case(group, rows: int):
+    """A replicated ``[rows, 3]`` tensor: each rank's share (as torch.chunk cuts, the last ones short or
+    empty) through a function, the shares gathered back whole; every rank gets the whole gradient."""
+    size, index = dist.get_world_size(group), dist.get_rank(group)
+    seed = dist.get_process_group_ranks(group)[0]  # the same whole tensor within the group
+    full, weight = _data(seed, rows, 3), _data(seed + 100, rows, 3)
+    x = full.clone().requires_grad_(True)
+    with recording() as log:
+        mine = share_rows(x, group, name="probe in")
+        y = gather_shares(mine.sin(), rows, group, name="probe out")
+    (y * weight).sum().backward()
+    chunk = -(-rows // size)
+    return {
+        "share": (mine.detach(), full[index * chunk : (index + 1) * chunk]),
+        "output": (y.detach(), full.sin()),
+        "grad": (x.grad, full.cos() * weight),
+        "events": (
+            [(e.op, e.name, e.phase, e.nbytes, e.group_size) for e in log.events],
+            [
+                ("all_gather", "probe out", "forward", chunk * 3 * 8, size),
+                ("all_gather", "probe in", "backward", chunk * 3 * 8, size),
+            ],
         ),
     }
 
@@ -107,6 +140,8 @@ def _collective_cases():
                 group, scatter_dim, gather_dim
             )
         cases[f"{label} reductions"] = _reductions_case(group)
+        for rows in (5, 8):  # shares of 2, 2, 1, 0 (or 3, 2) rows; even shares
+            cases[f"{label} shares of {rows}"] = _shares_case(group, rows)
         try:
             all_to_all(torch.zeros(2, 3), 1, 0, group, name="q proj")
         except ValueError as error:
@@ -117,7 +152,7 @@ def _collective_cases():
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives(world, request):
     for rank, cases in enumerate(request.getfixturevalue(f"ranks{world}").run(_collective_cases)):
-        assert len(cases) == (1 if world == 2 else 2) * (len(EXCHANGES) + 2)
+        assert len(cases) == (1 if world == 2 else 2) * (len(EXCHANGES) + 4)
         for case, checks in cases.items():
             for what, (actual, expected) in checks.items():
                 where = f"rank {rank}, {case}, {what}"

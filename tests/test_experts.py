@@ -207,18 +207,20 @@ def _tp_case(ep: int, plan: str, skew: str, inner: str) -> dict:
     for name, grad in zip(run["grads"], grads):
         checks[f"grad {name}"] = (grad, expected[name][block])
     tokens = ROWS * LENGTH // 2
-    analytic = tp_share_bytes(tokens, H, K, 4)
-    if plan == "dispatch":  # this rank's half of its slice's pairs out; its experts' pairs of the ep group in
+    analytic = tp_share_bytes(tokens, H, K, 4, shares=2 if plan == "dispatch" else 1)
+    if (
+        plan == "dispatch"
+    ):  # this rank's half of its slice's tokens out; its experts' pairs of the ep group in
         group_index = data["index"] if ep == 4 else _mine(data["index"], cp_rank, 2)
         received = int(((group_index >= block.start) & (group_index < block.stop)).sum())
-        dispatched = ep_bytes(tokens * K // 2, received, H, 4, E)
+        dispatched = ep_bytes(tokens // 2 * K, received, H, 4, E)
         analytic = {phase: analytic[phase] + dispatched[phase] for phase in analytic}
     by_phase = run["log"].bytes_by("phase")
     checks["bytes"] = (
         (by_phase.get("forward"), by_phase.get("backward")),
         (analytic["forward"], analytic["backward"]),
     )
-    ops = {("all_reduce", 2)} | ({("all_to_all", ep)} if plan == "dispatch" else set())
+    ops = {("all_gather", 2), ("all_to_all", ep)} if plan == "dispatch" else {("all_reduce", 2)}
     checks["ops"] = ({(e.op, e.group_size) for e in run["log"].events}, ops)
     return checks
 

@@ -146,6 +146,13 @@ COMBINATIONS = {
     "moe-aux-loss-cp2xtp2-ep2-all-reduce-packed-ring-nologits": _moe_beside_tp(2, RING_NO_LOGITS, PACKED),
     "moe-aux-loss-cp2xtp2-ep4-packed-ring-nologits": _moe_beside_tp(4, RING_NO_LOGITS, PACKED),
     "moe-fsdp2xtp2-ep4": (dict(fsdp=2, tp=2, cp=1, ep=4), False, "qwen3_moe"),
+    # the ep groups inside the tp group: each takes half of the pairs (pair_share) for its experts
+    "moe-aux-loss-tp4-ep2-all-reduce": (
+        dict(tp=4, cp=1, ep=2),
+        False,
+        "qwen3_moe",
+        dict(num_key_value_heads=4, **ROUTER_LOSS),
+    ),
 }
 
 

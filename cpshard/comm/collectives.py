@@ -211,6 +211,69 @@ def all_gather_shards(
     return list(_GatherShards.apply(group, name, tuple(rows), *shards))
 
 
+def share_bounds(rows: int, size: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)``: rank ``rank``'s share of ``rows`` rows cut in ``size`` shares as ``torch.chunk``
+    cuts (the last shares may be short or empty)."""
+    chunk = -(-rows // size)
+    start = min(rows, rank * chunk)
+    return start, start + _rows_of(rank, rows, chunk)
+
+
+def _gather_shares(x: torch.Tensor, rows: int, group, log, name: str, phase: str) -> torch.Tensor:
+    """Every rank's share (:func:`share_bounds`) of ``rows`` rows, back in rank order: one all-gather of
+    the shares padded to the largest."""
+    size, chunk = dist.get_world_size(group), -(-rows // dist.get_world_size(group))
+    flat = _padded(x, chunk).contiguous()
+    record(log, "all_gather", name, phase, flat, size)
+    out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    dist.all_gather_single(out, flat.reshape(-1), group=group)
+    pieces = out.view(size, chunk, -1)
+    return torch.cat([pieces[r, : _rows_of(r, rows, chunk)] for r in range(size)]).view(rows, *x.shape[1:])
+
+
+class _ShareRows(torch.autograd.Function):
+    """This rank's share of a replicated tensor's rows; backward: every rank's share of the gradient
+    gathered (each rank's share alone reached the loss through this rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group, name):
+        ctx.rows, ctx.group, ctx.name, ctx.log = x.shape[0], group, name, active_log()
+        start, stop = share_bounds(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
+        return x[start:stop].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_shares(grad, ctx.rows, ctx.group, ctx.log, ctx.name, "backward"), None, None
+
+
+class _GatherShares(torch.autograd.Function):
+    """Every rank's share of the rows, whole on every rank; backward: this rank's share of the (replicated)
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, x, rows, group, name):
+        ctx.bounds = share_bounds(rows, dist.get_world_size(group), dist.get_rank(group))
+        return _gather_shares(x, rows, group, active_log(), name, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, stop = ctx.bounds
+        return grad[start:stop], None, None, None
+
+
+def share_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """This rank's share (:func:`share_bounds`) of the rows of ``x``, which every rank of ``group`` holds
+    alike; the gradient of the whole comes back gathered from every rank's share."""
+    return _ShareRows.apply(x, group, name)
+
+
+def gather_shares(x: torch.Tensor, rows: int, group, name: str = "") -> torch.Tensor:
+    """The ``rows`` rows whose shares (:func:`share_bounds`) the ranks of ``group`` hold, on every rank;
+    the inverse of :func:`share_rows` (its gradient must be the same on every rank: each keeps its
+    share)."""
+    return _GatherShares.apply(x, rows, group, name)
+
+
 def _exchange_rows(
     x: torch.Tensor, send: list[int], receive: list[int], group, log, name: str, phase: str
 ) -> torch.Tensor:

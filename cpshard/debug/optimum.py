@@ -122,14 +122,18 @@ def ep_bytes(
     return {"forward": num_experts * 8 + (sent + received) * row, "backward": (received + sent) * row}
 
 
-def tp_share_bytes(tokens: int, hidden_size: int, top_k: int, element_size: int) -> dict[str, int]:
-    """Bytes one rank puts into the all-reduces over tp that join the tp ranks' shares of one experts layer
-    of ``tokens`` tokens: the combined output forward; the gradients of the experts' input and of the
-    routing weights backward. The "all_reduce" plan moves only these; "dispatch" adds :func:`ep_bytes`
-    for its share's pairs."""
+def tp_share_bytes(
+    tokens: int, hidden_size: int, top_k: int, element_size: int, shares: int = 1
+) -> dict[str, int]:
+    """Bytes one rank puts into the collectives over tp that join the tp ranks' shares of one experts
+    layer of ``tokens`` tokens: the output forward, the gradients of the experts' input and of the
+    routing weights backward. The "all_reduce" plan all-reduces whole tensors (``shares=1``) and moves
+    nothing else; "dispatch" all-gathers each rank's token share (``shares=tp``, padded to the largest)
+    and adds :func:`ep_bytes` for that share's pairs."""
+    rows = -(-tokens // shares)
     return {
-        "forward": tokens * hidden_size * element_size,
-        "backward": tokens * (hidden_size + top_k) * element_size,
+        "forward": rows * hidden_size * element_size,
+        "backward": rows * (hidden_size + top_k) * element_size,
     }
 
 

@@ -9,15 +9,21 @@ where the routing weights combine them. No token reaches an expert twice; the ba
 reverse all-to-alls, so an owner's expert-weight gradients already sum over every token of the ep
 group and need no further reduction over ``ep``.
 
-Under tensor parallelism the ``tp`` ranks of a cp slice hold the same tokens. Each routes them with the
-replicated router and takes a disjoint share of their (token, k) pairs (:func:`pair_share`), so each
-pair reaches its expert once; one all-reduce over ``tp`` then joins the shares' combined outputs. Two
-plans (:data:`EXPERT_PLANS`): "dispatch" sends each share to the owners as above; "all_reduce" serves an
-ep group that lies inside one tp group (its ranks hold the same tokens): each rank runs its own experts
-on its share's pairs that picked them, with no token exchange at all. Either way the router and the
-residual stream stay replicated with whole gradients on every tp rank: the experts' input and routing
-weight gradients (each rank's share) are summed over ``tp`` here, so the MoE block is no tp entry
-module (:func:`cpshard.parallel.tensor.tensor_parallel_hooks` skips it).
+Under tensor parallelism the ``tp`` ranks of a cp slice hold the same tokens, routed alike by the
+replicated router; each takes a disjoint share of their (token, k) pairs, so each pair reaches its
+expert once. Two plans (:data:`EXPERT_PLANS`):
+
+- "dispatch": each tp rank takes a share of the tokens with all their pairs (:func:`share_rows`) and
+  sends it to the owners as above; one all-gather over ``tp`` joins the shares' outputs, whose backward
+  is each rank's share of the (replicated) gradient, and the inputs' gradients come back gathered the
+  same way: a tp rank moves its share of the tokens, not all of them.
+- "all_reduce", for an ep group inside one tp group (its ranks hold the same tokens): each rank runs
+  its own experts on the pairs (of its share, :func:`pair_share`, where ep < tp) that picked them, with
+  no token exchange at all; one all-reduce over ``tp`` joins the results, and the experts' input and
+  routing-weight gradients are summed over ``tp``.
+
+Either way the router and the residual stream stay replicated with whole gradients on every tp rank,
+so the MoE block is no tp entry module (:func:`cpshard.parallel.tensor.tensor_parallel_hooks` skips it).
 
 Registered in transformers' experts registry (``ExpertsInterface``) as ``cpshard_ep_<inner>``,
 the way :mod:`cpshard.attention.cp_attention` wraps attention: outside a cp call, or when the call has no
@@ -33,7 +39,14 @@ import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from cpshard.call import current_call
-from cpshard.comm.collectives import all_to_all, all_to_all_rows, sum_grads_over_group, sum_over_group
+from cpshard.comm.collectives import (
+    all_to_all,
+    all_to_all_rows,
+    gather_shares,
+    share_rows,
+    sum_grads_over_group,
+    sum_over_group,
+)
 from cpshard.interfaces import SeenAs, register_wrapper
 
 PREFIX = "cpshard_ep_"
@@ -202,20 +215,26 @@ def choose_expert_plan(plan: str, tp: int, ep: int) -> str:
 
 
 def tp_experts(call, function, module, hidden_states, top_k_index, top_k_weights, name: str):
-    """The experts layer when the ``tp`` ranks hold the same tokens: each runs a disjoint share of the
-    pairs by the call's plan, and one all-reduce over ``tp`` joins the shares."""
-    tp_group, ep_group, total = call.tp_group, call.expert_group, module.num_experts
+    """The experts layer when the ``tp`` ranks hold the same tokens, by the call's plan (see the module
+    docstring): each pair runs once, and every tp rank gets the whole output."""
+    tp_group, ep_group = call.tp_group, call.expert_group
+    if call.expert_plan == "dispatch":
+        mine = ep_experts(
+            function,
+            module,
+            share_rows(hidden_states, tp_group, f"{name} tp input"),
+            share_rows(top_k_index, tp_group),
+            share_rows(top_k_weights, tp_group, f"{name} tp routing weights"),
+            ep_group,
+            name,
+        )
+        return gather_shares(mine, hidden_states.shape[0], tp_group, f"{name} tp output")
     tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    # the router and residual stream are replicated: their gradients are the sum of every share's
     hidden_states = sum_grads_over_group(hidden_states, tp_group, f"{name} tp input")
     top_k_weights = sum_grads_over_group(top_k_weights, tp_group, f"{name} tp routing weights")
-    if call.expert_plan == "all_reduce":  # the ep group lies inside the tp group: tp // ep shares
-        index = pair_share(top_k_index, tp // ep, tp_rank // ep, total)
-        partial = owned_experts(function, module, hidden_states, index, top_k_weights, ep_rank, ep, name)
-    else:
-        index = pair_share(top_k_index, tp, tp_rank, total)
-        partial = ep_experts(function, module, hidden_states, index, top_k_weights, ep_group, name)
+    index = pair_share(top_k_index, tp // ep, tp_rank // ep, module.num_experts)  # ep < tp: tp // ep shares
+    partial = owned_experts(function, module, hidden_states, index, top_k_weights, ep_rank, ep, name)
     return sum_over_group(partial, tp_group, f"{name} tp sum")
 
 
