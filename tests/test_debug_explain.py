@@ -72,8 +72,8 @@ def test_llama_on_cp2(ranks2):
 
 def test_generic_layout_and_heads_that_do_not_divide(ranks2):
     for layout, implementation, _, moves, _, text in ranks2.run(explained, "qwen2"):
-        assert layout == "decoder" and implementation == "ulysses" and moves["q"][3] == H * HD * F32
-        assert "no layout file is registered for 'qwen2'; its structure fits the generic decoder" in text
+        assert layout == "derived:qwen2" and implementation == "ulysses" and moves["q"][3] == H * HD * F32
+        assert "no layout file is registered for 'qwen2'; derived from the model's structure" in text
     three_heads = dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)
     for _, implementation, replicas, moves, _, text in ranks2.run(explained, "llama", **three_heads):
         # 3 heads over cp=2: no Ulysses degree divides both, so auto falls back to the ring

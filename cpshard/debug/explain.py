@@ -106,7 +106,10 @@ def _layout_reason(model, layout, chosen: Layout) -> str:
         return f"named {layout!r}"
     if REGISTERED.get(model_type) is chosen:
         return f"registered for model type {model_type!r} (cpshard/layouts/)"
-    return f"no layout file is registered for {model_type!r}; its structure fits the generic decoder"
+    return (
+        f"no layout file is registered for {model_type!r}; derived from the model's structure "
+        "(verified against one process on a probe sequence at the first call)"
+    )
 
 
 def _implementation(
