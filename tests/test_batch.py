@@ -31,7 +31,7 @@ def _batch(**extra):
     return {"input_ids": _ids(B, L), **extra}
 
 
-# ---- validate ---------------------------------------------------------------------------------------------------
+# ---- validate ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def test_validate_accepts(batch):
     assert validate(batch) == (B, L)
 
 
-# ---- the pure pieces --------------------------------------------------------------------------------------------
+# ---- the pure pieces -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("length, cp", list(itertools.product([1, 2, 3, 7, 8, 9, 1023], [1, 2, 3, 4, 8])))
@@ -144,7 +144,7 @@ def test_continued_positions(extra):
         assert result[row, L:].tolist() == [positions[row, -1].item() + k for k in range(1, extra + 1)]
 
 
-# ---- pad_batch ----------------------------------------------------------------------------------------------------
+# ---- pad_batch -----------------------------------------------------------------------------------
 
 
 def _padded(x: torch.Tensor, length: int, value) -> torch.Tensor:
@@ -186,7 +186,7 @@ def test_pad_batch_without_labels():
     assert padded.shift_labels is None and padded.padded_length == 6
 
 
-# ---- fingerprint ----------------------------------------------------------------------------------------------------
+# ---- fingerprint ---------------------------------------------------------------------------------
 
 
 def _long_row_swapped():
@@ -233,7 +233,7 @@ def test_fingerprint_is_safe_on_anything(odd):
     assert fingerprint(odd).shape == fingerprint({}).shape
 
 
-# ---- across ranks -------------------------------------------------------------------------------------------------
+# ---- across ranks --------------------------------------------------------------------------------
 
 
 def _rank_batch(case: str, rank: int):
@@ -278,7 +278,7 @@ def test_a_batch_that_differs_in_the_cp_group_raises_on_every_rank(ranks2):
             assert outcomes[case] is not None and "ranks [1]" in outcomes[case], case
 
 
-# ---- across a mesh larger than the cp group ------------------------------------------------------------------------
+# ---- across a mesh larger than the cp group ------------------------------------------------------
 
 
 def _dp_group_batch(case: str, rank: int) -> dict:

@@ -37,7 +37,8 @@ def check_heads_split(num_heads: int, cp: int) -> None:
     if num_heads % cp:
         raise ValueError(
             f"Ulysses splits heads over cp: num_attention_heads={num_heads} is not divisible by cp={cp}; "
-            f"cp sizes that work: {', '.join(str(c) for c in range(1, num_heads + 1) if num_heads % c == 0)}; "
+            "cp sizes that work: "
+            f"{', '.join(str(c) for c in range(1, num_heads + 1) if num_heads % c == 0)}; "
             "implementation='ring' or 'hybrid' serve any cp"
         )
 

@@ -246,7 +246,10 @@ def check_batch(batch, mesh, vocab_size: int | None = None) -> tuple[int, int]:
         members = next((m for m in differing if dist.get_rank() in m), next(iter(differing)))
         message = _differs_message(differing[members], members[0])
         if dist.get_rank() not in members:
-            message += f" (in the dp group of ranks {list(members)}; every rank stops, so none waits in a collective)"
+            message += (
+                f" (in the dp group of ranks {list(members)}; every rank stops, so none waits in a "
+                "collective)"
+            )
         raise BatchError(message)
     if error is not None:
         raise error

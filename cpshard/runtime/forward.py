@@ -86,20 +86,24 @@ class CPForward:
         install(model, layout)
 
     def _strategy(self, mesh, cp: int, params: dict) -> tuple[str, int, str]:
-        """``(implementation, Ulysses degree, sequence order)`` for this mesh, after the checks of tp and ep."""
+        """``(implementation, Ulysses degree, sequence order)`` for this mesh, after the checks of "
+        "tp and ep."""
         tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
         check_tensor_parallel(self.model.config, self.layout, tp)
         check_expert_parallel(self.model.config, self.layout, ep, tp)
         if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
             raise ValueError(
                 f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
-                "cpshard.params_of(cpshard.parallelize(model, mesh)): each rank computes with its own tp and ep blocks"
+                "cpshard.params_of(cpshard.parallelize(model, mesh)): each rank computes with its "
+                "own tp and ep blocks"
             )
         heads = self.layout.head_counts(self.model.config)[0] // tp  # the heads this tp rank holds
         if tp > 1 and self.implementation == "ulysses" and heads % cp:
             raise ValueError(
-                f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: num_attention_heads="
-                f"{heads * tp} must divide by tp * cp = {tp * cp}; implementation='ring' or 'hybrid' serve other sizes"
+                f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: "
+                "num_attention_heads="
+                f"{heads * tp} must divide by tp * cp = {tp * cp}; implementation='ring' or 'hybrid' "
+                "serve other sizes"
             )
         try:
             implementation, degree = choose_implementation(
@@ -164,8 +168,8 @@ class CPForward:
         return CPOutput(loss, logits, num_tokens, logprobs)
 
     def _local_outputs(self, params: dict, inputs: dict) -> tuple[torch.Tensor, tuple | None]:
-        """This rank's logits (with ``logits=False`` its final hidden states: the head runs a block at a time), and
-        its MoE router logits where the config asks for the load-balancing loss (else None).
+        """This rank's logits (with ``logits=False`` its final hidden states: the head runs a block at a
+        time), and its MoE router logits where the config asks for the load-balancing loss (else None).
 
         Such models run their decoder alone and the head here: the model's own forward would add the
         load-balancing loss of this rank's slice, against the mask of the whole sequence."""
@@ -182,8 +186,10 @@ class CPForward:
                 else ("to compute the loss a block at a time (logits=False)", "with logits=True")
             )
             raise ValueError(
-                f"{type(self.model).__name__}'s LM head gives other logits than its projection with the transforms cpshard "
-                f"knows (logits_scaling, final_logit_softcapping), and cpshard would run the head itself {why}; "
+                f"{type(self.model).__name__}'s LM head gives other logits than its projection with "
+                "the transforms cpshard "
+                "knows (logits_scaling, final_logit_softcapping), and cpshard would run the head "
+                f"itself {why}; "
                 f"{instead}, cp_forward uses the model's own head"
             )
         prefix = self.decoder_prefix + "."

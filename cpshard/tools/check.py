@@ -209,7 +209,8 @@ def _ready() -> bool:
 def format_report(config: CheckConfig, parities: list[Parity]) -> str:
     """The table (worst difference over the ranks per row) and the verdict naming failing rows."""
     lines = [
-        f"parity against one process ({config.dtype}; a row passes when max |diff| <= {config.rtol:g} x scale):"
+        f"parity against one process ({config.dtype}; a row passes when max |diff| <= {config.rtol:g} "
+        "x scale):"
     ]
     lines += format_rows(parities, config.rtol)
     failing = failing_rows(parities, config.rtol)

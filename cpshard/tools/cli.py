@@ -70,7 +70,10 @@ def _add_check(commands) -> None:
         "--dtype",
         choices=DTYPES,
         default=defaults.dtype,
-        help=f"model dtype; a row passes when max |diff| <= rtol x its scale: {rtols} (default {defaults.dtype})",
+        help=(
+            f"model dtype; a row passes when max |diff| <= rtol x its scale: {rtols} (default "
+            f"{defaults.dtype})"
+        ),
     )
     add("--attn", choices=ATTNS, default=defaults.attn, help=f"attention kernel (default {defaults.attn})")
     add(
@@ -94,11 +97,16 @@ def _add_bench(commands) -> None:
     defaults = BenchConfig()
     parser = commands.add_parser(
         "bench",
-        help="time and measure cpshard's implementations against one process and other Ulysses implementations",
-        description="For each cp size and sequence length, time a training step (forward and backward) of cpshard's "
-        "ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp, and of Ulysses by DTensor "
-        "redistribute, DeepSpeed and yunchang (skipped with a note when not installed), alternated on local CPU "
-        "ranks; print median step time, tokens/s, per-rank peak memory and bytes communicated per rank.",
+        help=(
+            "time and measure cpshard's implementations against one process and other Ulysses implementations"
+        ),
+        description=(
+            "For each cp size and sequence length, time a training step (forward and backward) of "
+            "cpshard's ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp, "
+            "and of Ulysses by DTensor redistribute, DeepSpeed and yunchang (skipped with a note when not "
+            "installed), alternated on local CPU ranks; print median step time, tokens/s, per-rank peak "
+            "memory and bytes communicated per rank."
+        ),
     )
     add = parser.add_argument
     listed = lambda values: " ".join(map(str, values))  # noqa: E731
@@ -139,7 +147,10 @@ def _add_bench(commands) -> None:
     add(
         "--single-rank0-only",
         action="store_true",
-        help="run the one-process baseline on rank 0 alone, the other ranks waiting (half its memory on this machine)",
+        help=(
+            "run the one-process baseline on rank 0 alone, the other ranks waiting (half its memory "
+            "on this machine)"
+        ),
     )
     add("--json", metavar="FILE", help="write the rows as JSON")
     add(
