@@ -28,6 +28,7 @@ from cpshard.parallel.processes import LocalRanks, RankError
 from cpshard.runtime.forward import IMPLEMENTATIONS, choose_implementation, make_cp_forward
 from cpshard.tools.parity import RTOL, Parity, check_parity, failing_rows, format_rows
 from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model
+from cpshard.tools.usage import UsageError, say
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: per dtype, the largest difference a row may have, relative to the row's reference scale
@@ -41,10 +42,6 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-
-
-class UsageError(ValueError):
-    """An invocation that cannot run: exit status 2, this one line."""
 
 
 @dataclass(frozen=True)
@@ -228,11 +225,7 @@ def exit_status(config: CheckConfig, parities: list[Parity]) -> int:
     return 1 if failing_rows(parities, config.rtol) else 0
 
 
-def _print(text: str) -> None:
-    print(text, flush=True)  # progress shows at once, even into a pipe
-
-
-def run_check(config: CheckConfig, out=_print, layout: Layout | str = "auto") -> int:
+def run_check(config: CheckConfig, out=say, layout: Layout | str = "auto") -> int:
     """Check on fresh local ranks and print the report; the exit status (0 pass, 1 fail).
 
     Raises :class:`UsageError` (before starting anything) when the invocation cannot run."""

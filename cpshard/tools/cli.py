@@ -12,10 +12,10 @@ from functools import partial
 
 from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.tools.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
-from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, UsageError, run_check
+from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
-from cpshard.tools.usage import UsageError as BenchUsageError
+from cpshard.tools.usage import UsageError
 
 USAGE_ERROR = 2
 
@@ -165,7 +165,7 @@ def _run_bench(args, parser: argparse.ArgumentParser) -> int:
     options = {name: getattr(args, name) for name in BenchConfig.__dataclass_fields__}
     try:
         config = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
-    except BenchUsageError as error:
+    except UsageError as error:
         parser.error(str(error))
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         parser.error(
