@@ -37,3 +37,40 @@ def test_a_layout_cp_cannot_vouch_for_fails_on_every_rank(ranks2, kind):
 
 def test_a_right_layout_passes_the_probe_and_stays_exact(ranks2):
     assert ranks2.run(run_probe_case, "right") == [[], []]
+
+
+def parallelized_unverified():
+    model = tiny_model("qwen2")
+    forward = cpshard.make_cp_forward(model)
+    mesh = cpshard.make_mesh(fsdp=2, cp=2)
+    params = cpshard.params_of(cpshard.parallelize(model, mesh))
+    return forward(params, tiny_batch(model.config.vocab_size, 2, 9), mesh)
+
+
+def test_a_parallelized_model_with_an_unverified_layout_is_refused(ranks4):
+    with pytest.raises(cpshard.RankError) as caught:
+        ranks4.run(parallelized_unverified)
+    failures = caught.value.failures
+    assert sorted(failures) == [0, 1, 2, 3]
+    for failure in failures.values():
+        assert (
+            failure.kind == "LayoutError"
+            and "verified on the plain model's parameters only" in failure.message
+        )
+
+
+def parallelized_after_the_probe():
+    """The way the refusal names: one call on the plain parameters probes the layout, then the parallel
+    parameters run and give the plain parameters' loss (every dp group holds the same batch here)."""
+    model = tiny_model("qwen2")
+    batch = tiny_batch(model.config.vocab_size, 2, 9)
+    forward = cpshard.make_cp_forward(model)
+    mesh = cpshard.make_mesh(fsdp=2, cp=2)
+    plain = forward(cpshard.params_of(model), batch, mesh).loss.item()
+    parallel = forward(cpshard.params_of(cpshard.parallelize(model, mesh)), batch, mesh).loss.item()
+    return plain, parallel
+
+
+def test_a_parallelized_model_runs_once_its_layout_is_probed(ranks4):
+    for plain, parallel in ranks4.run(parallelized_after_the_probe):
+        assert abs(plain - parallel) <= 1e-5 * abs(plain), (plain, parallel)

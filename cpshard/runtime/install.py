@@ -42,9 +42,8 @@ def install_attention(model: nn.Module, layout: Layout) -> None:
     unwrapped = sorted(name for name in in_use if not name.startswith(ATTENTION_PREFIX))
     if len(unwrapped) > 1:
         raise ValueError(
-            f"{type(model).__name__}'s attention modules use {', '.join(unwrapped)} at once; "
-            "cpshard wraps one "
-            "attention implementation per model: set one with model.set_attn_implementation"
+            f"{type(model).__name__}'s attention modules use {', '.join(unwrapped)} at once; cpshard "
+            "wraps one attention implementation per model: set one with model.set_attn_implementation"
         )
     if unwrapped:
         model.set_attn_implementation(ulysses_name(unwrapped[0]))

@@ -122,11 +122,16 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
     model, layout = cp_forward.model, cp_forward.layout
     if any(layout is registered for registered in REGISTERED.values()) or cp_size(mesh) == 1:
         return
-    if any(isinstance(value, DTensor) for value in params.values()):
-        return  # a parallelized model (tp, ep): its layout was verified on the plain model's first call
     verified = _VERIFIED.setdefault(model, set())
     if layout.name in verified:
         return
+    if any(isinstance(value, DTensor) for value in params.values()):
+        raise LayoutError(
+            f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: it is not a "
+            "registered, tested file, and it is verified on the plain model's parameters only; call "
+            "cp_forward once with cpshard.params_of(model) before cpshard.parallelize(model, mesh), then "
+            "call it with the parallel ones"
+        )
     verified.add(layout.name)  # the probe's own cp call must not probe again
     try:
         what, error = first_difference(cp_forward, params, mesh), None
