@@ -5,11 +5,12 @@ private: its names may move between releases.
 """
 
 from cpshard import debug
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, LayoutError
 from cpshard.parallel.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_pretrained
 from cpshard.parallel.fsdp import parallelize
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError, launch
+from cpshard.runtime.batch import BatchError
 from cpshard.runtime.count import count_label_tokens
 from cpshard.runtime.forward import CPOutput, make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
@@ -26,9 +27,11 @@ __all__ = [
     "tiny_config",
     "tiny_model",
     "debug",
+    "BatchError",
     "CPOutput",
     "CheckpointError",
     "Layout",
+    "LayoutError",
     "LocalRanks",
     "RankError",
     "Spec",

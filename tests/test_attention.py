@@ -117,3 +117,23 @@ def test_layers_keep_one_float_mask_between_them_or_none(ranks2, block_bytes, ke
     for result in ranks2.run(saved_masks, block_bytes):
         assert result["layers"] > 1 and result["storages"] == kept, result
         assert result["worst"] <= 1e-5, result
+
+
+def bidirectional(implementation: str) -> str:
+    """A BERT that is not a decoder attends both ways: Ulysses serves it exactly, ring refuses it."""
+    mesh = cpshard.make_mesh(cp=2)
+    model = tiny_model("bert", is_decoder=False)
+    batch = tiny_batch(model.config.vocab_size, 2, 9)
+    cp_forward = cpshard.make_cp_forward(model, implementation=implementation)
+    try:
+        parity = check_parity(model, batch, mesh, cp_forward)
+    except cpshard.LayoutError as error:  # the probe's cp run failed: its cause is what users read
+        return str(error.__cause__)
+    return f"worst {parity.worst}"
+
+
+def test_attention_both_ways_is_exact_under_ulysses_and_refused_by_ring(ranks2):
+    for said in ranks2.run(bidirectional, "ulysses"):
+        assert float(said.split()[-1]) <= 1e-5, said
+    for said in ranks2.run(bidirectional, "ring"):
+        assert "attends in both directions" in said and "implementation='ulysses'" in said, said

@@ -16,11 +16,12 @@ from cpshard.tools.check import (
     check_job,
     exit_status,
     format_report,
+    parse_override,
     plan,
     resolve_source,
 )
 from cpshard.tools.cli import main
-from cpshard.tools.parity import Parity
+from cpshard.tools.parity import Parity, failing_rows
 from cpshard.tools.tiny import tiny_model
 
 #: cuts the sequence but never moves q, k, v: each rank attends within its own slice only
@@ -107,6 +108,23 @@ def test_local_folders_with_and_without_weights(ranks2, tmp_path):
         (["mamba"], "cpshard cannot serve model type 'mamba'"),
         (["t5"], "model type 't5' has no causal LM"),
         (["llama", "--dtype", "float16"], "invalid choice: 'float16'"),
+        (["llama", "--set", "num_hidden_layers"], "write --set key=value"),
+        (["llama", "--set", "no_such_field=3"], "has no field 'no_such_field'"),
+        (["mamba2", "--set", "num_heads=3"], "cannot build random mamba2 (small)"),  # its validator's error
+        (
+            [
+                "llama",
+                "--cp",
+                "4",
+                "--implementation",
+                "ulysses",
+                "--set",
+                "num_attention_heads=6",
+                "--set",
+                "hidden_size=96",
+            ],
+            "num_attention_heads=6 is not divisible by cp=4",
+        ),
     ],
 )
 def test_bad_usage_exits_2_with_one_line(capsys, tmp_path, argv, says):
@@ -129,3 +147,15 @@ def test_command_line_prints_progress_and_a_passing_table():
     out = result.stdout
     assert "starting 2 local CPU ranks" in out and "running cp and one process" in out
     assert "grad lm_head" in out and out.rstrip().endswith("PASS: 13 rows on 2 ranks"), out
+
+
+def test_set_overrides_reach_the_model_on_every_rank(ranks2):
+    """``--set`` values are read as JSON (else strings) and the ranks build the model with them."""
+    assert parse_override("sliding_window=5") == ("sliding_window", 5)
+    assert parse_override("rope_scaling=null") == ("rope_scaling", None)
+    assert parse_override("hidden_act=gelu") == ("hidden_act", "gelu")
+    config = CheckConfig("mistral", seq=12, overrides=(("sliding_window", 5), ("num_hidden_layers", 3)))
+    parities = ranks2.run(check_job, config)
+    layers = {row.split(".")[2] for row in parities[0].diffs if row.startswith("grad model.layers.")}
+    assert layers == {"0", "1", "2"}
+    assert failing_rows(parities) == []

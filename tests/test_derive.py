@@ -26,6 +26,17 @@ from cpshard.tools.tiny import tiny_model
         ("lfm2", dict(final_norm="model.embedding_norm")),
         ("gpt_oss", dict(per_head_params=("sinks",))),
         ("stablelm", dict(attention="self_attn")),
+        # post-norm: the last layer gives the final hidden states; BERT's attention calls the registry inside
+        (
+            "bert",
+            dict(decoder="bert", decoder_layers="bert.encoder.layer", final_norm="bert.encoder.layer.1"),
+        ),
+        ("marian", dict(final_norm="model.decoder.layers.1", labels_shifted=True)),
+        ("opt", dict(final_norm="model.decoder.final_layer_norm", labels_shifted=False)),  # registered first
+        ("gpt2", dict(final_norm="transformer.ln_f", restores_length=True)),
+        ("llama", dict(restores_length=False, labels_shifted=False)),
+        ("llama4_text", dict(decoder="model", decoder_layers="model.layers")),  # get_decoder() is the model
+        ("modernbert-decoder", dict(decoder="model")),  # get_decoder() is its head
     ],
 )
 def test_rows_read_off_the_model(model_type, rows):
@@ -33,7 +44,20 @@ def test_rows_read_off_the_model(model_type, rows):
     layout = derive_layout(model)
     assert {row: getattr(layout, row) for row in rows} == rows
     assert layout.model_types == (model_type,) and structure_problems(model, layout) == []
-    assert "position_embeddings" in [key for key, *_ in layout.layer_inputs]
+    assert layout.layer_inputs or model_type in ("bert", "marian", "opt", "gpt2")  # absolute positions
+
+
+@pytest.mark.parametrize(
+    "model_type, key, spec",
+    [
+        ("gemma4_text", "per_layer_input", "b s@cp x2"),  # passed to each layer by position
+        ("beam", "attention_scaling", "b x1 s@cp x3"),  # [b, 1, s, 1]: the sequence on dim 2
+    ],
+)
+def test_per_position_inputs_by_position_or_on_another_dim(model_type, key, spec):
+    layout = derive_layout(tiny_model(model_type, attn_implementation="auto"))
+    inputs = {name: str(after) for name, _, after in layout.layer_inputs}
+    assert inputs.get(key) == spec, inputs
 
 
 def test_kv_heads_fall_back_to_heads():

@@ -31,7 +31,7 @@ def test_own_logits_are_the_models_where_the_check_says_so(model_type, options, 
     ids = torch.randint(3, 128, (1, 6))
     hidden = model.get_decoder()(input_ids=ids).last_hidden_state
     expected = model(input_ids=ids, output_router_logits=False).logits
-    assert head_matches(model, params, HEAD_TRANSFORMS) is known
+    assert head_matches(model, params, HEAD_TRANSFORMS, "model") is known
     assert torch.allclose(own_logits(model, params, hidden, HEAD_TRANSFORMS), expected, atol=1e-6) is known
     assert model.get_decoder() is not None and type(model.get_decoder()).__name__.endswith(
         "Model"

@@ -2,6 +2,7 @@
 on every rank naming the first layer that differs."""
 
 import pytest
+import torch
 
 import cpshard
 from cpshard.layouts.decoder import LAYOUT as DECODER
@@ -74,3 +75,20 @@ def parallelized_after_the_probe():
 def test_a_parallelized_model_runs_once_its_layout_is_probed(ranks4):
     for plain, parallel in ranks4.run(parallelized_after_the_probe):
         assert abs(plain - parallel) <= 1e-5 * abs(plain), (plain, parallel)
+
+
+def probed_in_training_mode():
+    """A model in training mode with dropout (BERT's default 0.1) passes the probe, which runs with dropout
+    off: two dropout masks never agree, cp or not. Each module's mode is its own again afterwards."""
+    model = tiny_model("bert", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1).train()
+    model.bert.embeddings.eval()  # a module in its own mode stays in it
+    forward = cpshard.make_cp_forward(model)
+    out = forward(
+        cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 9), cpshard.make_mesh(cp=2)
+    )
+    modes = {name: module.training for name, module in model.named_modules()}
+    return bool(torch.isfinite(out.loss)), modes["bert.encoder"], modes["bert.embeddings"]
+
+
+def test_the_probe_runs_without_dropout_and_gives_the_modes_back(ranks2):
+    assert ranks2.run(probed_in_training_mode) == [(True, True, False)] * 2

@@ -147,6 +147,12 @@ def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
     return torch.cat(blocks, dim=1), None
 
 
+def _causal(module, kwargs: dict) -> bool:
+    """Whether attention without a mask is causal, as transformers' sdpa function decides it."""
+    causal = kwargs.get("is_causal")
+    return getattr(module, "is_causal", True) if causal is None else bool(causal)
+
+
 def _ulysses_attention(inner: str, function, module, query, key, value, attention_mask, call, **kwargs):
     path = call.name_of(module)
     module, query, key, value, kwargs = _heads_for_sequences(
@@ -156,6 +162,8 @@ def _ulysses_attention(inner: str, function, module, query, key, value, attentio
     if isinstance(attention_mask, torch.Tensor):
         original = attention_mask
         key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
+    elif not _causal(module, kwargs):  # every query sees every key: the cp padding's too, unless cut
+        key, value = key[:, :, : call.length], value[:, :, : call.length]
     if inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
         output, weights = _blocked_sdpa(function, module, query, key, value, attention_mask, **kwargs)
     else:
@@ -171,6 +179,12 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
     if kwargs.get("dropout"):
         raise ValueError(
             "ring attention does not apply attention dropout; set the model's attention_dropout to 0"
+        )
+    if attention_mask is None and not _causal(module, kwargs):
+        raise ValueError(
+            f"{call.name_of(module)} attends in both directions (no mask, is_causal=False), and ring "
+            "attention serves causal and masked attention only; use implementation='ulysses' (or the model "
+            "as a decoder: config.is_decoder=True)"
         )
     if call.layout.per_head_params:
         raise LayoutError(

@@ -1,9 +1,11 @@
 """A layout derived from the model itself: the generic decoder's table with the rows read off the model.
 
-What is found: the decoder (``get_decoder()``), its list of decoder layers, the final norm before
-the head, each layer's attention module, the head and kv-head counts, the attention's per-head
-parameters (sinks) and the per-position inputs each layer receives. The last are found by running
-the model once on a short sequence (no gradients) and recording what each decoder layer is given.
+What is found: the decoder (``get_decoder()``, or the part of the model that holds the layers), its
+list of decoder layers, the final norm before the head (the last layer in a post-norm decoder), each
+layer's attention module, the head and kv-head counts, the attention's per-head parameters (sinks),
+the per-position inputs each layer receives (by name or by position), whether the model's loss reads
+``labels`` as already shifted (BART's causal LMs) and whether the decoder reshapes its output to the
+input's length (GPT-2). The behaviour is read off two forwards on a short sequence, no gradients.
 
 What is refused, naming the module and why: token mixing along the sequence outside the attention
 function (convolutions, state-space and linear-attention layers, attention modules that do not call
@@ -14,10 +16,12 @@ model on a probe sequence before trusting it (:mod:`cpshard.runtime.probe`).
 
 from __future__ import annotations
 
+import inspect
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cpshard.layouts.decoder import LAYOUT as DECODER
@@ -38,6 +42,22 @@ def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
 
+def _holds_layers(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.ModuleList) and len(m) for m in module.modules())
+
+
+def _decoder(model: nn.Module, found: nn.Module) -> nn.Module:
+    """The decoder: ``get_decoder()``'s answer where it is a part of the model that holds the layers (Llama4
+    answers the model itself, ModernBERT-decoder its head), else the largest child that holds them."""
+    if found is not model and _holds_layers(found):
+        return found
+    head = model.get_output_embeddings()
+    children = [c for c in model.children() if c is not head and _holds_layers(c)]
+    if not children:
+        raise LayoutError(f"{type(model).__name__} holds no list of decoder layers")
+    return max(children, key=lambda c: sum(p.numel() for p in c.parameters()))
+
+
 def _decoder_layers(decoder: nn.Module, count: int | None) -> tuple[str, nn.ModuleList]:
     """The decoder's list of layers: the shallowest ModuleList of ``count`` modules (else the longest)."""
     lists = [(name, m) for name, m in decoder.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
@@ -53,7 +73,7 @@ def _attention_name(layers: nn.ModuleList, layers_path: str) -> str:
     first = [
         name
         for name, child in layers[0].named_children()
-        if _ATTENTION_NAME.search(type(child).__name__) and "norm" not in type(child).__name__.lower()
+        if _ATTENTION_NAME.search(type(child).__name__) and not type(child).__name__.lower().endswith("norm")
     ]
     for name in first:
         modules = [getattr(layer, name, None) for layer in layers]
@@ -86,19 +106,16 @@ def _token_mixers(layers: nn.ModuleList, layers_path: str) -> list[str]:
     return found
 
 
-def _final_norm(decoder: nn.Module, decoder_path: str, layers_path: str) -> str:
-    """The norm the decoder applies after its layers: the last norm registered after the layer list, else
-    the one named final (OPT registers it before its layers)."""
-    names = [name for name, _ in decoder.named_children()]
-    top = layers_path[len(decoder_path) :].lstrip(".").split(".")[0]
-    norms = [n for n in names if "norm" in type(getattr(decoder, n)).__name__.lower()]
-    after = [n for n in norms if names.index(n) > names.index(top)] or [n for n in norms if "final" in n]
-    if not after:
-        raise LayoutError(
-            f"{type(decoder).__name__} has no norm after its layers ({', '.join(names)}): cpshard hooks the "
-            "last module before the LM head"
-        )
-    return _join(decoder_path, after[-1])
+def _final_norm(decoder: nn.Module, top: str, ran: tuple[str, ...]) -> str | None:
+    """The decoder's child that gives its final hidden states: the last norm that ran after ``top`` (the
+    child holding the layers; where nothing ran, on the meta device, the last registered after it or
+    one named final, as OPT registers it before them); None in a post-norm decoder (BERT, Marian)."""
+    order = list(ran) or [name for name, _ in decoder.named_children()]
+    after = order[len(order) - order[::-1].index(top) :] if top in order else []
+    if not ran:
+        after += [name for name in order if "final" in name]
+    norms = [n for n in after if "norm" in type(getattr(decoder, n)).__name__.lower()]
+    return norms[-1] if norms else None
 
 
 def _per_head_params(attentions: list[nn.Module], heads: int) -> tuple[str, ...]:
@@ -117,24 +134,53 @@ def _per_head_params(attentions: list[nn.Module], heads: int) -> tuple[str, ...]
 
 
 def _sequence_spec(tensor: torch.Tensor) -> tuple | None:
-    """(before, after) specs for a per-position tensor ``[b, s, ...]``: a slice of dim 1 over cp."""
-    if tensor.dim() < 2 or tensor.shape[1] != PROBE_LENGTH:
+    """(before, after) specs for a per-position tensor: batch first, one dimension of the sequence's
+    length (dim 1 for rotary pairs and per-layer inputs, dim 2 for Beam's ``[b, 1, s, 1]`` query
+    scaling), sliced over cp."""
+    lengths = [i for i, size in enumerate(tensor.shape) if size == PROBE_LENGTH]
+    if len(lengths) != 1 or lengths[0] == 0:
         return None
-    rest = " ".join(f"x{i}" for i in range(tensor.dim() - 2))
-    return specs(f"b s {rest}".strip(), f"b s@cp {rest}".strip())
+    names = [("s" if i == lengths[0] else f"x{i}") for i in range(1, tensor.dim())]
+    return specs(" ".join(["b", *names]), " ".join(["b", *names]).replace(" s", " s@cp", 1))
 
 
-def _recorded_inputs(model: nn.Module, layers: nn.ModuleList, layers_path: str) -> tuple:
-    """Run the model once on a short sequence and read off what each layer receives per position."""
-    seen, calls = {}, []
+def layer_arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A decoder layer's arguments by name, positional ones included (Gemma4 passes its per-layer input
+    second, unnamed)."""
+    names = list(inspect.signature(layer.forward).parameters)
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _probe_ids(model: nn.Module) -> torch.Tensor:
+    """``[1, PROBE_LENGTH]`` token ids inside the vocabulary, clear of the usual special ids."""
+    ids = torch.arange(PROBE_LENGTH).remainder(max(getattr(model.config, "vocab_size", 2) - 3, 1)) + 3
+    return ids.unsqueeze(0).to(next(model.parameters()).device)
+
+
+@dataclass(frozen=True)
+class _Recording:
+    """What one forward on a short sequence showed: the per-position inputs of the layers, and the order
+    in which the decoder's own children ran."""
+
+    layer_inputs: tuple
+    children: tuple[str, ...]
+    labels_shifted: bool
+
+
+def _record(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_path: str, top: str):
+    """Run the model once on a short sequence and read off what each layer receives per position; ``top``
+    is the decoder's child that holds the layers."""
+    seen, calls, children = {}, [], []
 
     def record(module, args, kwargs):
         calls.append(module)
+        children.append(top)
         hidden = args[0] if args else kwargs.get("hidden_states")
         if module is layers[0] and (not isinstance(hidden, torch.Tensor) or hidden.dim() != 3):
             shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             seen["hidden"] = shape
-        for key, value in kwargs.items():
+        named = layer_arguments(module, args, kwargs)
+        for key, value in list(named.items())[1:]:
             parts = value if isinstance(value, tuple) else (value,)
             if "mask" in key or not all(isinstance(v, torch.Tensor) for v in parts):
                 continue
@@ -142,13 +188,15 @@ def _recorded_inputs(model: nn.Module, layers: nn.ModuleList, layers_path: str) 
             if pair is not None and all(_sequence_spec(v) == pair for v in parts):
                 seen.setdefault("inputs", {})[key] = pair
 
-    if any(p.is_meta for p in model.parameters()):  # nothing can run: the generic decoder's inputs
-        return DECODER.layer_inputs
     handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
-    ids = torch.arange(PROBE_LENGTH).remainder(max(getattr(model.config, "vocab_size", 2) - 3, 1)) + 3
+    handles += [
+        child.register_forward_hook(lambda *_, name=name: children.append(name))
+        for name, child in decoder.named_children()
+    ]
+    ids = _probe_ids(model)
     try:
         with torch.no_grad():
-            model(input_ids=ids.unsqueeze(0).to(next(model.parameters()).device), use_cache=False)
+            output = model(input_ids=ids, labels=ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -162,7 +210,38 @@ def _recorded_inputs(model: nn.Module, layers: nn.ModuleList, layers_path: str) 
             f"{layers_path}.0 runs {calls.count(layers[0])} times in one forward (looped layers): the "
             "sequence would be cut again on each pass"
         )
-    return tuple((key, *pair) for key, pair in seen.get("inputs", {}).items())
+    inputs = tuple((key, *pair) for key, pair in seen.get("inputs", {}).items())
+    return _Recording(inputs, tuple(children), _reads_labels_shifted(output, ids))
+
+
+def _restores_length(model: nn.Module, final: nn.Module) -> bool:
+    """Whether the model fails when its final hidden states are one position short, as a cp rank's are:
+    the decoder reshapes them to the input's length (GPT-2's ``view(output_shape)``)."""
+
+    def short(module, args, output):
+        return output[:, :-1] if isinstance(output, torch.Tensor) else None
+
+    handle = final.register_forward_hook(short)
+    try:
+        with torch.no_grad():
+            model(input_ids=_probe_ids(model), use_cache=False)
+    except RuntimeError:
+        return True
+    finally:
+        handle.remove()
+    return False
+
+
+def _reads_labels_shifted(output, ids: torch.Tensor) -> bool:
+    """Whether the model's loss on ``labels=ids`` is the cross-entropy of each position's logits against
+    its own token (labels taken as already shifted) rather than against the next one."""
+    logits, loss = getattr(output, "logits", None), getattr(output, "loss", None)
+    if not isinstance(logits, torch.Tensor) or not isinstance(loss, torch.Tensor):
+        return False
+    flat = logits.float().flatten(0, 1)
+    aligned = F.cross_entropy(flat, ids.flatten())
+    shifted = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+    return bool((loss - aligned).abs() < (loss - shifted).abs() and torch.isclose(loss.float(), aligned))
 
 
 def _tensor_parallel(layer: nn.Module, attention: str, head_dim: int | None) -> dict:
@@ -190,7 +269,7 @@ def derive_layout(model: nn.Module) -> Layout:
     config, get_decoder = getattr(model, "config", None), getattr(model, "get_decoder", None)
     if config is None or get_decoder is None:
         raise LayoutError("it is not a transformers model (no config, no get_decoder)")
-    decoder = get_decoder()
+    decoder = _decoder(model, get_decoder())
     decoder_path = _path_of(model, decoder)
     inner, layers = _decoder_layers(decoder, getattr(config, "num_hidden_layers", None))
     layers_path = _join(decoder_path, inner)
@@ -213,6 +292,14 @@ def derive_layout(model: nn.Module) -> Layout:
         _config_value(config, "head_dim") or (_config_value(config, "hidden_size") or 0) // heads or None
     )
     plan = _tensor_parallel(layers[0], attention, head_dim)
+    top = inner.split(".")[0]  # the decoder's child that holds the layers
+    if any(p.is_meta for p in model.parameters()):  # nothing can run: the generic decoder's inputs
+        recording = _Recording(DECODER.layer_inputs, (), False)
+    else:
+        recording = _record(model, decoder, layers, layers_path, top)
+    norm = _final_norm(decoder, top, recording.children)
+    final = _join(decoder_path, norm) if norm else _join(layers_path, str(len(layers) - 1))
+    restores = bool(recording.children) and _restores_length(model, model.get_submodule(final))
     return replace(
         DECODER,
         name=f"derived:{config.model_type}",
@@ -220,14 +307,16 @@ def derive_layout(model: nn.Module) -> Layout:
         decoder=decoder_path,
         decoder_layers=layers_path,
         attention=attention,
-        final_norm=_final_norm(decoder, decoder_path, layers_path),
+        final_norm=final,
         kv_heads=kv_heads,
         mlp_width=width,
-        layer_inputs=_recorded_inputs(model, layers, layers_path),
+        layer_inputs=recording.layer_inputs,
         head_transforms=tuple(name for name in HEAD_TRANSFORMS if getattr(config, name, None)),
         tensor_parallel=plan,
         tensor_parallel_inputs=tuple(p for p in DECODER.tensor_parallel_inputs if hasattr(layers[0], p))
         if plan
         else (),
         per_head_params=_per_head_params([getattr(layer, attention) for layer in layers], heads),
+        labels_shifted=recording.labels_shifted,
+        restores_length=restores,
     )

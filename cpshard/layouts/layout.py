@@ -72,6 +72,12 @@ class Layout:
     #: parameters of the attention module with one entry per head on dim 0 (attention sinks): under
     #: Ulysses each rank's attention sees the entries of its own heads
     per_head_params: tuple[str, ...] = ()
+    #: the model's own loss reads ``labels`` as already shifted (BART's causal LMs): cp_forward then
+    #: takes a batch's ``labels`` as its ``shift_labels``
+    labels_shifted: bool = False
+    #: the decoder reshapes its final hidden states to the input's length (GPT-2's ``view(output_shape)``):
+    #: each rank's rows are given in a tensor of that length, and taken out again at the LM head
+    restores_length: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
@@ -106,14 +112,19 @@ class Layout:
 _REGISTRY_CALLS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
 
 
-def calls_attention_registry(module: nn.Module) -> bool:
-    """Whether ``module``'s forward calls its attention function through transformers' registry (the
-    function cpshard replaces); read from its source, since a class flag may be missing or wrong."""
+def _forward_calls_registry(module: nn.Module) -> bool:
     try:
         source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return False
     return any(call in source for call in _REGISTRY_CALLS)
+
+
+def calls_attention_registry(module: nn.Module) -> bool:
+    """Whether ``module`` (or a module inside it: BERT's ``attention.self``) calls its attention function
+    through transformers' registry (the function cpshard replaces); read from the source, since a class
+    flag may be missing or wrong."""
+    return any(_forward_calls_registry(inner) for inner in module.modules())
 
 
 def _from_rows(rows: dict) -> Layout:

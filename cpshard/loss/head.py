@@ -48,6 +48,16 @@ def own_logits(model, params: dict, hidden: torch.Tensor, transforms: tuple[str,
     return transform_logits(F.linear(hidden, *head_of(model, params)), model.config, transforms)
 
 
+class _DecoderOutput(MoeModelOutputWithPast):
+    """The stand-in decoder's output: any other field a model reads from it (GPT-2's cross_attentions)
+    is None, as a decoder gives it when not asked for it."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _FixedDecoder(nn.Module):
     """Stands in for the decoder: returns the hidden states it was given, whatever the inputs."""
 
@@ -56,13 +66,13 @@ class _FixedDecoder(nn.Module):
         self.hidden = hidden
 
     def forward(self, *args, **kwargs):
-        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+        return _DecoderOutput(last_hidden_state=self.hidden)
 
 
-def _models_logits(model, params: dict, hidden: torch.Tensor) -> torch.Tensor:
-    """The model's own forward on ``hidden`` as its decoder's output (two token ids stand in as inputs)."""
-    decoder = model.get_decoder()
-    path = next(name for name, module in model.named_modules() if module is decoder)
+def _models_logits(model, params: dict, hidden: torch.Tensor, path: str) -> torch.Tensor:
+    """The model's own forward on ``hidden`` as the output of its decoder at ``path`` (two token ids stand
+    in as inputs)."""
+    decoder = model.get_submodule(path)
     parent, _, attribute = path.rpartition(".")
     owner = model.get_submodule(parent)
     head = {name: value for name, value in params.items() if not name.startswith(path + ".")}
@@ -75,8 +85,9 @@ def _models_logits(model, params: dict, hidden: torch.Tensor) -> torch.Tensor:
         setattr(owner, attribute, decoder)
 
 
-def head_matches(model, params: dict, transforms: tuple[str, ...]) -> bool:
-    """Whether :func:`own_logits` gives the model's own logits (checked once per model, on two tokens)."""
+def head_matches(model, params: dict, transforms: tuple[str, ...], decoder: str) -> bool:
+    """Whether :func:`own_logits` gives the model's own logits (checked once per model, on two tokens);
+    ``decoder``: the path of the model's decoder, stood in for by fixed hidden states."""
     verdicts = _MATCHES.setdefault(model, {})
     if transforms not in verdicts:
         weight, _ = head_of(model, params)
@@ -84,7 +95,7 @@ def head_matches(model, params: dict, transforms: tuple[str, ...]) -> bool:
         hidden = torch.randn(1, 2, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
         with torch.no_grad():
             theirs, ours = (
-                _models_logits(model, params, hidden),
+                _models_logits(model, params, hidden, decoder),
                 own_logits(model, params, hidden, transforms),
             )
         verdicts[transforms] = theirs.shape == ours.shape and torch.allclose(

@@ -144,6 +144,14 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
+def labels_read_as_shifted(batch: dict) -> dict:
+    """The batch of a model whose own loss reads ``labels`` as already shifted (BART's causal LMs): its
+    labels become ``shift_labels``, so cp's loss is the model's."""
+    if batch.get("labels") is None or batch.get("shift_labels") is not None:
+        return batch
+    return {**{k: v for k, v in batch.items() if k != "labels"}, "shift_labels": batch["labels"]}
+
+
 def continued_positions(position_ids: torch.Tensor, extra: int) -> torch.Tensor:
     """``extra`` more positions per row, continuing the last document (so no new one starts)."""
     steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)

@@ -9,6 +9,7 @@ communication. The call's sequence order is part of the spec the cut goes to: un
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -27,7 +28,9 @@ def _cut(value, before, after, call: CallPlan):
     return redistribute(value, before, after.ordered("cp", call.order), call.mesh)
 
 
-def _cut_layer_inputs(first: bool, module, args, kwargs):
+def _cut_layer_inputs(first: bool, names: tuple[str, ...], module, args, kwargs):
+    """``names``: the layer's parameters in order, for inputs passed by position (Gemma4's per-layer
+    input)."""
     call = active_call()
     if call is None:
         return None
@@ -40,23 +43,57 @@ def _cut_layer_inputs(first: bool, module, args, kwargs):
     for key, before, after in layout.layer_inputs:
         if kwargs.get(key) is not None:
             kwargs[key] = _cut(kwargs[key], before, after, call)
+        elif key in names[1 : len(args)]:
+            index = names.index(key)
+            args = (*args[:index], _cut(args[index], before, after, call), *args[index + 1 :])
     return args, kwargs
 
 
+def _held_rows(call: CallPlan) -> int:
+    return call.padded_length // call.cp_size
+
+
 def _contiguous_again(module, args, output):
-    """After the last layer: back to contiguous chunks, so logits are a plain ``Shard(1)``."""
+    """After the final norm (or a post-norm decoder's last layer): back to contiguous chunks, so logits
+    are a plain ``Shard(1)``. Where the decoder reshapes its output to the input's length (GPT-2), the
+    rows this rank holds come first in a tensor of that length, zeros after them; the head's
+    hook (:func:`held_rows_only`) takes them out again."""
     call = active_call()
-    if call is None or call.order == "contiguous":
+    if call is None or (call.order == "contiguous" and not call.layout.restores_length):
         return None
-    return to_chunks(
-        output, 1, call.order, call.padded_length, call.length, call.mesh.get_group("cp"), "undo order"
-    )
+    hidden = output[0] if isinstance(output, tuple) else output
+    if call.order != "contiguous":
+        group = call.mesh.get_group("cp")
+        hidden = to_chunks(hidden, 1, call.order, call.padded_length, call.length, group, "undo order")
+    if call.layout.restores_length:
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, call.padded_length - hidden.shape[1]))
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
-def cut_hooks(layers: torch.nn.ModuleList, final_norm: torch.nn.Module) -> list[Hook]:
+def held_rows_only(hidden: torch.Tensor) -> torch.Tensor:
+    """The rows this rank holds, out of the decoder's output of the input's length (see
+    :func:`_contiguous_again`; as given elsewhere)."""
+    call = active_call()
+    if call is None or not call.layout.restores_length or hidden.shape[1] != call.padded_length:
+        return hidden
+    return hidden[:, : _held_rows(call)]
+
+
+def _head_input(module, args, kwargs):
+    if not args:
+        return None
+    return (held_rows_only(args[0]), *args[1:]), kwargs
+
+
+def cut_hooks(layers: torch.nn.ModuleList, final_norm: torch.nn.Module, head: torch.nn.Module) -> list[Hook]:
     """The cut on every decoder layer (the first also cuts the residual stream), the order undone after
-    the norm."""
+    the final norm (or the last layer), and the rows this rank holds taken at the LM ``head``."""
     cuts = [
-        Hook(layer, partial(_cut_layer_inputs, index == 0), pre=True) for index, layer in enumerate(layers)
+        Hook(
+            layer,
+            partial(_cut_layer_inputs, index == 0, tuple(inspect.signature(layer.forward).parameters)),
+            pre=True,
+        )
+        for index, layer in enumerate(layers)
     ]
-    return [*cuts, Hook(final_norm, _contiguous_again, pre=False)]
+    return [*cuts, Hook(final_norm, _contiguous_again, pre=False), Hook(head, _head_input, pre=True)]

@@ -33,8 +33,15 @@ from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
 from cpshard.parallel.placement import expert_mesh
 from cpshard.parallel.tensor import check_tensor_parallel
-from cpshard.runtime.batch import PaddedBatch, check_batch, local_token_mask, pad_batch
+from cpshard.runtime.batch import (
+    PaddedBatch,
+    check_batch,
+    labels_read_as_shifted,
+    local_token_mask,
+    pad_batch,
+)
 from cpshard.runtime.count import loss_normaliser
+from cpshard.runtime.cut import held_rows_only
 from cpshard.runtime.grad import summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
 from cpshard.runtime.probe import verify_once
@@ -82,7 +89,7 @@ class CPForward:
         self.ulysses_degree, self.sequence_order = options.ulysses_degree, options.sequence_order
         self.expert_plan = options.expert_plan
         self.module_names = {id(module): name for name, module in model.named_modules()}
-        self.decoder_prefix = self.module_names[id(model.get_decoder())]
+        self.decoder_prefix = layout.decoder
         install(model, layout)
 
     def _strategy(self, mesh, cp: int, params: dict) -> tuple[str, int, str]:
@@ -139,10 +146,11 @@ class CPForward:
         )
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
-        verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
         cp = cp_size(mesh)
         verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
         strategy = self._strategy(mesh, cp, params)
+        if self.layout.labels_shifted:
+            batch = labels_read_as_shifted(batch)
         # valid and the same across each cp group, or every rank raises
         check_batch(batch, mesh, getattr(self.model.config, "vocab_size", None))
         ensure_installed(self.model, self.layout)
@@ -179,7 +187,7 @@ class CPForward:
             return torch.func.functional_call(
                 self.model, params, (), inputs, strict=False, tie_weights=True
             ).logits, None
-        if not head_matches(self.model, params, self.layout.head_transforms):
+        if not head_matches(self.model, params, self.layout.head_transforms, self.layout.decoder):
             why, instead = (
                 ("for the router loss (output_router_logits=True)", "without the router loss")
                 if routed
@@ -195,9 +203,9 @@ class CPForward:
         prefix = self.decoder_prefix + "."
         trunk = {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
         output = torch.func.functional_call(
-            self.model.get_decoder(), trunk, (), inputs, strict=False, tie_weights=True
+            self.model.get_submodule(self.layout.decoder), trunk, (), inputs, strict=False, tie_weights=True
         )
-        local = output.last_hidden_state
+        local = held_rows_only(output.last_hidden_state)
         if self.keep_logits:
             local = own_logits(self.model, params, local, self.layout.head_transforms)
         return local, output.router_logits if routed else None

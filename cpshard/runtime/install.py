@@ -53,9 +53,8 @@ def install(model: nn.Module, layout: Layout) -> None:
     """Put cpshard's attention, cut, tensor- and expert-parallel pieces into ``model`` (idempotent)."""
     install_attention(model, layout)
     layers = model.get_submodule(layout.decoder_layers)
-    install_hooks(
-        cut_hooks(layers, model.get_submodule(layout.final_norm)) + tensor_parallel_hooks(layers, layout)
-    )
+    cut = cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings())
+    install_hooks(cut + tensor_parallel_hooks(layers, layout))
     if layout.experts:
         install_experts(model)
 

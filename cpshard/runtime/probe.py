@@ -5,14 +5,15 @@ model's own weights) under cp and in one process, on every rank, and compares ea
 decoder layer's output at the positions the rank holds, then the logits, then every gradient of the
 next-token loss (a backward can differ where the forward agrees). A mismatch, or an error
 in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that differs:
-cp would give wrong results for this model. Cost: a forward without gradients and a forward and
-backward, plain and under cp, on ``3 * cp + 1`` tokens (and a copy of the gradients), once per model
-and layout, and one all-reduce of a number.
+cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a forward
+without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a copy
+of the gradients), once per model, layout and implementation, and one all-reduce of a number.
 """
 
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from cpshard.parallel.mesh import cp_size
 from cpshard.runtime.grad import value_and_grad
 from cpshard.spec.sequence import positions
 
-#: the layouts verified per model (by name); a layout is marked before its probe runs
+#: the (layout name, implementation) pairs verified per model; a pair is marked before its probe runs
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: a layer's output passes when it is this close, relative to its scale (fp32; half types get 1e-2)
 RTOL = 1e-4
@@ -70,6 +71,19 @@ def _probe_ids(model, cp: int, device) -> torch.Tensor:
     """Two rows of ``3 * cp + 1`` token ids spread over the vocabulary (odd: the cp padding is exercised)."""
     vocab = max(getattr(model.config, "vocab_size", 8) - 3, 1)
     return (torch.arange(2 * (3 * cp + 1)) * 7).remainder(vocab).add(3).view(2, -1).to(device)
+
+
+@contextmanager
+def _without_dropout(model):
+    """The model in eval mode, then each module's own mode again: dropout draws another mask in each
+    run, so a model in training mode with dropout would never agree with itself."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 def first_difference(cp_forward, params: dict, mesh) -> str | None:
@@ -123,7 +137,8 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
     if any(layout is registered for registered in REGISTERED.values()) or cp_size(mesh) == 1:
         return
     verified = _VERIFIED.setdefault(model, set())
-    if layout.name in verified:
+    key = (layout.name, cp_forward.implementation)  # ring may differ where Ulysses agrees
+    if key in verified:
         return
     if any(isinstance(value, DTensor) for value in params.values()):
         raise LayoutError(
@@ -132,15 +147,16 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
             "cp_forward once with cpshard.params_of(model) before cpshard.parallelize(model, mesh), then "
             "call it with the parallel ones"
         )
-    verified.add(layout.name)  # the probe's own cp call must not probe again
+    verified.add(key)  # the probe's own cp call must not probe again
     try:
-        what, error = first_difference(cp_forward, params, mesh), None
+        with _without_dropout(model):
+            what, error = first_difference(cp_forward, params, mesh), None
     except Exception as raised:  # noqa: BLE001 -- reported on every rank below
         what, error = "the probe's cp run", raised
     failed = torch.tensor([what is not None], dtype=torch.int64)
     dist.all_reduce(failed, group=mesh.get_group("cp"))
     if failed.item():
-        verified.discard(layout.name)
+        verified.discard(key)
         detail = f" ({type(error).__name__}: {error})" if error is not None else ""
         where = what or "another cp rank's part of the probe"
         raise LayoutError(

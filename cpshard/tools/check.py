@@ -14,6 +14,7 @@ over blocks; up to ``3.5e-2`` was seen), so bf16 catches gross errors and fp32 p
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ class CheckConfig:
     dtype: str = "float32"
     attn: str = "sdpa"
     seed: int = 0
+    #: config fields set over the model's (``--set key=value``): ``(key, value)`` pairs
+    overrides: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
         for name in ("cp", "seq", "batch"):
@@ -78,8 +81,26 @@ class CheckConfig:
             raise UsageError("--packed needs --seq of at least 2: one token cannot hold several documents")
 
     @property
+    def settings(self) -> dict:
+        return dict(self.overrides)
+
+    @property
     def rtol(self) -> float:
         return RTOLS[self.dtype]
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``key=value`` from the command line: the value as JSON (numbers, true/false, null, lists), else
+    the plain string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise UsageError(
+            f"--set {text!r}: write --set key=value, with key a config field (e.g. num_hidden_layers=4)"
+        )
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 # ---------------------------------------------------------------- where the model comes from
@@ -123,29 +144,40 @@ def resolve_source(model: str) -> ModelSource:
     )
 
 
-def hf_config(source: ModelSource):
-    """The transformers config the model is built from."""
-    if source.folder is None:
-        return tiny_config(source.model_type)
+def hf_config(source: ModelSource, overrides: dict):
+    """The transformers config the model is built from, with ``overrides`` (each a field it has)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.folder)
+    if source.folder is None:
+        fields = AutoConfig.for_model(source.model_type).to_dict()
+        config = lambda: tiny_config(source.model_type, **overrides)  # noqa: E731
+    else:
+        fields = AutoConfig.from_pretrained(source.folder).to_dict()
+        config = lambda: AutoConfig.from_pretrained(source.folder, **overrides)  # noqa: E731
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise UsageError(
+            f"--set {unknown[0]}=...: the config of {source.describe()} has no field {unknown[0]!r}"
+        )
+    return config()
 
 
 def build_model(source: ModelSource, config: CheckConfig):
     """The model, the same on every rank: loaded weights, or random ones drawn from ``config.seed``."""
-    dtype = DTYPES[config.dtype]
+    dtype, settings = DTYPES[config.dtype], config.settings
     if source.folder is None:
-        return tiny_model(source.model_type, seed=config.seed, attn_implementation=config.attn, dtype=dtype)
+        return tiny_model(
+            source.model_type, seed=config.seed, attn_implementation=config.attn, dtype=dtype, **settings
+        )
     from transformers import AutoModelForCausalLM
 
     if source.weights:
         return AutoModelForCausalLM.from_pretrained(
-            source.folder, attn_implementation=config.attn, dtype=dtype
+            source.folder, attn_implementation=config.attn, dtype=dtype, **settings
         )
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(hf_config(source), attn_implementation=config.attn)
+        model = AutoModelForCausalLM.from_config(hf_config(source, settings), attn_implementation=config.attn)
     return model.to(dtype)
 
 
@@ -158,11 +190,19 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
 
     source = resolve_source(config.model)
     try:
-        model_config = hf_config(source)
+        model_config = hf_config(source, config.settings)
         if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise UsageError(f"model type {model_config.model_type!r} has no causal LM in transformers")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(model_config)
+    except UsageError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- transformers' validators raise many types
+        raise UsageError(
+            f"cannot build {source.describe()}: {type(error).__name__}: {' '.join(str(error).split())}; "
+            "set the config fields it needs with --set key=value"
+        ) from None
+    try:
         chosen = resolve_layout(model, layout)
         heads = getattr(model.config, chosen.heads)
         implementation, degree = choose_implementation(config.implementation, heads, config.cp)

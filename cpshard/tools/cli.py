@@ -12,7 +12,7 @@ from functools import partial
 
 from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.tools.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
-from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, run_check
+from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
 from cpshard.tools.usage import UsageError
@@ -82,12 +82,22 @@ def _add_check(commands) -> None:
         default=defaults.seed,
         help=f"seed of random weights and tokens (default {defaults.seed})",
     )
+    add(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a config field (repeatable; the value is read as JSON, else as a string), e.g. --set "
+        "num_hidden_layers=4 --set sliding_window=16",
+    )
     parser.set_defaults(run=partial(_run_check, parser=parser))
 
 
 def _run_check(args, parser: argparse.ArgumentParser) -> int:
     options = {name: getattr(args, name) for name in CheckConfig.__dataclass_fields__}
     try:
+        options["overrides"] = tuple(parse_override(text) for text in args.overrides)
         return run_check(CheckConfig(**options))
     except UsageError as error:
         parser.error(str(error))

@@ -48,8 +48,14 @@ def _model_for(source: str):
 
 
 def layout_for(source: str) -> str:
-    """The layout file for ``source`` (a model type or a config folder): registered or derived."""
-    model = _model_for(source)
+    """The layout file for ``source`` (a model type or a config folder): registered or derived; a
+    ValueError naming the problem when no model can be built from it."""
+    try:
+        model = _model_for(source)
+    except ValueError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- transformers' validators raise many types
+        raise ValueError(f"cannot build a tiny {source}: {type(error).__name__}: {error}") from None
     layout = resolve_layout(model)
     kind = "the registered file" if layout in REGISTERED.values() else "derived"
     return layout_source(layout, f"{model.config.model_type} ({kind})")

@@ -24,6 +24,7 @@ SMALL = dict(
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
+    is_decoder=True,  # BERT-style models are causal LMs only as decoders (transformers warns otherwise)
 )
 #: multi-head latent attention (DeepSeek-V2/V3 and kin): small latent ranks, a dense first layer
 _LATENT = dict(
@@ -41,6 +42,27 @@ _LATENT = dict(
     n_group=1,
     topk_group=1,
 )
+#: BART's family sizes its decoder apart (a causal LM of it is that decoder)
+_SEQ2SEQ = dict(
+    decoder_layers=2,
+    encoder_layers=2,
+    decoder_attention_heads=4,
+    encoder_attention_heads=4,
+    decoder_ffn_dim=128,
+    encoder_ffn_dim=128,
+)
+_SEQ2SEQ_TYPES = (
+    "bart",
+    "bigbird_pegasus",
+    "blenderbot",
+    "blenderbot-small",
+    "marian",
+    "mbart",
+    "mvp",
+    "pegasus",
+    "plbart",
+    "whisper",
+)
 #: absolute position tables (and GPT-BigCode's causal mask buffer) are max_position_embeddings long
 _ABSOLUTE = dict(max_position_embeddings=256)
 #: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default)
@@ -53,6 +75,13 @@ PER_TYPE = {
     "gpt_neo": dict(**_ABSOLUTE, attention_types=[[["global", "local"], 1]]),
     "falcon": dict(head_dim=None),
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
+    **dict.fromkeys(("dots3_note", "dots3_note_text"), dict(num_key_value_heads=4)),
+    "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size * expand = num_heads * head_dim
+    **dict.fromkeys(_SEQ2SEQ_TYPES, _SEQ2SEQ),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "prophetnet": dict(num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2),
+    "zamba": dict(num_hidden_layers=3),
+    "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], max_position_embeddings=256),
     "qwen3_moe": dict(
         num_experts=8,
         num_experts_per_tok=2,
@@ -63,15 +92,25 @@ PER_TYPE = {
 }
 
 
+def _is_dropout(name: str, value) -> bool:
+    return isinstance(value, float) and ("dropout" in name or name.endswith("pdrop"))
+
+
 def tiny_config(model_type: str, **overrides):
-    """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``."""
+    """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``.
+
+    Dropout is off (BERT and BART default to 0.1): a random mask drawn per run makes no two runs agree."""
     try:
         sizes = {**SMALL, **PER_TYPE.get(model_type, {}), **overrides}
-        return AutoConfig.for_model(
+        config = AutoConfig.for_model(
             model_type, **{key: value for key, value in sizes.items() if value is not None}
         )
     except ValueError as error:
         raise ValueError(f"unknown model type {model_type!r}: {error}") from None
+    for name, value in config.to_dict().items():
+        if _is_dropout(name, value) and name not in overrides:
+            setattr(config, name, 0.0)
+    return config
 
 
 def tiny_model(
@@ -91,6 +130,8 @@ def tiny_model(
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    if hasattr(model, "set_default_language"):  # X-MOD runs one language adapter, chosen up front
+        model.set_default_language(config.languages[0])
     return model.to(dtype)
 
 
