@@ -13,6 +13,7 @@ from cpshard.parallel.processes import LocalRanks, RankError, launch
 from cpshard.runtime.count import count_label_tokens
 from cpshard.runtime.decode import make_cp_decode
 from cpshard.runtime.forward import CPOutput, make_cp_forward, params_of
+from cpshard.runtime.generate import generate
 from cpshard.runtime.grad import value_and_grad
 from cpshard.runtime.optim import AdamState, adamw_init, adamw_update
 from cpshard.runtime.prefill import make_cp_prefill
@@ -28,6 +29,7 @@ __all__ = [
     "tiny_config",
     "tiny_model",
     "debug",
+    "generate",
     "CPOutput",
     "CheckpointError",
     "Layout",

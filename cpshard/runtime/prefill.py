@@ -19,7 +19,7 @@ from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.registry import resolve_layout
-from cpshard.runtime.batch import BatchError, check_batch
+from cpshard.runtime.batch import BatchError
 from cpshard.runtime.forward import CPForward, ForwardOptions
 from cpshard.runtime.install import attention_modules
 from cpshard.spec.sequence import chunk_positions, positions
@@ -99,9 +99,13 @@ class CPPrefill(CPForward):
 
     def __call__(self, params: dict, batch: dict, mesh) -> tuple[torch.Tensor, ShardedKVCache]:
         check_servable(self.model, self.layout, mesh, params)
-        check_batch(batch, mesh, getattr(self.model.config, "vocab_size", None))  # the same on every rank
-        prompt = prompt_inputs(batch)
+        try:  # raised after the batch is checked the same on every rank, so that every rank raises
+            prompt, error = prompt_inputs(batch), None
+        except BatchError as raised:
+            prompt, error = batch, raised
         call, padded, params = self._prepare(params, prompt, mesh)
+        if error is not None:
+            raise error
         call = replace(call, kv_sink={})
         cp, group = call.cp_size, mesh.get_group("cp")
         rank = mesh.get_local_rank("cp") if cp > 1 else 0

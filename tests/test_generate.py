@@ -1,0 +1,169 @@
+"""Generation under cp against one process's ``model.generate``: tokens, the logits of every step, the
+cache's bytes per rank and the bytes each decode step moves; on real gloo groups, tiny random models."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpshard
+from cpshard.runtime.sampling import Sampling, next_tokens
+from cpshard.tools.tiny import tiny_model
+
+TOLERANCE = 1e-5
+ROWS, LENGTH = 3, 24
+GEMMA3_MIXED = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+
+
+@dataclass(frozen=True)
+class Case:
+    model_type: str
+    new_tokens: int = 16
+    pad: str = "left"
+    config: dict = field(default_factory=dict)
+    implementation: str = "auto"
+
+    def __str__(self):
+        return f"{self.model_type}-{self.new_tokens}-{self.pad}-{self.implementation}-{self.config}"
+
+
+def prompts(pad: str) -> dict:
+    """Rows of unequal length (row 0 full), padded on ``pad``'s side."""
+    ids = torch.randint(3, 128, (ROWS, LENGTH), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
+    mask[1, :7], mask[2, :3] = 0, 0
+    if pad == "right":
+        mask = mask.flip(1)
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def left_padded(batch: dict) -> dict:
+    """The same prompts with their padding moved to the left."""
+    shifts = (batch["attention_mask"] == 0).sum(1).tolist()
+    roll = lambda x: torch.stack([row.roll(k) for row, k in zip(x, shifts, strict=True)])  # noqa: E731
+    return {key: roll(value) for key, value in batch.items()}
+
+
+def model_for(case: Case):
+    model = tiny_model(case.model_type, **case.config)
+    model.generation_config.eos_token_id = None  # exactly new_tokens tokens, as cpshard's eos_token_id=None
+    return model
+
+
+def run_generation(case: Case) -> dict:
+    """On each rank: cpshard.generate's tokens, and a greedy loop of cp_prefill / cp_decode that records the
+    logits of every step, the cache's bytes and the bytes of the decode steps."""
+    model, batch = model_for(case), prompts(case.pad)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    tokens = cpshard.generate(model, batch, mesh, max_new_tokens=case.new_tokens, eos_token_id=None)
+    params = cpshard.params_of(model)
+    cp_prefill = cpshard.make_cp_prefill(model, implementation=case.implementation)
+    cp_decode = cpshard.make_cp_decode(model)
+    prefill = cpshard.debug.trace_comms(cp_prefill, params, batch, mesh)
+    logits, cache = prefill.result
+    steps, step_bytes = [logits], []
+    for column in range(LENGTH, LENGTH + case.new_tokens - 1):
+        report = cpshard.debug.trace_comms(cp_decode, params, tokens[:, column], cache, mesh)
+        logits, cache = report.result
+        steps.append(logits)
+        step_bytes.append(report.total_bytes)
+    forward = cpshard.make_cp_forward(model, implementation=case.implementation)
+    prompt = {**batch, "position_ids": (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)}
+    forward_bytes = cpshard.debug.trace_comms(forward, params, prompt, mesh).total_bytes
+    return {
+        "tokens": tokens,
+        "logits": torch.stack(steps, 1),
+        "cache_bytes": cache.nbytes,
+        "step_bytes": step_bytes,
+        "prefill_bytes": prefill.total_bytes,
+        "forward_bytes": forward_bytes,
+    }
+
+
+def reference(case: Case):
+    """One process: ``model.generate``'s tokens, the logits of every step, its cache's bytes."""
+    model, batch = model_for(case), prompts(case.pad)
+    if case.pad == "right":  # a right-padded row continues after its last real token: as left-padded
+        batch = left_padded(batch)
+    with torch.no_grad():
+        out = model.generate(
+            **batch,
+            max_new_tokens=case.new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    cache_bytes = sum(
+        tensor.numel() * tensor.element_size()
+        for layer in out.past_key_values.layers
+        for tensor in (layer.keys, layer.values)
+    )
+    return model, out.sequences, torch.stack(out.logits, 1), cache_bytes
+
+
+def decode_step_bytes(config) -> int:
+    """Per decode step, on every rank: each layer all-gathers its ``[B, Hq, D + 1]`` fp32 partial output and
+    log-sum-exp; the tokens are checked alike on every rank (``[B]`` int64)."""
+    return config.num_hidden_layers * ROWS * config.num_attention_heads * (config.head_dim + 1) * 4 + ROWS * 8
+
+
+def token_bytes(config) -> int:
+    """One token's keys and values in every layer (fp32)."""
+    return config.num_hidden_layers * 2 * ROWS * config.num_key_value_heads * config.head_dim * 4
+
+
+def check_case(results: list[dict], case: Case):
+    model, sequences, logits, cache_bytes = reference(case)
+    cp = len(results)
+    new = sequences[:, LENGTH:]
+    for rank, result in enumerate(results):
+        assert torch.equal(result["tokens"], results[0]["tokens"]), (
+            f"{case}: rank {rank} generated other tokens"
+        )
+        assert torch.equal(result["tokens"][:, LENGTH:], new), (
+            f"{case} rank {rank}: other tokens than generate"
+        )
+        assert torch.equal(result["tokens"][:, :LENGTH], prompts(case.pad)["input_ids"])
+        diff = (result["logits"] - logits).abs().max().item()
+        assert diff <= TOLERANCE, f"{case} rank {rank}: logits differ by {diff}"
+        assert torch.equal(result["logits"], results[0]["logits"]), f"{case}: ranks' logits differ"
+        assert set(result["step_bytes"]) == {decode_step_bytes(model.config)}, (
+            f"{case}: {result['step_bytes']}"
+        )
+        if not case.config.get(
+            "sliding_window"
+        ):  # prefill: the forward's bytes and the last logits' all-reduce
+            assert result["prefill_bytes"] == result["forward_bytes"] + ROWS * model.config.vocab_size * 4
+    per_rank = [result["cache_bytes"] for result in results]
+    if case.pad == "left":  # a right-padded batch may keep more of a window: its rows' windows differ
+        assert sum(per_rank) == cache_bytes, f"{case}: {per_rank} against one process's {cache_bytes}"
+        assert max(per_rank) <= cache_bytes / cp * 1.01 + token_bytes(model.config), f"{case}: {per_rank}"
+
+
+CASES_CP2 = [
+    Case("llama", 64),
+    Case("qwen3", 16),
+    Case("mistral", 32, config={"sliding_window": 8}),
+    Case("gemma3_text", 32, config=GEMMA3_MIXED),
+    Case("llama", 12, pad="right"),
+    Case("gemma3_text", 12, pad="right", config=GEMMA3_MIXED),
+    Case("llama", 12, implementation="ring"),
+    Case("mistral", 12, config={"sliding_window": 8}, implementation="ring"),
+]
+CASES_CP4 = [
+    Case("llama", 64),
+    Case("qwen3", 12),
+    Case("mistral", 16, config={"sliding_window": 8}),
+    Case("gemma3_text", 16, config=GEMMA3_MIXED),
+]
+
+
+@pytest.mark.parametrize("case", CASES_CP2, ids=str)
+def test_greedy_cp2(ranks2, case):
+    check_case(ranks2.run(run_generation, case), case)
+
+
+@pytest.mark.parametrize("case", CASES_CP4, ids=str)
+def test_greedy_cp4(ranks4, case):
+    check_case(ranks4.run(run_generation, case), case)
