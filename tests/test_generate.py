@@ -167,3 +167,115 @@ def test_greedy_cp2(ranks2, case):
 @pytest.mark.parametrize("case", CASES_CP4, ids=str)
 def test_greedy_cp4(ranks4, case):
     check_case(ranks4.run(run_generation, case), case)
+
+
+def test_mixture_of_experts_cp2(ranks2):
+    case = Case("qwen3_moe", 8)
+    check_case(ranks2.run(run_generation, case), case)
+
+
+def run_sampling(seed: int | None) -> torch.Tensor:
+    model = model_for(Case("llama"))
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    options = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, generator=generator)
+    return cpshard.generate(model, prompts("left"), mesh, max_new_tokens=12, eos_token_id=None, **options)
+
+
+def sampled_by_one_process(seed: int) -> torch.Tensor:
+    """transformers' forward with its own cache, and cpshard's token choice with the same generator."""
+    model, batch = model_for(Case("llama")), prompts("left")
+    sampling = Sampling(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    generator, mask = torch.Generator().manual_seed(seed), batch["attention_mask"]
+    positions, inputs, cache, tokens = (mask.cumsum(1) - 1).clamp(min=0), batch["input_ids"], None, []
+    with torch.no_grad():
+        for _ in range(12):
+            out = model(
+                input_ids=inputs, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+            )
+            tokens.append(next_tokens(out.logits[:, -1], sampling, generator))
+            cache, inputs, positions = out.past_key_values, tokens[-1][:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones(ROWS, 1, dtype=mask.dtype)], 1)
+    return torch.cat([batch["input_ids"], torch.stack(tokens, 1)], 1)
+
+
+def test_sampling_draws_the_same_tokens_on_every_rank(ranks2):
+    seeded = ranks2.run(run_sampling, 7)
+    assert torch.equal(seeded[0], seeded[1])
+    assert torch.equal(seeded[0], sampled_by_one_process(7))
+    unseeded = ranks2.run(run_sampling, None)  # one seed, rank 0's, for every rank
+    assert torch.equal(unseeded[0], unseeded[1])
+
+
+def run_until_eos(eos: int) -> torch.Tensor:
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    return cpshard.generate(
+        model_for(Case("llama")), prompts("left"), mesh, max_new_tokens=40, eos_token_id=eos
+    )
+
+
+def test_rows_stop_at_eos_and_are_padded_after_it(ranks2):
+    model, greedy, _, _ = reference(Case("llama", 40))
+    eos = int(greedy[1, LENGTH + 4])  # row 1's fifth new token: it stops there, or earlier
+    with torch.no_grad():
+        expected = model.generate(**prompts("left"), max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    for tokens in ranks2.run(run_until_eos, eos):
+        assert torch.equal(tokens, expected)
+    assert (expected[1, LENGTH + 5 :] == model.config.pad_token_id).all()
+
+
+def _refusals() -> list[str]:
+    model, batch = model_for(Case("llama")), prompts("left")
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    rank = dist.get_rank()
+    attempts = {
+        "beams": lambda: cpshard.generate(model, batch, mesh, max_new_tokens=4, num_beams=2),
+        "speculative": lambda: cpshard.generate(model, batch, mesh, max_new_tokens=4, assistant_model=model),
+        "other option": lambda: cpshard.generate(model, batch, mesh, max_new_tokens=4, use_cache=False),
+        "temperature": lambda: cpshard.generate(
+            model, batch, mesh, max_new_tokens=4, do_sample=True, temperature=0
+        ),
+        "labels": lambda: cpshard.make_cp_prefill(model)(
+            cpshard.params_of(model), {**batch, "labels": batch["input_ids"]}, mesh
+        ),
+        "differs": lambda: cpshard.generate(
+            model, {"input_ids": batch["input_ids"] + rank}, mesh, max_new_tokens=4
+        ),
+        "sinks": lambda: cpshard.generate(
+            tiny_model("gpt_oss", attn_implementation="eager"), batch, mesh, max_new_tokens=4
+        ),
+        "tokens": lambda: cpshard.make_cp_decode(model)(
+            cpshard.params_of(model),
+            torch.full((ROWS,), 3 + rank),
+            cpshard.make_cp_prefill(model)(cpshard.params_of(model), batch, mesh)[1],
+            mesh,
+        ),
+    }
+    penalized = model_for(Case("llama"))
+    penalized.generation_config.repetition_penalty = 1.3
+    attempts["config"] = lambda: cpshard.generate(penalized, batch, mesh, max_new_tokens=4)
+    messages = []
+    for attempt in attempts.values():
+        try:
+            attempt()
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_what_is_not_served_is_refused_on_every_rank(ranks2):
+    expected = [
+        "beam search (num_beams=2)",
+        "speculative decoding (assistant_model)",
+        "does not take use_cache=False",
+        "temperature=0",
+        "holds input_ids and attention_mask only",
+        "the batch differs across the cp group",
+        "attention sinks",
+        "ranks [1] decode other tokens",
+        "sets {'repetition_penalty': 1.3}",
+    ]
+    for messages in ranks2.run(_refusals):
+        for message, fragment in zip(messages, expected, strict=True):
+            assert fragment in message, message
