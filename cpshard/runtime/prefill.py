@@ -57,9 +57,10 @@ def check_servable(model, layout, mesh, params: dict) -> None:
         )
 
 
-def prompt_inputs(batch: dict) -> dict:
-    """``input_ids``, the 2-D ``attention_mask`` (all ones when absent) and ``position_ids`` as
-    transformers' ``generate`` makes them (each row's real tokens counted from 0, padding at 0)."""
+def prompt_inputs(batch: dict) -> tuple[dict, torch.Tensor]:
+    """The model's inputs (``input_ids`` and ``attention_mask`` as given, ``position_ids`` as transformers'
+    ``generate`` makes them (each row's real tokens counted from 0, padding at 0)) and the 2-D mask (all
+    ones when the batch has none: then the model needs none, and builds no ``L x L`` mask)."""
     unknown = sorted(set(batch) - set(PROMPT_KEYS))
     if unknown:
         raise BatchError(f"a prompt batch holds {' and '.join(PROMPT_KEYS)} only, got also {unknown}")
@@ -71,8 +72,8 @@ def prompt_inputs(batch: dict) -> dict:
     empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
     if empty:
         raise BatchError(f"rows {empty} of the prompt have no real token (attention_mask all 0)")
-    position_ids = (mask.cumsum(1) - 1).masked_fill(mask == 0, 0)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}
+    inputs = {"input_ids": ids, "position_ids": (mask.cumsum(1) - 1).masked_fill(mask == 0, 0)}
+    return inputs | ({"attention_mask": mask} if "attention_mask" in batch else {}), mask
 
 
 def last_real(mask: torch.Tensor) -> torch.Tensor:
@@ -100,16 +101,16 @@ class CPPrefill(CPForward):
     def __call__(self, params: dict, batch: dict, mesh) -> tuple[torch.Tensor, ShardedKVCache]:
         check_servable(self.model, self.layout, mesh, params)
         try:  # raised after the batch is checked the same on every rank, so that every rank raises
-            prompt, error = prompt_inputs(batch), None
+            (prompt, mask), error = prompt_inputs(batch), None
         except BatchError as raised:
-            prompt, error = batch, raised
+            prompt, mask, error = batch, None, raised
         call, padded, params = self._prepare(params, prompt, mesh)
         if error is not None:
             raise error
         call = replace(call, kv_sink={})
         cp, group = call.cp_size, mesh.get_group("cp")
         rank = mesh.get_local_rank("cp") if cp > 1 else 0
-        held, last = chunk_positions(padded.length, cp, rank), last_real(prompt["attention_mask"])
+        held, last = chunk_positions(padded.length, cp, rank), last_real(mask)
         keep = (held[:, None] == last[None, :]).any(1).nonzero().flatten()
         inputs = {**padded.model_inputs, "use_cache": False, "logits_to_keep": keep}
         with torch.no_grad(), self._running(call):
@@ -121,7 +122,7 @@ class CPPrefill(CPForward):
         cache = prefill_cache(
             [call.kv_sink[id(m)] for m in self.attention],
             [positions(call.order, call.padded_length, cp, r) for r in range(cp)],
-            prompt["attention_mask"],
+            mask,
             prompt["position_ids"],
             group,
             [self.module_names[id(m)] for m in self.attention],
