@@ -1,17 +1,18 @@
 """Generation under cp against one process: prefill time and per-token decode time as ratios in one run,
 and the longest prompt that fits a per-rank memory budget.
 
-    python benchmarks/generation.py --seqs 8192 32768 --nprocs 2 4 --new 8 --threads 4 --budget-gib 1
+    python benchmarks/generation.py --seqs 8192 32768 --nprocs 2 4 --new 8 --threads 1 --budget-gib 1
 
 One process runs transformers' own forward with its own cache (the prompt, then one token at a time, as
 ``model.generate`` does); cp runs ``make_cp_prefill`` / ``make_cp_decode`` on ``nprocs`` local CPU ranks.
-Each rank and the one process get ``--threads`` threads, as if each had a device of its own. Memory: the
-KV cache's bytes on the fullest rank, and the peak resident memory of the largest process; the longest
-prompt within ``--budget-gib`` per rank is extrapolated from those (both grow linearly in the prompt).
+Each rank and the one process get ``--threads`` threads, as if each had a device of its own. Times: wall
+(rank 0's, between barriers: the group's) and CPU (the busiest rank's: on a shared machine the steadier
+measure of the work, since the wall time also counts waiting for the scheduler). Memory: the KV cache's
+bytes on the fullest rank and the largest peak resident memory (VmHWM); the longest prompt within
+``--budget-gib`` per rank is extrapolated from those (both grow linearly in the prompt).
 """
 
 import argparse
-import resource
 import time
 
 import torch
@@ -24,6 +25,11 @@ from cpshard.tools.usage import llama_sizes
 MODEL = llama_sizes(vocab=1024, hidden=128, layers=2, heads=8, kv_heads=4)
 WARM_UP = 256
 MIB = 1 << 20
+#: (key, unit, scale, digits) of the timed columns
+TIMES = (("prefill", "s", 1, 3), ("prefill_cpu", "CPU s", 1, 3), ("decode", "ms/token", 1e3, 2))
+TIMES += (("decode_cpu", "CPU ms/token", 1e3, 2),)
+#: taken from the busiest (fullest) rank
+BUSIEST = ("prefill_cpu", "decode_cpu", "cache", "rss")
 
 
 def _prompt(length: int) -> torch.Tensor:
@@ -31,15 +37,38 @@ def _prompt(length: int) -> torch.Tensor:
 
 
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident bytes: Linux's VmHWM (ru_maxrss would count the parent's peak too: a
+    spawned rank inherits it across fork and exec)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
-def _timed(fn, sync=lambda: None):
+def _timed(sync, fn, *args, **kwargs) -> tuple[float, float, object]:
+    """``(wall seconds, this process's CPU seconds, fn(*args, **kwargs))``."""
     sync()
-    start = time.perf_counter()
-    result = fn()
+    start, cpu = time.perf_counter(), time.process_time()
+    result = fn(*args, **kwargs)
     sync()
-    return time.perf_counter() - start, result
+    return time.perf_counter() - start, time.process_time() - cpu, result
+
+
+def _no_sync() -> None:
+    pass
+
+
+def _row(length: int, prefill: tuple, decode: tuple, new: int, cache_bytes: int) -> dict:
+    times = dict(
+        prefill=prefill[0], prefill_cpu=prefill[1], decode=decode[0] / new, decode_cpu=decode[1] / new
+    )
+    return dict(length=length, **times, cache=cache_bytes, rss=_peak_rss())
+
+
+def _one_process_steps(model, out, new: int):
+    cache = out.past_key_values
+    for _ in range(new):
+        out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), cache=cache, use_cache=True)
+        cache = out.past_key_values
+    return cache
 
 
 def one_process(lengths: list[int], new: int, threads: int) -> list[dict]:
@@ -48,22 +77,24 @@ def one_process(lengths: list[int], new: int, threads: int) -> list[dict]:
     rows = []
     with torch.no_grad():
         for length in [WARM_UP, *lengths]:
-            ids = _prompt(length)
-            prefill, out = _timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))  # noqa: B023
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            start = time.perf_counter()
-            for _ in range(new):
-                out = model(input_ids=token, cache=cache, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            decode = (time.perf_counter() - start) / new
-            cache_bytes = sum(
+            wall, cpu, out = _timed(
+                _no_sync, model, input_ids=_prompt(length), use_cache=True, logits_to_keep=1
+            )
+            prefill = (wall, cpu)
+            wall, cpu, cache = _timed(_no_sync, _one_process_steps, model, out, new)
+            decode = (wall, cpu)
+            held = sum(
                 t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
             )
-            rows.append(
-                dict(length=length, prefill=prefill, decode=decode, cache=cache_bytes, rss=_peak_rss())
-            )
+            rows.append(_row(length, prefill, decode, new, held))
             del cache, out
     return rows[1:]
+
+
+def _cp_steps(cp_decode, params, logits, cache, mesh, new: int):
+    for _ in range(new):
+        logits, cache = cp_decode(params, logits.argmax(-1), cache, mesh)
+    return cache
 
 
 def cp_ranks(lengths: list[int], new: int, threads: int) -> list[dict]:
@@ -74,24 +105,21 @@ def cp_ranks(lengths: list[int], new: int, threads: int) -> list[dict]:
     params, rows = cpshard.params_of(model), []
     for length in [WARM_UP, *lengths]:
         batch = {"input_ids": _prompt(length)}
-        prefill, (logits, cache) = _timed(lambda: cp_prefill(params, batch, mesh), dist.barrier)  # noqa: B023
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(new):
-            logits, cache = cp_decode(params, logits.argmax(-1), cache, mesh)
-        dist.barrier()
-        decode = (time.perf_counter() - start) / new
-        rows.append(dict(length=length, prefill=prefill, decode=decode, cache=cache.nbytes, rss=_peak_rss()))
+        wall, cpu, (logits, cache) = _timed(dist.barrier, cp_prefill, params, batch, mesh)
+        prefill = (wall, cpu)
+        wall, cpu, cache = _timed(dist.barrier, _cp_steps, cp_decode, params, logits, cache, mesh, new)
+        decode = (wall, cpu)
+        rows.append(_row(length, prefill, decode, new, cache.nbytes))
         del cache
     return rows[1:]
 
 
-def longest(rows: list[dict], key: str, budget: int) -> int:
-    """The prompt length at which ``key`` (linear in the length, fitted through the two longest) reaches
-    ``budget``."""
+def longest(rows: list[dict], key: str, budget: int) -> str:
+    """The prompt length at which ``key`` (linear in the length, fitted through the two longest prompts)
+    reaches ``budget``."""
     (a, b) = rows[-2:] if len(rows) > 1 else ({"length": 0, key: 0}, rows[-1])
     slope = (b[key] - a[key]) / (b["length"] - a["length"])
-    return int(b["length"] + (budget - b[key]) / slope)
+    return f"{int(b['length'] + (budget - b[key]) / slope):,}" if slope > 0 else "n/a (it did not grow)"
 
 
 def main():
@@ -109,27 +137,28 @@ def main():
     for nprocs in args.nprocs:
         every = cpshard.launch(cp_ranks, args.seqs, args.new, args.threads, nprocs=nprocs)
         results[nprocs] = [
-            {**rows[0], "cache": max(r["cache"] for r in per), "rss": max(r["rss"] for r in per)}
-            for rows, per in ((every[0], [ranks[i] for ranks in every]) for i in range(len(args.seqs)))
+            {**every[0][i], **{key: max(ranks[i][key] for ranks in every) for key in BUSIEST}}
+            for i in range(len(args.seqs))
         ]
     print(f"llama {MODEL}, batch 1, {args.threads} threads per rank, {args.new} decoded tokens timed")
-    print("| ranks | L | prefill s | vs 1 | decode ms/token | vs 1 | KV cache MiB/rank | peak RSS MiB/rank |")
-    print("|---|---|---|---|---|---|---|---|")
+    columns = " | ".join(f"{unit} | vs 1" for _, unit, _, _ in TIMES)
+    print(f"| ranks | L | {columns} | KV cache MiB/rank | peak MiB/rank |")
+    print("|---" * (4 + 2 * len(TIMES)) + "|")
     base = {row["length"]: row for row in results[1]}
     for nprocs, rows in results.items():
         for row in rows:
             one = base[row["length"]]
-            prefill, decode = row["prefill"] / one["prefill"], row["decode"] / one["decode"]
-            print(
-                f"| {nprocs} | {row['length']} | {row['prefill']:.3f} | {prefill:.2f} | "
-                f"{row['decode'] * 1e3:.2f} | {decode:.2f} | {row['cache'] / MIB:.2f} | "
-                f"{row['rss'] / MIB:.0f} |"
+            times = " | ".join(
+                f"{row[key] * scale:.{digits}f} | {row[key] / one[key]:.2f}"
+                for key, _, scale, digits in TIMES
             )
+            memory = f"{row['cache'] / MIB:.2f} | {row['rss'] / MIB:.0f}"
+            print(f"| {nprocs} | {row['length']} | {times} | {memory} |")
     print(f"\nlongest prompt within {args.budget_gib} GiB per rank (extrapolated from the two longest):")
     for nprocs, rows in results.items():
         print(
-            f"  {nprocs} rank(s): KV cache alone {longest(rows, 'cache', budget):,} tokens; "
-            f"peak resident memory {longest(rows, 'rss', budget):,} tokens"
+            f"  {nprocs} rank(s): KV cache alone {longest(rows, 'cache', budget)} tokens; "
+            f"peak resident memory {longest(rows, 'rss', budget)} tokens"
         )
 
 

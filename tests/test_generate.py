@@ -254,6 +254,10 @@ def _refusals() -> list[str]:
             mesh,
         ),
     }
+    data_parallel = cpshard.make_mesh(dp_replicate=2, cp=1)
+    attempts["mesh"] = lambda: cpshard.generate(model, batch, data_parallel, max_new_tokens=4)
+    sharded = cpshard.params_of(cpshard.parallelize(model_for(Case("llama")), mesh))
+    attempts["sharded"] = lambda: cpshard.make_cp_prefill(model)(sharded, batch, mesh)
     penalized = model_for(Case("llama"))
     penalized.generation_config.repetition_penalty = 1.3
     attempts["config"] = lambda: cpshard.generate(penalized, batch, mesh, max_new_tokens=4)
@@ -277,6 +281,8 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2):
         "the batch differs across the cp group",
         "attention sinks",
         "ranks [1] decode other tokens",
+        "this mesh also has {'dp_replicate': 2}",
+        "takes the plain parameters",
         "sets {'repetition_penalty': 1.3}",
     ]
     for messages in ranks2.run(_refusals):

@@ -19,7 +19,7 @@ from cpshard.call import decoding
 from cpshard.comm.collectives import all_gather_rows
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.install import attention_modules, ensure_installed, install
-from cpshard.runtime.prefill import check_servable
+from cpshard.runtime.prefill import check_mesh_and_params, check_servable
 
 
 def check_tokens(tokens, cache: ShardedKVCache, group) -> None:
@@ -42,6 +42,7 @@ class CPDecode:
     """A cp decode step for one model: ``cp_decode(params, tokens, cache, mesh) -> (logits, cache)``."""
 
     def __init__(self, model, layout):
+        check_servable(model, layout)
         self.model, self.layout = model, layout
         names = {id(module): name for name, module in model.named_modules()}
         modules = attention_modules(model, layout)
@@ -52,7 +53,7 @@ class CPDecode:
     def __call__(
         self, params: dict, tokens, cache: ShardedKVCache, mesh
     ) -> tuple[torch.Tensor, ShardedKVCache]:
-        check_servable(self.model, self.layout, mesh, params)
+        check_mesh_and_params(mesh, params)
         group = mesh.get_group("cp")
         check_tokens(tokens, cache, group)
         if len(cache.layers) != len(self.layer_of):

@@ -29,20 +29,9 @@ SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 PROMPT_KEYS = ("input_ids", "attention_mask")
 
 
-def check_servable(model, layout, mesh, params: dict) -> None:
-    """Raise, naming what to change, for what cp generation does not serve. Every rank raises alike: the
-    model, mesh and parameters' types are the same on every rank."""
-    others = {n: s for n, s in zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True) if n != "cp" and s > 1}
-    if others:
-        raise ValueError(
-            f"cp generation runs over the cp dimension alone; this mesh also has {others}: build a mesh "
-            "with make_mesh(cp=...) for generation"
-        )
-    if any(isinstance(value, DTensor) for value in params.values()):
-        raise ValueError(
-            "cp generation takes the plain parameters (cpshard.params_of(model) before cpshard.parallelize): "
-            "each rank computes every decoded token with whole weights"
-        )
+def check_servable(model, layout) -> None:
+    """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
+    prepares the same model, so every rank raises alike)."""
     if layout.per_head_params:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "
@@ -54,6 +43,21 @@ def check_servable(model, layout, mesh, params: dict) -> None:
         raise ValueError(
             f"{type(model).__name__} needs its own cache class (layer types {types or 'custom'}); cp "
             f"generation splits a cache of {' and '.join(SERVED_LAYER_TYPES)} layers only"
+        )
+
+
+def check_mesh_and_params(mesh, params: dict) -> None:
+    """Raise for a mesh or parameters cp generation does not run on (the same on every rank)."""
+    others = {n: s for n, s in zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True) if n != "cp" and s > 1}
+    if others:
+        raise ValueError(
+            f"cp generation runs over the cp dimension alone; this mesh also has {others}: build a mesh "
+            "with make_mesh(cp=...) for generation"
+        )
+    if any(isinstance(value, DTensor) for value in params.values()):
+        raise ValueError(
+            "cp generation takes the plain parameters (cpshard.params_of(model) before cpshard.parallelize): "
+            "each rank computes every decoded token with whole weights"
         )
 
 
@@ -95,11 +99,12 @@ class CPPrefill(CPForward):
     """A cp prefill for one model: ``cp_prefill(params, batch, mesh) -> (logits [B, V], cache)``."""
 
     def __init__(self, model, layout, implementation: str):
+        check_servable(model, layout)
         super().__init__(model, layout, implementation, True, False, ForwardOptions())
         self.attention = attention_modules(model, layout)
 
     def __call__(self, params: dict, batch: dict, mesh) -> tuple[torch.Tensor, ShardedKVCache]:
-        check_servable(self.model, self.layout, mesh, params)
+        check_mesh_and_params(mesh, params)
         try:  # raised after the batch is checked the same on every rank, so that every rank raises
             (prompt, mask), error = prompt_inputs(batch), None
         except BatchError as raised:
