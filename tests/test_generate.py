@@ -1,7 +1,7 @@
 """Generation under cp against one process's ``model.generate``: tokens, the logits of every step, the
 cache's bytes per rank and the bytes each decode step moves; on real gloo groups, tiny random models."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -107,8 +107,12 @@ def reference(case: Case):
 
 def decode_step_bytes(config) -> int:
     """Per decode step, on every rank: each layer all-gathers its ``[B, Hq, D + 1]`` fp32 partial output and
-    log-sum-exp; the tokens are checked alike on every rank (``[B]`` int64)."""
-    return config.num_hidden_layers * ROWS * config.num_attention_heads * (config.head_dim + 1) * 4 + ROWS * 8
+    log-sum-exp; the tokens (``[B]`` int64) and whether each rank's cache is its own (one more) are
+    checked."""
+    return (
+        config.num_hidden_layers * ROWS * config.num_attention_heads * (config.head_dim + 1) * 4
+        + (ROWS + 1) * 8
+    )
 
 
 def token_bytes(config) -> int:
@@ -254,6 +258,11 @@ def _refusals() -> list[str]:
             mesh,
         ),
     }
+    cache = cpshard.make_cp_prefill(model)(cpshard.params_of(model), batch, mesh)[1]
+    anothers = replace(cache, rank=(cache.rank + 1) % cache.size)
+    attempts["stranger"] = lambda: cpshard.make_cp_decode(model)(
+        cpshard.params_of(model), torch.full((ROWS,), 3), anothers, mesh
+    )
     data_parallel = cpshard.make_mesh(dp_replicate=2, cp=1)
     attempts["mesh"] = lambda: cpshard.generate(model, batch, data_parallel, max_new_tokens=4)
     sharded = cpshard.params_of(cpshard.parallelize(model_for(Case("llama")), mesh))
@@ -281,6 +290,7 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2):
         "the batch differs across the cp group",
         "attention sinks",
         "ranks [1] decode other tokens",
+        "ranks [0, 1] hold a cache that another rank or cp size made",
         "this mesh also has {'dp_replicate': 2}",
         "takes the plain parameters",
         "sets {'repetition_penalty': 1.3}",

@@ -12,7 +12,9 @@ every rank), so all ranks take the same placement decisions without communicatin
   and a sliding-window layer then drops what has left every row's window.
 
 So a rank holds at most ``ceil(n / cp)`` of a layer's ``n`` tokens, plus what its prefill shard held
-beyond that (contiguous order: nothing; head-tail: at most one token).
+beyond that (contiguous order: nothing; head-tail: at most one token). A sliding window of a
+right-padded batch can drop several tokens in one step (its rows' windows end apart), and then the
+balance is within the tokens dropped at once.
 """
 
 from __future__ import annotations

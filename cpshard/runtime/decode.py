@@ -3,8 +3,8 @@
 Every rank runs the model's own forward on the new tokens (one per row, nothing to split); its attention
 function attends with this rank's share of the cache and merges every rank's partial result exactly
 (:mod:`cpshard.attention.decode`). Per step, rank 0 puts ``layers x B x Hq x (D + 1) x 4`` bytes into
-collectives (each layer's partial output and log-sum-exp, in fp32), and ``B x 8`` to check that every rank
-decodes the same tokens.
+collectives (each layer's partial output and log-sum-exp, in fp32), and ``(B + 1) x 8`` to check that every
+rank decodes the same tokens with its own cache.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from cpshard.attention.decode import DecodeStep
 from cpshard.attention.kv_cache import ShardedKVCache
@@ -22,14 +23,22 @@ from cpshard.runtime.install import attention_modules, ensure_installed, install
 from cpshard.runtime.prefill import check_mesh_and_params, check_servable
 
 
-def check_tokens(tokens, cache: ShardedKVCache, group) -> None:
-    """``tokens`` is ``[B]`` integer ids, the same on every rank (one all-gather), or every rank raises."""
+def check_step(tokens, cache: ShardedKVCache, group) -> None:
+    """``tokens`` is ``[B]`` integer ids, the same on every rank, and each rank holds its own share of the
+    cache (one all-gather of both), or every rank raises."""
     rows = cache.attention_mask.shape[0]
     shaped = isinstance(tokens, torch.Tensor) and tokens.shape == (rows,) and not tokens.is_floating_point()
+    own = (cache.rank, cache.size) == (dist.get_rank(group), dist.get_world_size(group))
     mine = tokens.long() if shaped else torch.full((rows,), -1, dtype=torch.long)
-    every = all_gather_rows(mine, group, name="decode tokens")
+    every = all_gather_rows(torch.cat([mine, mine.new_tensor([own])]), group, name="decode tokens")
     if not shaped:
         raise ValueError(f"cp_decode takes one token id per row: a [{rows}] integer tensor, got {tokens!r}")
+    strangers = (every[:, -1] == 0).nonzero().flatten().tolist()
+    if strangers:
+        raise ValueError(
+            f"cp_decode: ranks {strangers} hold a cache that another rank or cp size made; give each rank "
+            "the cache its own cp_prefill (or cp_decode) returned"
+        )
     differing = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
     if differing:
         raise ValueError(
@@ -55,7 +64,7 @@ class CPDecode:
     ) -> tuple[torch.Tensor, ShardedKVCache]:
         check_mesh_and_params(mesh, params)
         group = mesh.get_group("cp")
-        check_tokens(tokens, cache, group)
+        check_step(tokens, cache, group)
         if len(cache.layers) != len(self.layer_of):
             raise ValueError(f"a cache of {len(cache.layers)} layers for a model of {len(self.layer_of)}")
         ensure_installed(self.model, self.layout)

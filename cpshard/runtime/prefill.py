@@ -19,7 +19,7 @@ from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.registry import resolve_layout
-from cpshard.runtime.batch import BatchError
+from cpshard.runtime.batch import BatchError, validate
 from cpshard.runtime.forward import CPForward, ForwardOptions
 from cpshard.runtime.install import attention_modules
 from cpshard.spec.sequence import chunk_positions, positions
@@ -65,10 +65,13 @@ def prompt_inputs(batch: dict) -> tuple[dict, torch.Tensor]:
     """The model's inputs (``input_ids`` and ``attention_mask`` as given, ``position_ids`` as transformers'
     ``generate`` makes them (each row's real tokens counted from 0, padding at 0)) and the 2-D mask (all
     ones when the batch has none: then the model needs none, and builds no ``L x L`` mask)."""
+    validate(batch)
     unknown = sorted(set(batch) - set(PROMPT_KEYS))
     if unknown:
         raise BatchError(f"a prompt batch holds {' and '.join(PROMPT_KEYS)} only, got also {unknown}")
-    ids = batch["input_ids"]
+    ids = batch.get("input_ids")
+    if ids is None:
+        raise BatchError("a prompt batch takes input_ids (token ids; generation appends tokens to them)")
     mask = batch.get("attention_mask")
     mask = torch.ones_like(ids) if mask is None else mask.long()
     if not bool(((mask == 0) | (mask == 1)).all()):
