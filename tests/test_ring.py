@@ -5,7 +5,7 @@ import torch
 
 import cpshard
 from cpshard.attention.blocks import ring_blocks
-from cpshard.attention.ring import grouped, block_attention, block_grads, hops, merge, tiles
+from cpshard.attention.ring import block_attention, block_grads, grouped, hops, merge, tiles
 from cpshard.comm.record import recording
 from cpshard.spec.sequence import chunks_per_rank, positions
 from cpshard.tools.tiny import tiny_batch, tiny_model
