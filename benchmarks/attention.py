@@ -16,7 +16,7 @@ import torch
 
 import cpshard
 from cpshard.attention.blocks import ring_blocks
-from cpshard.attention.ring import _grouped, tiled_attention, tiled_grads
+from cpshard.attention.ring import grouped, tiled_attention, tiled_grads
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import optimum_for
 from cpshard.spec.sequence import chunks_per_rank, padded_length_for, positions
@@ -77,7 +77,7 @@ def ring_compute_per_rank(seq: int, cp: int, order: str, repeats: int = 3) -> li
     seconds = []
     for rank in range(cp):
         blocks = ring_blocks(None, held, seq, rank, uniform_rows=False, tile=tile)
-        q = _grouped(torch.randn(1, heads, length // cp, dim), kv_heads)
+        q = grouped(torch.randn(1, heads, length // cp, dim), kv_heads)
         k, v = torch.randn(2, 1, kv_heads, length // cp, dim)
         runs = []
         for _ in range(repeats):

@@ -12,9 +12,12 @@ from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError, launch
 from cpshard.runtime.batch import BatchError
 from cpshard.runtime.count import count_label_tokens
+from cpshard.runtime.decode import make_cp_decode
 from cpshard.runtime.forward import CPOutput, make_cp_forward, params_of
+from cpshard.runtime.generate import generate
 from cpshard.runtime.grad import value_and_grad
 from cpshard.runtime.optim import AdamState, adamw_init, adamw_update
+from cpshard.runtime.prefill import make_cp_prefill
 from cpshard.runtime.tokens import shard_like_logits
 from cpshard.spec.notation import Spec, SpecError
 from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model
@@ -27,6 +30,7 @@ __all__ = [
     "tiny_config",
     "tiny_model",
     "debug",
+    "generate",
     "BatchError",
     "CPOutput",
     "CheckpointError",
@@ -39,7 +43,9 @@ __all__ = [
     "count_label_tokens",
     "launch",
     "load_checkpoint",
+    "make_cp_decode",
     "make_cp_forward",
+    "make_cp_prefill",
     "make_mesh",
     "parallelize",
     "params_of",

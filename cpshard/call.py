@@ -6,6 +6,11 @@ extra argument from cp_forward, so they find the running call's :class:`CallPlan
 ``cp_forward`` call there is none and every installed piece steps aside: the model gives its ordinary
 results. Activation checkpointing recomputes layers after cp_forward returned, so
 :mod:`cpshard.runtime.recompute` re-enters the call for them.
+
+Generation adds two things the attention function must find the same way: a prefill's ``CallPlan``
+carries ``kv_sink``, where each layer leaves this rank's keys and values, and a decode step (one token
+per row, the sequence not split, so no CallPlan and every other hook steps aside) is found through
+:func:`active_decode`.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class CallPlan:
     expert_group: ProcessGroup | None = None
     #: how the experts layer runs beside tp: "dispatch" or "all_reduce" (see :mod:`cpshard.parallel.experts`)
     expert_plan: str = "dispatch"
+    #: a prefill's keys and values as each attention module sees them (this rank's share), by ``id(module)``
+    kv_sink: dict | None = field(default=None, compare=False, repr=False)
     #: what every layer derives alike from the call's inputs, derived once (see :meth:`shared`)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -81,3 +88,20 @@ def running(call: CallPlan):
         yield call
     finally:
         _ACTIVE.reset(token)
+
+
+_DECODING: ContextVar[object | None] = ContextVar("cpshard_decode_step", default=None)
+
+
+def active_decode():
+    """The running decode step (:class:`cpshard.attention.decode.DecodeStep`), or None."""
+    return _DECODING.get()
+
+
+@contextmanager
+def decoding(step):
+    token = _DECODING.set(step)
+    try:
+        yield step
+    finally:
+        _DECODING.reset(token)

@@ -5,7 +5,7 @@ import torch
 
 import cpshard
 from cpshard.attention.blocks import ring_blocks
-from cpshard.attention.ring import _grouped, block_attention, block_grads, hops, merge, tiles
+from cpshard.attention.ring import block_attention, block_grads, grouped, hops, merge, tiles
 from cpshard.comm.record import recording
 from cpshard.spec.sequence import chunks_per_rank, positions
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -34,7 +34,7 @@ def random_problem(dtype, generator):
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_merged_blocks_equal_one_softmax_over_the_row(dtype, tolerance, softcap):
     q, k, v, allowed = random_problem(dtype, torch.Generator().manual_seed(0))
-    qg = _grouped(q.float(), k.shape[1])
+    qg = grouped(q.float(), k.shape[1])
     first = block_attention(qg, k[:, :, :5], v[:, :, :5], allowed[..., :5], 0.3, softcap)
     second = block_attention(qg, k[:, :, 5:], v[:, :, 5:], allowed[..., 5:], 0.3, softcap)
     out, lse = merge(*first, *second)
@@ -47,7 +47,7 @@ def test_merged_blocks_equal_one_softmax_over_the_row(dtype, tolerance, softcap)
 def test_block_gradients_equal_autograd_of_one_softmax(softcap):
     q, k, v, allowed = random_problem(torch.float64, torch.Generator().manual_seed(1))
     q, k, v = (x.float().requires_grad_() for x in (q, k, v))
-    qg = _grouped(q, k.shape[1])
+    qg = grouped(q, k.shape[1])
     expected = whole_row_attention(qg, k, v, allowed, 0.3, softcap)
     grad_out = torch.randn_like(expected)
     want_q, want_k, want_v = torch.autograd.grad(expected, (q, k, v), grad_out)

@@ -5,8 +5,9 @@ still builds its mask) under ``cpshard_<inner>``. Inside a cp call, q, k and v a
 over the sequence. Ulysses: one all-to-all each makes them whole sequences over a share of the
 heads, the model's own function runs with the model's own whole-sequence mask, and one
 all-to-all brings the output back. Ring (and hybrid, Ulysses inside groups first): k and v
-travel the ring (:mod:`cpshard.attention.ring`) with per-block masks cut from that same mask. Outside a
-cp call it is the inner function, untouched.
+travel the ring (:mod:`cpshard.attention.ring`) with per-block masks cut from that same mask. A prefill
+also leaves each layer's k and v in the call's ``kv_sink``; a decode step attends over the split cache
+(:mod:`cpshard.attention.decode`). Outside a cp call it is the inner function, untouched.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cpshard.attention.blocks import ring_blocks
+from cpshard.attention.decode import decode_attention
 from cpshard.attention.ring import RingAttention
-from cpshard.call import active_call
+from cpshard.call import active_call, active_decode, current_call
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
 from cpshard.layouts.layout import LayoutError
@@ -223,6 +225,15 @@ def _cp_attention(inner: str):
         )
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        step = active_decode()
+        if step is not None:
+            scale, window = kwargs.get("scaling") or module.scaling, kwargs.get("sliding_window")
+            return decode_attention(
+                step, module, query, key, value, scale, kwargs.get("softcap"), window
+            ), None
+        prefill = current_call()
+        if prefill is not None and prefill.kv_sink is not None:  # this rank's share of the prompt's k, v
+            prefill.kv_sink[id(module)] = (key, value, kwargs.get("sliding_window"))
         function = _inner_function(inner, module)
         call = active_call()
         if call is None:

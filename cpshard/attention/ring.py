@@ -25,7 +25,7 @@ NEG_INF = float("-inf")
 # ----------------------------------------------------------------------------- block math
 
 
-def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``[B, Hq, S, D]`` as ``[B, Hkv, G, S, D]``: the G q heads that share each kv head."""
     batch, heads, length, dim = q.shape
     return q.reshape(batch, kv_heads, heads // kv_heads, length, dim)
@@ -237,7 +237,7 @@ class RingAttention(torch.autograd.Function):
         needed = blocks.needed
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         ring = ((rank + 1) % size, (rank - 1) % size)
-        qg = _grouped(q.float(), k.shape[1])
+        qg = grouped(q.float(), k.shape[1])
         out = torch.zeros_like(qg)
         lse = torch.full(qg.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
         kv = template = torch.stack([k, v])
@@ -277,8 +277,8 @@ class RingAttention(torch.autograd.Function):
         needed = blocks.needed
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         ring = ((rank + 1) % size, (rank - 1) % size)
-        qg = _grouped(q.float(), k.shape[1])
-        grad_out = _grouped(grad_output.float(), k.shape[1])
+        qg = grouped(q.float(), k.shape[1])
+        grad_out = grouped(grad_output.float(), k.shape[1])
         delta = (grad_out * out).sum(-1)
         grad_q = torch.zeros_like(qg)
         kv = kv_template = torch.stack([k, v])

@@ -41,11 +41,17 @@ class _Reorder(torch.autograd.Function):
         return _move(grad, dim, receive, send, ctx.src_len, group, ctx.log, name, "backward"), *([None] * 5)
 
 
+def reorder(x: torch.Tensor, dim: int, src: list, dst: list, group, name: str = "") -> torch.Tensor:
+    """This rank's entries along ``dim``, held at positions ``src[rank]``, as those of ``dst[rank]`` (every
+    position of ``dst`` is in some ``src``): one all-to-all with uneven splits."""
+    send, receive = exchange_plan(src, dst, dist.get_rank(group))
+    return _Reorder.apply(x, dim, send, receive, group, name)
+
+
 def to_chunks(x: torch.Tensor, dim: int, order: str, padded_length: int, length: int, group, name: str = ""):
     """This rank's tokens, held in ``order`` over a padded sequence, as DTensor chunks of the real
     ``length`` tokens (see :func:`cpshard.spec.sequence.chunk_positions`); padding is dropped."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = dist.get_world_size(group)
     src = [positions(order, padded_length, size, r) for r in range(size)]
     dst = [chunk_positions(length, size, r) for r in range(size)]
-    send, receive = exchange_plan(src, dst, rank)
-    return _Reorder.apply(x, dim, send, receive, group, name)
+    return reorder(x, dim, src, dst, group, name)

@@ -7,6 +7,7 @@ is pure: its result depends on ``(params, batch, mesh)`` alone and nothing is le
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -145,9 +146,10 @@ class CPForward:
             expert_plan=choose_expert_plan(self.expert_plan, tp, ep),
         )
 
-    def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
-        cp = cp_size(mesh)
+    def _prepare(self, params: dict, batch: dict, mesh) -> tuple[CallPlan, PaddedBatch, dict]:
+        """Checks, padding and the plan of one call: ``(call, padded batch, whole parameters)``."""
         verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
+        cp = cp_size(mesh)
         strategy = self._strategy(mesh, cp, params)
         if self.layout.labels_shifted:
             batch = labels_read_as_shifted(batch)
@@ -159,12 +161,22 @@ class CPForward:
         )
         call = self._plan(mesh, cp, strategy, padded)
         # gradients summed over the ranks that hold other tokens; DTensor parameters made whole
-        params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
+        return call, padded, gather_params(summed_in_backward(params, mesh), mesh, self.layout)
+
+    @contextmanager
+    def _running(self, call: CallPlan):
+        """The model's own forward runs inside this: the call is ambient for the installed pieces."""
         with (
             running(call),
             recompute_in(call, self.model),
             ExplicitRedistributionContext(enable=self.strict, strict=True),
         ):
+            yield
+
+    def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
+        call, padded, params = self._prepare(params, batch, mesh)
+        cp = call.cp_size
+        with self._running(call):
             local, router_logits = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end

@@ -1,0 +1,161 @@
+"""``cpshard.generate``: a prompt prefilled under cp, then one token per row per step, the same on every
+rank; rows stop at ``eos_token_id`` and are padded after it, as transformers' ``generate`` does.
+
+What it does not serve is refused up front, on every rank alike (the arguments and the model's generation
+config are the same on every rank): beam search, speculative decoding, the logits processors of the
+generation config other than temperature, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from cpshard.comm.collectives import all_gather_rows
+from cpshard.runtime.decode import make_cp_decode
+from cpshard.runtime.forward import params_of
+from cpshard.runtime.prefill import make_cp_prefill
+from cpshard.runtime.sampling import Sampling, next_tokens
+
+_MODELS_OWN = object()
+SPECULATIVE = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
+#: generation-config settings that change which tokens ``model.generate`` picks, not applied by cpshard
+REFUSED_SETTINGS = (
+    "num_beams",
+    "num_beam_groups",
+    "penalty_alpha",
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "min_length",
+    "min_new_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "sequence_bias",
+    "guidance_scale",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "top_h",
+    "renormalize_logits",
+    "exponential_decay_length_penalty",
+    "watermarking_config",
+    "stop_strings",
+    "max_time",
+)
+
+
+def refuse_unsupported(options: dict, generation_config) -> None:
+    """Raise a ValueError naming what ``generate`` would not apply: options beyond its arguments (beam search,
+    speculative decoding, ...) and settings of the model's generation config (leaving a default is fine)."""
+    default = GenerationConfig()
+    for name, value in options.items():
+        if name in SPECULATIVE:
+            raise ValueError(
+                f"speculative decoding ({name}) is not served by cpshard.generate: it decodes one token "
+                "per row per step"
+            )
+        if name == "num_beams" and value not in (None, 1):
+            raise ValueError(
+                f"beam search (num_beams={value}) is not served by cpshard.generate: greedy "
+                "(do_sample=False) or sampling (do_sample=True, temperature, top_k, top_p)"
+            )
+        if value != getattr(default, name, _MODELS_OWN):
+            raise ValueError(
+                f"cpshard.generate does not take {name}={value!r}; it takes max_new_tokens, do_sample, "
+                "temperature, top_k, top_p, eos_token_id and generator"
+            )
+    changed = {
+        name: getattr(generation_config, name)
+        for name in REFUSED_SETTINGS
+        if getattr(generation_config, name, None) != getattr(default, name, None)
+    }
+    if changed:
+        raise ValueError(
+            f"model.generation_config sets {changed}, which cpshard.generate does not apply (it would pick "
+            "other tokens than model.generate); set them back to GenerationConfig()'s defaults"
+        )
+
+
+def _token_ids(value) -> torch.Tensor | None:
+    if value is None:
+        return None
+    return torch.tensor([value] if isinstance(value, int) else list(value), dtype=torch.long)
+
+
+def stop_and_pad_ids(model, eos_token_id) -> tuple[torch.Tensor | None, int | None]:
+    """``(eos ids or None, pad id)``: the model's generation config's eos (else its config's) unless given;
+    padding after eos with the pad token, else the first eos, as transformers does."""
+    config, generation = model.config, model.generation_config
+    if eos_token_id is _MODELS_OWN:
+        eos_token_id = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+    eos = _token_ids(eos_token_id)
+    pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
+    if pad is None and eos is not None:
+        pad = int(eos[0])
+    return eos, pad
+
+
+def shared_generator(group) -> torch.Generator:
+    """A generator seeded alike on every rank of ``group`` (rank 0's seed, one all-gather)."""
+    seed = torch.randint(0, 1 << 62, (1,))
+    return torch.Generator().manual_seed(int(all_gather_rows(seed, group, name="sampling seed")[0, 0]))
+
+
+def check_same_everywhere(tokens: torch.Tensor, group) -> None:
+    """Every rank raises unless every rank generated the same tokens."""
+    every = all_gather_rows(tokens, group, name="generated tokens")
+    differing = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
+    if differing:
+        raise ValueError(
+            f"cpshard.generate: ranks {differing} generated other tokens than rank 0; seed the generators "
+            "alike on every rank (or pass generator=None)"
+        )
+
+
+def generate(
+    model,
+    batch: dict,
+    mesh,
+    *,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id=_MODELS_OWN,
+    generator: torch.Generator | None = None,
+    **unsupported,
+) -> torch.Tensor:
+    """``[B, L + n]``: the prompt followed by ``n <= max_new_tokens`` new tokens (fewer when every row has
+    reached eos), ``pad_token_id`` after a row's eos; the same on every rank. ``eos_token_id=None``
+    generates exactly ``max_new_tokens``. Sampling draws from ``generator``, which must be seeded alike on
+    every rank (``None``: one seeded from rank 0's)."""
+    refuse_unsupported(unsupported, model.generation_config)
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: a positive integer")
+    sampling = Sampling(do_sample, temperature, top_k, top_p)
+    eos, pad = stop_and_pad_ids(model, eos_token_id)
+    cp_prefill, cp_decode = make_cp_prefill(model), make_cp_decode(model)
+    params, group = params_of(model), mesh.get_group("cp")
+    logits, cache = cp_prefill(params, batch, mesh)
+    if do_sample and generator is None:
+        generator = shared_generator(group)
+    unfinished = torch.ones(logits.shape[0], dtype=torch.bool)
+    new = []
+    for step in range(max_new_tokens):
+        tokens = next_tokens(logits, sampling, generator)
+        if eos is not None:
+            tokens = tokens.masked_fill(~unfinished, pad)
+            unfinished &= ~torch.isin(tokens, eos)
+        new.append(tokens)
+        if not unfinished.any() or step + 1 == max_new_tokens:
+            break
+        logits, cache = cp_decode(params, tokens, cache, mesh)
+    out = torch.cat([batch["input_ids"], torch.stack(new, dim=1).to(batch["input_ids"].dtype)], dim=1)
+    check_same_everywhere(out, group)
+    return out

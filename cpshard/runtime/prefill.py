@@ -1,0 +1,148 @@
+"""``make_cp_prefill``: a prompt run under cp into a KV cache that stays split over the cp ranks.
+
+The prompt runs as in ``cp_forward`` (Ulysses, ring or hybrid, the model's own masks), and each attention
+layer leaves this rank's keys and values (those of its own sequence shard) in the call's ``kv_sink``: no
+rank ever holds the whole cache (:mod:`cpshard.attention.kv_cache`). The model's head runs on the last
+real position of each row alone, on the rank that holds it, and one all-reduce of ``[B, V]`` brings those
+logits to every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from cpshard.attention.choice import IMPLEMENTATIONS
+from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
+from cpshard.comm.collectives import sum_over_group
+from cpshard.layouts.registry import resolve_layout
+from cpshard.runtime.batch import BatchError, validate
+from cpshard.runtime.forward import CPForward, ForwardOptions
+from cpshard.runtime.install import attention_modules
+from cpshard.spec.sequence import chunk_positions, positions
+
+#: the cache layers of transformers' DynamicCache that a split cache serves
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+PROMPT_KEYS = ("input_ids", "attention_mask")
+
+
+def check_servable(model, layout) -> None:
+    """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
+    prepares the same model, so every rank raises alike)."""
+    if layout.per_head_params:
+        raise ValueError(
+            f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "
+            "have no place in the split cache's log-sum-exp merge; cp generation does not serve this model"
+        )
+    text_config = model.config.get_text_config(decoder=True)
+    types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(SERVED_LAYER_TYPES))
+    if types or not model._supports_default_dynamic_cache():
+        raise ValueError(
+            f"{type(model).__name__} needs its own cache class (layer types {types or 'custom'}); cp "
+            f"generation splits a cache of {' and '.join(SERVED_LAYER_TYPES)} layers only"
+        )
+
+
+def check_mesh_and_params(mesh, params: dict) -> None:
+    """Raise for a mesh or parameters cp generation does not run on (the same on every rank)."""
+    others = {n: s for n, s in zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True) if n != "cp" and s > 1}
+    if others:
+        raise ValueError(
+            f"cp generation runs over the cp dimension alone; this mesh also has {others}: build a mesh "
+            "with make_mesh(cp=...) for generation"
+        )
+    if any(isinstance(value, DTensor) for value in params.values()):
+        raise ValueError(
+            "cp generation takes the plain parameters (cpshard.params_of(model) before cpshard.parallelize): "
+            "each rank computes every decoded token with whole weights"
+        )
+
+
+def prompt_inputs(batch: dict) -> tuple[dict, torch.Tensor]:
+    """The model's inputs (``input_ids`` and ``attention_mask`` as given, ``position_ids`` as transformers'
+    ``generate`` makes them (each row's real tokens counted from 0, padding at 0)) and the 2-D mask (all
+    ones when the batch has none: then the model needs none, and builds no ``L x L`` mask)."""
+    validate(batch)
+    unknown = sorted(set(batch) - set(PROMPT_KEYS))
+    if unknown:
+        raise BatchError(f"a prompt batch holds {' and '.join(PROMPT_KEYS)} only, got also {unknown}")
+    ids = batch.get("input_ids")
+    if ids is None:
+        raise BatchError("a prompt batch takes input_ids (token ids; generation appends tokens to them)")
+    mask = batch.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask.long()
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise BatchError("batch['attention_mask'] must hold 1 for a real token and 0 for padding")
+    empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise BatchError(f"rows {empty} of the prompt have no real token (attention_mask all 0)")
+    inputs = {"input_ids": ids, "position_ids": (mask.cumsum(1) - 1).masked_fill(mask == 0, 0)}
+    return inputs | ({"attention_mask": mask} if "attention_mask" in batch else {}), mask
+
+
+def last_real(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the index of each row's last real token."""
+    return mask.shape[1] - 1 - mask.flip(1).argmax(1)
+
+
+def rows_at(logits: torch.Tensor, kept: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``[B, V]``: row b's logits at position ``last[b]`` where this rank kept it (``logits`` ``[B, k, V]``
+    at positions ``kept``), else 0."""
+    match = kept[None, :] == last[:, None]
+    if not kept.numel():
+        return logits.new_zeros(logits.shape[0], logits.shape[2])
+    picked = logits[torch.arange(logits.shape[0]), match.long().argmax(1)]
+    return torch.where(match.any(1, keepdim=True), picked, 0.0)
+
+
+class CPPrefill(CPForward):
+    """A cp prefill for one model: ``cp_prefill(params, batch, mesh) -> (logits [B, V], cache)``."""
+
+    def __init__(self, model, layout, implementation: str):
+        check_servable(model, layout)
+        super().__init__(model, layout, implementation, True, False, ForwardOptions())
+        self.attention = attention_modules(model, layout)
+
+    def __call__(self, params: dict, batch: dict, mesh) -> tuple[torch.Tensor, ShardedKVCache]:
+        check_mesh_and_params(mesh, params)
+        try:  # raised after the batch is checked the same on every rank, so that every rank raises
+            (prompt, mask), error = prompt_inputs(batch), None
+        except BatchError as raised:
+            prompt, mask, error = batch, None, raised
+        call, padded, params = self._prepare(params, prompt, mesh)
+        if error is not None:
+            raise error
+        call = replace(call, kv_sink={})
+        cp, group = call.cp_size, mesh.get_group("cp")
+        rank = mesh.get_local_rank("cp") if cp > 1 else 0
+        held, last = chunk_positions(padded.length, cp, rank), last_real(mask)
+        keep = (held[:, None] == last[None, :]).any(1).nonzero().flatten()
+        inputs = {**padded.model_inputs, "use_cache": False, "logits_to_keep": keep}
+        with torch.no_grad(), self._running(call):
+            local = torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True)
+            logits = sum_over_group(rows_at(local.logits, held[keep], last), group, name="last logits")
+        missing = [self.module_names[id(m)] for m in self.attention if id(m) not in call.kv_sink]
+        if missing:
+            raise ValueError(f"the prefill saw no keys and values at {missing}: cpshard cannot cache them")
+        cache = prefill_cache(
+            [call.kv_sink[id(m)] for m in self.attention],
+            [positions(call.order, call.padded_length, cp, r) for r in range(cp)],
+            mask,
+            prompt["position_ids"],
+            group,
+            [self.module_names[id(m)] for m in self.attention],
+        )
+        return logits, cache
+
+
+def make_cp_prefill(model, *, layout="auto", implementation="auto") -> CPPrefill:
+    """Prepare ``model`` once and return its ``cp_prefill(params, batch, mesh) -> (logits, cache)``: the
+    logits ``[B, V]`` of each row's last real token, the same on every rank, and the
+    :class:`~cpshard.attention.kv_cache.ShardedKVCache` split over the cp ranks. ``batch``: ``input_ids``
+    and optionally a 2-D ``attention_mask`` (left or right padding). Inference: nothing is differentiated."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+    return CPPrefill(model, resolve_layout(model, layout), implementation)

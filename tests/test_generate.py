@@ -1,0 +1,300 @@
+"""Generation under cp against one process's ``model.generate``: tokens, the logits of every step, the
+cache's bytes per rank and the bytes each decode step moves; on real gloo groups, tiny random models."""
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpshard
+from cpshard.runtime.sampling import Sampling, next_tokens
+from cpshard.tools.tiny import tiny_model
+
+TOLERANCE = 1e-5
+ROWS, LENGTH = 3, 23  # 23: cp pads the prompt (at cp=2 and 4, contiguous and head-tail)
+GEMMA3_MIXED = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+
+
+@dataclass(frozen=True)
+class Case:
+    model_type: str
+    new_tokens: int = 16
+    pad: str = "left"
+    config: dict = field(default_factory=dict)
+    implementation: str = "auto"
+
+    def __str__(self):
+        return f"{self.model_type}-{self.new_tokens}-{self.pad}-{self.implementation}-{self.config}"
+
+
+def prompts(pad: str) -> dict:
+    """Rows of unequal length (row 0 full), padded on ``pad``'s side; ``pad=None``: whole rows, no mask."""
+    ids = torch.randint(3, 128, (ROWS, LENGTH), generator=torch.Generator().manual_seed(5))
+    if pad is None:
+        return {"input_ids": ids}
+    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
+    mask[1, :7], mask[2, :3] = 0, 0
+    if pad == "right":
+        mask = mask.flip(1)
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def left_padded(batch: dict) -> dict:
+    """The same prompts with their padding moved to the left."""
+    shifts = (batch["attention_mask"] == 0).sum(1).tolist()
+    roll = lambda x: torch.stack([row.roll(k) for row, k in zip(x, shifts, strict=True)])  # noqa: E731
+    return {key: roll(value) for key, value in batch.items()}
+
+
+def model_for(case: Case):
+    model = tiny_model(case.model_type, **case.config)
+    model.generation_config.eos_token_id = None  # exactly new_tokens tokens, as cpshard's eos_token_id=None
+    return model
+
+
+def run_generation(case: Case) -> dict:
+    """On each rank: cpshard.generate's tokens, and a greedy loop of cp_prefill / cp_decode that records the
+    logits of every step, the cache's bytes and the bytes of the decode steps."""
+    model, batch = model_for(case), prompts(case.pad)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    tokens = cpshard.generate(model, batch, mesh, max_new_tokens=case.new_tokens, eos_token_id=None)
+    params = cpshard.params_of(model)
+    cp_prefill = cpshard.make_cp_prefill(model, implementation=case.implementation)
+    cp_decode = cpshard.make_cp_decode(model)
+    prefill = cpshard.debug.trace_comms(cp_prefill, params, batch, mesh)
+    logits, cache = prefill.result
+    steps, step_bytes = [logits], []
+    for column in range(LENGTH, LENGTH + case.new_tokens - 1):
+        report = cpshard.debug.trace_comms(cp_decode, params, tokens[:, column], cache, mesh)
+        logits, cache = report.result
+        steps.append(logits)
+        step_bytes.append(report.total_bytes)
+    forward = cpshard.make_cp_forward(model, implementation=case.implementation)
+    mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+    prompt = {**batch, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+    forward_bytes = cpshard.debug.trace_comms(forward, params, prompt, mesh).total_bytes
+    return {
+        "tokens": tokens,
+        "logits": torch.stack(steps, 1),
+        "cache_bytes": cache.nbytes,
+        "step_bytes": step_bytes,
+        "prefill_bytes": prefill.total_bytes,
+        "forward_bytes": forward_bytes,
+    }
+
+
+def reference(case: Case):
+    """One process: ``model.generate``'s tokens, the logits of every step, its cache's bytes."""
+    model, batch = model_for(case), prompts(case.pad)
+    if case.pad == "right":  # a right-padded row continues after its last real token: as left-padded
+        batch = left_padded(batch)
+    with torch.no_grad():
+        out = model.generate(
+            **batch,
+            max_new_tokens=case.new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    cache_bytes = sum(
+        tensor.numel() * tensor.element_size()
+        for layer in out.past_key_values.layers
+        for tensor in (layer.keys, layer.values)
+    )
+    return model, out.sequences, torch.stack(out.logits, 1), cache_bytes
+
+
+def decode_step_bytes(config) -> int:
+    """Per decode step, on every rank: each layer all-gathers its ``[B, Hq, D + 1]`` fp32 partial output and
+    log-sum-exp; the tokens (``[B]`` int64) and whether each rank's cache is its own (one more) are
+    checked."""
+    return (
+        config.num_hidden_layers * ROWS * config.num_attention_heads * (config.head_dim + 1) * 4
+        + (ROWS + 1) * 8
+    )
+
+
+def token_bytes(config) -> int:
+    """One token's keys and values in every layer (fp32)."""
+    return config.num_hidden_layers * 2 * ROWS * config.num_key_value_heads * config.head_dim * 4
+
+
+def check_case(results: list[dict], case: Case):
+    model, sequences, logits, cache_bytes = reference(case)
+    cp = len(results)
+    new = sequences[:, LENGTH:]
+    for rank, result in enumerate(results):
+        assert torch.equal(result["tokens"], results[0]["tokens"]), (
+            f"{case}: rank {rank} generated other tokens"
+        )
+        assert torch.equal(result["tokens"][:, LENGTH:], new), (
+            f"{case} rank {rank}: other tokens than generate"
+        )
+        assert torch.equal(result["tokens"][:, :LENGTH], prompts(case.pad)["input_ids"])
+        diff = (result["logits"] - logits).abs().max().item()
+        assert diff <= TOLERANCE, f"{case} rank {rank}: logits differ by {diff}"
+        assert torch.equal(result["logits"], results[0]["logits"]), f"{case}: ranks' logits differ"
+        assert set(result["step_bytes"]) == {decode_step_bytes(model.config)}, (
+            f"{case}: {result['step_bytes']}"
+        )
+        if not case.config.get(
+            "sliding_window"
+        ):  # prefill: the forward's bytes and the last logits' all-reduce
+            assert result["prefill_bytes"] == result["forward_bytes"] + ROWS * model.config.vocab_size * 4
+    per_rank = [result["cache_bytes"] for result in results]
+    if case.pad != "right":  # a right-padded batch may keep more of a window: its rows' windows differ
+        assert sum(per_rank) == cache_bytes, f"{case}: {per_rank} against one process's {cache_bytes}"
+        assert max(per_rank) <= cache_bytes / cp * 1.01 + token_bytes(model.config), f"{case}: {per_rank}"
+
+
+CASES_CP2 = [
+    Case("llama", 64),
+    Case("qwen3", 16),
+    Case("mistral", 16, config={"sliding_window": 8}),
+    Case("gemma3_text", 16, config=GEMMA3_MIXED),
+    Case("llama", 8, pad="right"),
+    Case("gemma3_text", 8, pad="right", config=GEMMA3_MIXED),
+    Case("llama", 8, implementation="ring"),
+    Case("mistral", 8, config={"sliding_window": 8}, implementation="ring"),
+]
+CASES_CP4 = [
+    Case("llama", 64),
+    Case("qwen3", 12, pad=None),
+    Case("mistral", 16, config={"sliding_window": 8}),
+    Case("gemma3_text", 16, config=GEMMA3_MIXED),
+]
+
+
+@pytest.mark.parametrize("case", CASES_CP2, ids=str)
+def test_greedy_cp2(ranks2, case):
+    check_case(ranks2.run(run_generation, case), case)
+
+
+@pytest.mark.parametrize("case", CASES_CP4, ids=str)
+def test_greedy_cp4(ranks4, case):
+    check_case(ranks4.run(run_generation, case), case)
+
+
+def test_mixture_of_experts_cp2(ranks2):
+    case = Case("qwen3_moe", 8)
+    check_case(ranks2.run(run_generation, case), case)
+
+
+def run_sampling(seed: int | None) -> torch.Tensor:
+    model = model_for(Case("llama"))
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    options = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, generator=generator)
+    return cpshard.generate(model, prompts("left"), mesh, max_new_tokens=12, eos_token_id=None, **options)
+
+
+def sampled_by_one_process(seed: int) -> torch.Tensor:
+    """transformers' forward with its own cache, and cpshard's token choice with the same generator."""
+    model, batch = model_for(Case("llama")), prompts("left")
+    sampling = Sampling(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    generator, mask = torch.Generator().manual_seed(seed), batch["attention_mask"]
+    positions, inputs, cache, tokens = (mask.cumsum(1) - 1).clamp(min=0), batch["input_ids"], None, []
+    with torch.no_grad():
+        for _ in range(12):
+            out = model(
+                input_ids=inputs, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+            )
+            tokens.append(next_tokens(out.logits[:, -1], sampling, generator))
+            cache, inputs, positions = out.past_key_values, tokens[-1][:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones(ROWS, 1, dtype=mask.dtype)], 1)
+    return torch.cat([batch["input_ids"], torch.stack(tokens, 1)], 1)
+
+
+def test_sampling_draws_the_same_tokens_on_every_rank(ranks2):
+    seeded = ranks2.run(run_sampling, 7)
+    assert torch.equal(seeded[0], seeded[1])
+    assert torch.equal(seeded[0], sampled_by_one_process(7))
+    unseeded = ranks2.run(run_sampling, None)  # one seed, rank 0's, for every rank
+    assert torch.equal(unseeded[0], unseeded[1])
+
+
+def run_until_eos(eos: int) -> torch.Tensor:
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    return cpshard.generate(
+        model_for(Case("llama")), prompts("left"), mesh, max_new_tokens=16, eos_token_id=eos
+    )
+
+
+def test_rows_stop_at_eos_and_are_padded_after_it(ranks2):
+    model, greedy, _, _ = reference(Case("llama", 16))
+    eos = int(greedy[1, LENGTH + 4])  # row 1's fifth new token: it stops there, or earlier
+    with torch.no_grad():
+        expected = model.generate(**prompts("left"), max_new_tokens=16, do_sample=False, eos_token_id=eos)
+    for tokens in ranks2.run(run_until_eos, eos):
+        assert torch.equal(tokens, expected)
+    assert (expected[1, LENGTH + 5 :] == model.config.pad_token_id).all()
+
+
+def _refusals() -> list[str]:
+    model, batch = model_for(Case("llama")), prompts("left")
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    rank = dist.get_rank()
+    attempts = {
+        "beams": lambda: cpshard.generate(model, batch, mesh, max_new_tokens=4, num_beams=2),
+        "speculative": lambda: cpshard.generate(model, batch, mesh, max_new_tokens=4, assistant_model=model),
+        "other option": lambda: cpshard.generate(model, batch, mesh, max_new_tokens=4, use_cache=False),
+        "temperature": lambda: cpshard.generate(
+            model, batch, mesh, max_new_tokens=4, do_sample=True, temperature=0
+        ),
+        "labels": lambda: cpshard.make_cp_prefill(model)(
+            cpshard.params_of(model), {**batch, "labels": batch["input_ids"]}, mesh
+        ),
+        "differs": lambda: cpshard.generate(
+            model, {"input_ids": batch["input_ids"] + rank}, mesh, max_new_tokens=4
+        ),
+        "sinks": lambda: cpshard.generate(
+            tiny_model("gpt_oss", attn_implementation="eager"), batch, mesh, max_new_tokens=4
+        ),
+        "tokens": lambda: cpshard.make_cp_decode(model)(
+            cpshard.params_of(model),
+            torch.full((ROWS,), 3 + rank),
+            cpshard.make_cp_prefill(model)(cpshard.params_of(model), batch, mesh)[1],
+            mesh,
+        ),
+    }
+    cache = cpshard.make_cp_prefill(model)(cpshard.params_of(model), batch, mesh)[1]
+    anothers = replace(cache, rank=(cache.rank + 1) % cache.size)
+    attempts["stranger"] = lambda: cpshard.make_cp_decode(model)(
+        cpshard.params_of(model), torch.full((ROWS,), 3), anothers, mesh
+    )
+    data_parallel = cpshard.make_mesh(dp_replicate=2, cp=1)
+    attempts["mesh"] = lambda: cpshard.generate(model, batch, data_parallel, max_new_tokens=4)
+    sharded = cpshard.params_of(cpshard.parallelize(model_for(Case("llama")), mesh))
+    attempts["sharded"] = lambda: cpshard.make_cp_prefill(model)(sharded, batch, mesh)
+    penalized = model_for(Case("llama"))
+    penalized.generation_config.repetition_penalty = 1.3
+    attempts["config"] = lambda: cpshard.generate(penalized, batch, mesh, max_new_tokens=4)
+    messages = []
+    for attempt in attempts.values():
+        try:
+            attempt()
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_what_is_not_served_is_refused_on_every_rank(ranks2):
+    expected = [
+        "beam search (num_beams=2)",
+        "speculative decoding (assistant_model)",
+        "does not take use_cache=False",
+        "temperature=0",
+        "holds input_ids and attention_mask only",
+        "the batch differs across the cp group",
+        "attention sinks",
+        "ranks [1] decode other tokens",
+        "ranks [0, 1] hold a cache that another rank or cp size made",
+        "this mesh also has {'dp_replicate': 2}",
+        "takes the plain parameters",
+        "sets {'repetition_penalty': 1.3}",
+    ]
+    for messages in ranks2.run(_refusals):
+        for message, fragment in zip(messages, expected, strict=True):
+            assert fragment in message, message
