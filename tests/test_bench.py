@@ -135,3 +135,12 @@ def test_plot_without_matplotlib(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit:
         main(["bench", "--plot", "out.png"])
     assert exit.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_models_name_sizes_that_flags_change():
+    small = bench.BenchConfig.of_model("vocab1k", vocab=2048)
+    sizes = small.model_sizes()
+    assert (sizes["vocab_size"], sizes["intermediate_size"], sizes["hidden_size"]) == (2048, 688, 256)
+    assert bench.BenchConfig.of_model("vocab32k").model_sizes()["intermediate_size"] == 4 * 256
+    with pytest.raises(bench.UsageError, match="--model vocab7"):
+        bench.BenchConfig.of_model("vocab7")

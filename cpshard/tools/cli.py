@@ -11,7 +11,7 @@ import sys
 from functools import partial
 
 from cpshard.attention.choice import IMPLEMENTATIONS
-from cpshard.tools.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
+from cpshard.tools.bench import MODELS, VARIANTS, BenchConfig, plot, run_bench, write_json
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
@@ -125,18 +125,30 @@ def _add_bench(commands) -> None:
         dest="cps",
         help=f"cp sizes: local CPU ranks (default {listed(defaults.cps)})",
     )
+    add(
+        "--model",
+        choices=list(MODELS),
+        default="vocab32k",
+        help="a Llama of these sizes, which the flags below change (default vocab32k): "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{key} {value}" for key, value in sizes.items() if value)
+            for name, sizes in MODELS.items()
+        ),
+    )
     sizes = dict(
         layers="decoder layers",
-        hidden="hidden size (the MLP is 4x wider)",
+        hidden="hidden size",
         heads="attention heads",
         kv_heads="key/value heads",
         vocab="vocabulary size",
+        intermediate="the MLP's width (4x the hidden size where --model gives none)",
         repeats="timed steps per variant, after a warm-up",
         seed="seed of the weights and tokens",
     )
     for name, help in sizes.items():
         default = getattr(defaults, name)
-        add("--" + name.replace("_", "-"), type=int, default=default, help=f"{help} (default {default})")
+        help = f"{help} (default: --model's)" if name in MODELS["vocab1k"] else f"{help} (default {default})"
+        add("--" + name.replace("_", "-"), type=int, help=help)
     add(
         "--variants",
         nargs="+",
@@ -163,8 +175,9 @@ def _add_bench(commands) -> None:
 
 def _run_bench(args, parser: argparse.ArgumentParser) -> int:
     options = {name: getattr(args, name) for name in BenchConfig.__dataclass_fields__}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
     try:
-        config = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
+        config = BenchConfig.of_model(args.model, **options)
     except UsageError as error:
         parser.error(str(error))
     if args.plot and importlib.util.find_spec("matplotlib") is None:
