@@ -20,17 +20,7 @@ CONFIG = bench.BenchConfig(
     kv_heads=2,
     vocab=64,
     repeats=1,
-    variants=(
-        "single",
-        "ulysses",
-        "ring",
-        "hybrid",
-        "ulysses-nologits",
-        "ulysses-checkpointed",
-        "dtensor",
-        "deepspeed",
-        "yunchang",
-    ),
+    variants=bench.VARIANTS,
 )
 OPTIONAL = ("deepspeed", "yunchang")
 
@@ -56,7 +46,7 @@ def test_rows_times_bytes_and_optimum(ranks2):
     assert len(notes) == 1 + len(absent)  # hybrid does not fit cp=2, and one line per absent baseline
     for row in rows:
         assert row.seconds > 0 and row.cpu_seconds > 0 and row.tokens_per_second > 0 and row.peak_mib >= 0
-        assert (row.bytes_sent > 0) == (row.variant != "single"), row
+        assert (row.bytes_sent > 0) == (row.variant not in bench.ONE_PROCESS), row
     optimum = optimum_of(tiny_model("llama", **CONFIG.model_sizes()), 1, 64, 2)
     ulysses = by_name["ulysses"]
     assert ulysses.bytes_by_op["all_to_all"] == optimum.all_to_all
@@ -71,6 +61,7 @@ def test_rows_times_bytes_and_optimum(ranks2):
 
     bench.add_ratios(rows)
     assert by_name["single"].memory_ratio == 1.0 and by_name["single"].time_ratio is None
+    assert by_name["cp1"].cp == 1 and by_name["cp1"].time_ratio > 0  # cp=1 against the plain model
     peers = [by_name[p] for p in set(bench.PEERS) - absent]
     assert (
         min(peers, key=lambda r: r.seconds).time_ratio == 1.0
