@@ -139,6 +139,12 @@ def sum_many_grads_over_group(xs: list[torch.Tensor], group, name: str = "") -> 
     return list(_SumManyGradsOverGroup.apply(group, name, *xs))
 
 
+def sum_now_over_group(tensors: list[torch.Tensor], group, name: str = "") -> list[torch.Tensor]:
+    """``tensors`` summed over the group now (not differentiable), one all-reduce per dtype: gradients
+    reduced after the backward, as a data-parallel step reduces them."""
+    return _all_reduce_buckets(tensors, group, active_log(), name)
+
+
 def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
     """Every rank's ``x`` stacked along a new dim 0 (not differentiable; for checks)."""
     size = dist.get_world_size(group)
