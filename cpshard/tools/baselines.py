@@ -11,7 +11,9 @@
   Nothing of cpshard (cut, batch checks, loss, gradient reduction) is on their path.
 
 Bytes are counted the same way for all: :class:`CollectiveCounter` sees every collective torch
-dispatches (functional or c10d) and sums the sizes of the tensors passed in.
+dispatches (functional or c10d) and sums the sizes of the tensors passed in. ALST's exchange is an
+operator of DeepSpeed's own whose backward calls the collective beneath the dispatcher: its forward
+exchanges (and their recomputation) are counted, its backward ones are not.
 """
 
 from __future__ import annotations
@@ -37,8 +39,13 @@ REQUIRES = {
     "dtensor": (),
     "deepspeed": ("deepspeed", "deepspeed.sequence.layer"),
     "yunchang": ("yunchang.comm.all_to_all",),
+    "alst": ("deepspeed", "deepspeed.runtime.sequence_parallel.ulysses_sp"),
 }
-INSTALL = {"deepspeed": "DS_BUILD_OPS=0 pip install deepspeed", "yunchang": "pip install yunchang"}
+INSTALL = {
+    "deepspeed": "DS_BUILD_OPS=0 pip install deepspeed",
+    "alst": "DS_BUILD_OPS=0 pip install 'deepspeed>=0.19'",
+    "yunchang": "pip install yunchang",
+}
 
 #: per collective op: the argument that holds what this rank sends, and the kind of collective it is
 _SENT_ARG = {
@@ -62,9 +69,10 @@ _SENT_ARG = {
     "broadcast": (0, "broadcast"),
     "broadcast_": (0, "broadcast"),
     "send": (0, "send"),
+    "dim_zero_all_to_all": (0, "all_to_all"),  # DeepSpeed's ALST exchange, an operator of its own
 }
 _RECEIVE_ONLY = ("recv_", "recv_any_source_")
-_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "deepspeed")
 
 
 class CollectiveCounter(TorchDispatchMode):

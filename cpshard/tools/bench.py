@@ -3,12 +3,14 @@
 For every cp size and sequence length, each rank builds the same model and batch and times one
 training step (forward and backward, gradients summed) of every variant: cpshard's ``ulysses``,
 ``ring``, ``hybrid`` (where cp >= 4 fits), ``ulysses-nologits`` (``logits=False``) and
-``ulysses-checkpointed`` (that and the model's activation checkpointing), and the
-baselines of :mod:`cpshard.tools.baselines`. Variants alternate round-robin inside each repeat, after
-a barrier, with a first round discarded (it counts the bytes instead), so a noisy machine slows
-all alike. Per step and rank: wall time, peak resident memory above the step's start, and the
-bytes put into collectives. The one-process baseline runs on every rank of the first cp group at
-once, with that group's threads per rank, so it is timed under the same conditions.
+``ulysses-checkpointed`` (that and the model's activation checkpointing), ``cp1`` (cp_forward on one
+rank, against the plain model), and the peers, run as their users run them: the Ulysses baselines of
+:mod:`cpshard.tools.baselines` and DeepSpeed's ALST stack (:mod:`cpshard.tools.alst`). Variants
+alternate round-robin inside each repeat, after a barrier, with a first round discarded (it counts
+the bytes instead), so a noisy machine slows all alike. Per step and rank: wall time, peak resident
+memory above the step's start, and the bytes put into collectives. The one-process baselines run on
+every rank of the first cp group at once, with that group's threads per rank, so they are timed
+under the same conditions.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
 from cpshard.runtime.forward import make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
+from cpshard.tools.alst import alst_step
 from cpshard.tools.baselines import CollectiveCounter, barrier, missing, peer_step, plain_step
 from cpshard.tools.memory import current_rss, peak_rss, reset_peak_rss
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -48,7 +51,7 @@ CPSHARD = {
 #: variants whose model recomputes each decoder layer in the backward (transformers' activation checkpointing)
 CHECKPOINTED = ("ulysses-checkpointed",)
 #: the Ulysses implementations cpshard is timed against ("peers"), and one process without cp
-PEERS = ("dtensor", "deepspeed", "yunchang")
+PEERS = ("dtensor", "deepspeed", "yunchang", "alst")
 #: on one process each: the plain model, and cpshard's cp_forward at cp=1 (its overhead over the plain model)
 ONE_PROCESS = ("single", "cp1")
 VARIANTS = (*ONE_PROCESS, *CPSHARD, *PEERS)
@@ -79,6 +82,8 @@ class BenchConfig:
     seed: int = 0
     #: run the one-process baseline on rank 0 alone (the others wait): half its memory on the machine
     single_rank0_only: bool = False
+    #: the per-rank step memory within which the longest L of each variant is fitted (MiB)
+    budget_mib: int = 4096
 
     @classmethod
     def of_model(cls, model: str, **options) -> BenchConfig:
@@ -169,6 +174,8 @@ def _steps(model_of, variants: tuple[str, ...], idle_single: bool) -> tuple[dict
             steps[name] = value_and_grad(make_cp_forward(owner, **CPSHARD[name]))
         elif (note := missing(name)) is not None:
             notes.append(note)
+        elif name == "alst":
+            steps[name] = alst_step(model_of())
         else:
             steps[name] = peer_step(name, model_of())  # its own copy: its attention function differs
     return steps, notes
@@ -348,7 +355,8 @@ def run_bench(config: BenchConfig, out=print) -> list[Row]:
                 )
     add_ratios(rows)
     out("\n" + format_table(rows))
-    out("\n".join(["", *notes, *targets(rows)]))
+    budget = longest_within_budget(rows) + longest_within_budget(rows, config.budget_mib)
+    out("\n".join(["", *notes, *targets(rows), *against_alst(rows, config.budget_mib), *budget]))
     return rows
 
 
@@ -429,29 +437,68 @@ def targets(rows: list[Row]) -> list[str]:
                     f"  memory, cp={cp}, L={seqs[-1]}, {variant}: {row.peak_mib:.0f} MiB/rank, x one "
                     f"process's {_verdict(row.memory_ratio, 0.45)}"
                 )
-    return lines + longest_within_budget(rows)
+    return lines
 
 
-def longest_within_budget(rows: list[Row]) -> list[str]:
-    """The longest L each variant fits in one process's peak at the longest L measured, as a multiple
-    of that L: peak memory is fitted as a + b * L through the two longest lengths measured (linear: no
-    L x L buffers)."""
+def longest_within_budget(rows: list[Row], budget_mib: float | None = None) -> list[str]:
+    """The longest L each variant fits in ``budget_mib`` per rank (default: one process's peak at the
+    longest L measured): peak memory is fitted as a + b * L through the two longest lengths measured
+    (linear: no L x L buffers)."""
     seqs = sorted({r.seq for r in rows})
     by = {(r.variant, r.cp, r.seq): r for r in rows}
     single = by.get(("single", 1, seqs[-1]))
-    if len(seqs) < 2 or single is None:
+    if len(seqs) < 2 or (single is None and budget_mib is None):
         return []
+    if budget_mib is None:
+        budget, what = single.peak_mib, f"one process's peak at L={seqs[-1]}"
+    else:
+        budget, what = budget_mib, "the budget"
     lines = [
-        f"  longest L within {single.peak_mib:.0f} MiB per rank (one process's peak at L={seqs[-1]}), "
-        f"fitted through L={seqs[-2]} and {seqs[-1]}:"
+        f"  longest L within {budget:.0f} MiB per rank ({what}), fitted through L={seqs[-2]} and {seqs[-1]}:"
     ]
+    for (variant, cp), fits in longest_lengths(rows, budget).items():
+        lines.append(f"    {variant} (cp={cp}): L = {fits:.0f}, {fits / seqs[-1]:.2f} x")
+    return lines
+
+
+def longest_lengths(rows: list[Row], budget_mib: float) -> dict[tuple[str, int], float]:
+    """(variant, cp) -> the longest L whose fitted step memory per rank is within ``budget_mib``."""
+    seqs = sorted({r.seq for r in rows})
+    by = {(r.variant, r.cp, r.seq): r for r in rows}
+    result = {}
     for variant, cp in sorted({(r.variant, r.cp) for r in rows}, key=lambda k: (k[1], VARIANTS.index(k[0]))):
         short, long = by.get((variant, cp, seqs[-2])), by.get((variant, cp, seqs[-1]))
         if short is None or long is None or long.peak_mib <= short.peak_mib:
             continue
         slope = (long.peak_mib - short.peak_mib) / (seqs[-1] - seqs[-2])
-        fits = seqs[-1] + (single.peak_mib - long.peak_mib) / slope
-        lines.append(f"    {variant} (cp={cp}): L = {fits:.0f}, {fits / seqs[-1]:.2f} x")
+        result[variant, cp] = seqs[-1] + (budget_mib - long.peak_mib) / slope
+    return result
+
+
+def against_alst(rows: list[Row], budget_mib: float) -> list[str]:
+    """cpshard's Ulysses variants against ALST: the longest L within the budget (target >= 1.5x ALST's)
+    and the CPU time of a step at the longest L measured (target <= ALST's)."""
+    seqs = sorted({r.seq for r in rows})
+    by = {(r.variant, r.cp, r.seq): r for r in rows}
+    longest = longest_lengths(rows, budget_mib) if len(seqs) > 1 else {}
+    lines = []
+    for cp in sorted({r.cp for r in rows if r.cp > 1}):
+        alst = by.get(("alst", cp, seqs[-1]))
+        if alst is None:
+            continue
+        for variant in ("ulysses", "ulysses-nologits", "ulysses-checkpointed"):
+            row = by.get((variant, cp, seqs[-1]))
+            if row is None:
+                continue
+            time = paired_ratio(row.step_cpu_seconds, alst.step_cpu_seconds)
+            line = (
+                f"  against ALST, cp={cp}, {variant}: CPU time at L={seqs[-1]} x ALST's {_verdict(time, 1.0)}"
+            )
+            if (variant, cp) in longest and ("alst", cp) in longest:
+                ratio = longest[variant, cp] / longest["alst", cp]
+                line += f"; longest L within {budget_mib:.0f} MiB x ALST's {ratio:.2f} (target >= 1.50): "
+                line += "met" if ratio >= 1.5 else "MISSED"
+            lines.append(line)
     return lines
 
 

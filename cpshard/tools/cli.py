@@ -144,6 +144,7 @@ def _add_bench(commands) -> None:
         intermediate="the MLP's width (4x the hidden size where --model gives none)",
         repeats="timed steps per variant, after a warm-up",
         seed="seed of the weights and tokens",
+        budget_mib="per-rank step memory (MiB) within which each variant's longest L is fitted",
     )
     for name, help in sizes.items():
         default = getattr(defaults, name)
