@@ -102,10 +102,11 @@ def _add_bench(commands) -> None:
         ),
         description=(
             "For each cp size and sequence length, time a training step (forward and backward) of "
-            "cpshard's ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp, "
-            "and of Ulysses by DTensor redistribute, DeepSpeed and yunchang (skipped with a note when not "
-            "installed), alternated on local CPU ranks; print median step time, tokens/s, per-rank peak "
-            "memory and bytes communicated per rank."
+            "cpshard's ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp "
+            "(the plain model, and cp_forward at cp=1), and of the peers as their users run them: Ulysses "
+            "by DTensor redistribute, DeepSpeed and yunchang, and DeepSpeed's ALST stack (skipped with a "
+            "note when not installed), alternated on local CPU ranks; print median step time, tokens/s, "
+            "per-rank peak memory, bytes communicated per rank and the longest L within --budget-mib."
         ),
     )
     add = parser.add_argument
