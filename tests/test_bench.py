@@ -20,25 +20,15 @@ CONFIG = bench.BenchConfig(
     kv_heads=2,
     vocab=64,
     repeats=1,
-    variants=(
-        "single",
-        "ulysses",
-        "ring",
-        "hybrid",
-        "ulysses-nologits",
-        "ulysses-checkpointed",
-        "dtensor",
-        "deepspeed",
-        "yunchang",
-    ),
+    variants=bench.VARIANTS,
 )
-OPTIONAL = ("deepspeed", "yunchang")
+OPTIONAL = ("deepspeed", "yunchang", "alst")
 
 
 def rank_job_without_optional(config, seq, variants):
     """On a rank: the bench's job with the optional baselines' packages made unimportable."""
     saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in OPTIONAL}
-    blocked = [*OPTIONAL, "deepspeed.sequence.layer", "yunchang.comm.all_to_all"]
+    blocked = ["deepspeed", "yunchang", "deepspeed.sequence.layer", "yunchang.comm.all_to_all"]
     sys.modules.update(dict.fromkeys(blocked))  # None in sys.modules: importing it raises ImportError
     try:
         return bench.rank_job(config, seq, variants)
@@ -56,7 +46,7 @@ def test_rows_times_bytes_and_optimum(ranks2):
     assert len(notes) == 1 + len(absent)  # hybrid does not fit cp=2, and one line per absent baseline
     for row in rows:
         assert row.seconds > 0 and row.cpu_seconds > 0 and row.tokens_per_second > 0 and row.peak_mib >= 0
-        assert (row.bytes_sent > 0) == (row.variant != "single"), row
+        assert (row.bytes_sent > 0) == (row.variant not in bench.ONE_PROCESS), row
     optimum = optimum_of(tiny_model("llama", **CONFIG.model_sizes()), 1, 64, 2)
     ulysses = by_name["ulysses"]
     assert ulysses.bytes_by_op["all_to_all"] == optimum.all_to_all
@@ -66,11 +56,14 @@ def test_rows_times_bytes_and_optimum(ranks2):
         ulysses.bytes_by_op["counted"] == ulysses.bytes_sent
     )  # what torch dispatched is what cpshard recorded
     assert by_name["ring"].bytes_by_op["send"] > 0
-    for peer in set(bench.PEERS) - absent:  # the same all-gathered fingerprint, gradients and loss as cpshard
+    for peer in set(bench.PEERS) - absent - {"alst"}:  # one all-reduce: the gradients and the loss
         assert by_name[peer].bytes_by_op["all_reduce"] == optimum.all_reduce
+    if "alst" not in absent:  # its exchanges, and its own loss and tiling collectives besides
+        assert by_name["alst"].bytes_by_op["all_to_all"] > 0 and by_name["alst"].bytes_by_op["all_gather"] > 0
 
     bench.add_ratios(rows)
     assert by_name["single"].memory_ratio == 1.0 and by_name["single"].time_ratio is None
+    assert by_name["cp1"].cp == 1 and by_name["cp1"].time_ratio > 0  # cp=1 against the plain model
     peers = [by_name[p] for p in set(bench.PEERS) - absent]
     assert (
         min(peers, key=lambda r: r.seconds).time_ratio == 1.0
@@ -135,3 +128,12 @@ def test_plot_without_matplotlib(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit:
         main(["bench", "--plot", "out.png"])
     assert exit.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_models_name_sizes_that_flags_change():
+    small = bench.BenchConfig.of_model("vocab1k", vocab=2048)
+    sizes = small.model_sizes()
+    assert (sizes["vocab_size"], sizes["intermediate_size"], sizes["hidden_size"]) == (2048, 688, 256)
+    assert bench.BenchConfig.of_model("vocab32k").model_sizes()["intermediate_size"] == 4 * 256
+    with pytest.raises(bench.UsageError, match="--model vocab7"):
+        bench.BenchConfig.of_model("vocab7")

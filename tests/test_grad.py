@@ -159,3 +159,34 @@ def test_plain_autograd_gives_one_process_gradients_cp2(ranks2):
 def test_plain_autograd_gives_one_process_gradients_parallel(ranks4, sizes, model_type):
     for rank, errors in enumerate(ranks4.run(run_plain_autograd, sizes, model_type)):
         assert max(errors.values()) <= 1e-5, (rank, errors)
+
+
+def run_loss_rides_with_gradients():
+    """value_and_grad's reductions against plain autograd's, on the same call: (op, name) of each."""
+    from cpshard.comm.record import recording
+
+    model = tiny_model("llama")
+    batch, mesh = tiny_batch(model.config.vocab_size, 1, 10), cpshard.make_mesh(cp=2)
+    cp_forward = cpshard.make_cp_forward(model)
+    params = cpshard.params_of(model)
+    with recording() as folded:
+        output, grads = cpshard.value_and_grad(cp_forward)(params, batch, mesh)
+    with recording() as apart:
+        plain = cp_forward(params, batch, mesh)
+        plain.loss.backward()
+    reduce = lambda log: [(e.op, e.name) for e in log.events if e.op != "all_to_all"]  # noqa: E731
+    same = torch.equal(output.loss, plain.loss.detach()) and all(
+        torch.allclose(grads[n], p.grad, rtol=1e-6, atol=1e-7) for n, p in params.items()
+    )
+    return reduce(folded), reduce(apart), same
+
+
+def test_value_and_grad_sums_loss_and_gradients_in_one_all_reduce(ranks2):
+    for folded, apart, same in ranks2.run(run_loss_rides_with_gradients):
+        assert folded == [("all_gather", "batch fingerprint"), ("all_reduce", "gradients")]
+        assert apart == [
+            ("all_gather", "batch fingerprint"),
+            ("all_reduce", "loss"),
+            ("all_reduce", "gradients"),
+        ]
+        assert same

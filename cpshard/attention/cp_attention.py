@@ -25,7 +25,7 @@ from cpshard.attention.blocks import ring_blocks
 from cpshard.attention.decode import decode_attention
 from cpshard.attention.ring import RingAttention
 from cpshard.call import active_call, active_decode, current_call
-from cpshard.comm.redistribute import redistribute
+from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
 from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
@@ -84,7 +84,7 @@ def _on_axis(spec: Spec, axis: str) -> Spec:
 def _heads_for_sequences(module, query, key, value, kwargs: dict, layout, mesh, axis: str, path: str):
     """Ulysses' first half over ``axis``: sequence-split q, k, v become head-split whole sequences; the
     module (and any of ``kwargs`` that is one of its per-head parameters) shows this rank's heads."""
-    replicas = kv_replication(query.shape[1], key.shape[1], mesh[axis].size())
+    replicas = kv_replication(query.shape[1], key.shape[1], axis_size(mesh, axis))
     if replicas > 1:
         key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
     seq_split, head_split = (_on_axis(spec, axis) for spec in layout.qkv)
@@ -199,7 +199,7 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
         module, query, key, value, kwargs = _heads_for_sequences(
             module, query, key, value, kwargs, call.layout, mesh, "cp_ulysses", path
         )
-    groups = mesh["cp_ring"].size()
+    groups = axis_size(mesh, "cp_ring")
     held = [
         group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree))
         for g in range(groups)

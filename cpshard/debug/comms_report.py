@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook
 
@@ -55,6 +56,8 @@ class _Run:
     optimum: CommOptimum
     #: how many gradient buckets (one per dtype); None when parameters are DTensors (reduced otherwise)
     buckets: int | None
+    #: the parameters' dtypes
+    dtypes: frozenset = frozenset()
 
     @classmethod
     def of(cls, call: CallPlan, model, kwargs: dict) -> _Run | None:
@@ -76,7 +79,8 @@ class _Run:
             itemsize=floating[0].element_size() if floating else 4,
         )
         buckets = None if any(isinstance(p, DTensor) for p in params) else len({p.dtype for p in params})
-        return cls(tuple(attention_paths(call.module_names.values(), layout)), optimum, buckets)
+        dtypes = frozenset(p.dtype for p in params)
+        return cls(tuple(attention_paths(call.module_names.values(), layout)), optimum, buckets, dtypes)
 
 
 def split_name(name: str, modules: set[str]) -> tuple[str, str]:
@@ -90,7 +94,8 @@ def split_name(name: str, modules: set[str]) -> tuple[str, str]:
 
 def optimum(runs: list[_Run], groups: set[tuple]) -> dict[tuple, list[int]]:
     """(module, op, phase) -> [count, bytes] that the runs need. Backward, gradients and the loss are
-    expected only where ``groups`` (what was observed) shows that such a pass or reduction ran."""
+    expected only where ``groups`` (what was observed) shows that such a pass or reduction ran; a loss
+    not reduced apart rode with the gradients (:func:`cpshard.value_and_grad`)."""
     expected: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     backward = any(phase == "backward" for _, _, phase in groups)
 
@@ -106,9 +111,14 @@ def optimum(runs: list[_Run], groups: set[tuple]) -> dict[tuple, list[int]]:
             add((path, "all_to_all", "forward"), 4, per_phase)
             if backward:
                 add((path, "all_to_all", "backward"), 4, per_phase)
+        loss_apart = (LOSS, "all_reduce", "forward") in groups
         if run.buckets is not None and (GRADIENTS, "all_reduce", "backward") in groups:
-            add((GRADIENTS, "all_reduce", "backward"), run.buckets, run.optimum.gradients)
-        if (LOSS, "all_reduce", "forward") in groups:
+            if loss_apart:
+                add((GRADIENTS, "all_reduce", "backward"), run.buckets, run.optimum.gradients)
+            else:  # value_and_grad sums the fp32 loss with the gradients
+                count = len(run.dtypes | {torch.float32})
+                add((GRADIENTS, "all_reduce", "backward"), count, run.optimum.gradients + run.optimum.loss)
+        if loss_apart:
             add((LOSS, "all_reduce", "forward"), 1, run.optimum.loss)
     return dict(expected)
 

@@ -114,6 +114,12 @@ def group_over(mesh: DeviceMesh, dims: tuple[str, ...]):
 
 
 @cache
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh["cp"]``, made once per mesh (each slice builds a new DeviceMesh)."""
+    return mesh["cp"]
+
+
+@cache
 def split_cp(mesh: DeviceMesh, ring: int, ulysses: int) -> DeviceMesh:
     """The ``cp`` axis as ``(cp_ring, cp_ulysses)``: Ulysses groups of consecutive cp ranks, rings across.
 

@@ -146,8 +146,26 @@ class CPForward:
             expert_plan=choose_expert_plan(self.expert_plan, tp, ep),
         )
 
-    def _prepare(self, params: dict, batch: dict, mesh) -> tuple[CallPlan, PaddedBatch, dict]:
-        """Checks, padding and the plan of one call: ``(call, padded batch, whole parameters)``."""
+    def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
+        return self._run(params, batch, mesh, reduced=True)
+
+    def folds_reductions(self, params: dict) -> bool:
+        """Whether :func:`cpshard.value_and_grad` may sum the loss with the gradients, in one all-reduce
+        after the backward (:meth:`unreduced`): for plain parameters (DTensors reduce in their gather's
+        backward) and without the router loss (the same on every rank, not a share)."""
+        routed = bool(getattr(self.model.config, "output_router_logits", False))
+        return not routed and not any(isinstance(value, DTensor) for value in params.values())
+
+    def unreduced(self, params: dict, batch: dict, mesh) -> CPOutput:
+        """This rank's share of the loss and of its gradients: summed over the ranks that hold other
+        tokens, they are the call's (:func:`cpshard.value_and_grad` sums them in one all-reduce)."""
+        if not self.folds_reductions(params):
+            raise ValueError("unreduced: parameters are DTensors or the router loss is on; call cp_forward")
+        return self._run(params, batch, mesh, reduced=False)
+
+    def _prepare(self, params: dict, batch: dict, mesh, reduced: bool = True):
+        """Checks, padding and the plan of one call: ``(call, padded batch, parameters)``; ``reduced``:
+        the parameters' gradients summed over the ranks that hold other tokens, DTensors made whole."""
         verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
         cp = cp_size(mesh)
         strategy = self._strategy(mesh, cp, params)
@@ -160,8 +178,9 @@ class CPForward:
             batch, cp * chunks_per_rank(strategy[2]), getattr(self.model.config, "pad_token_id", None)
         )
         call = self._plan(mesh, cp, strategy, padded)
-        # gradients summed over the ranks that hold other tokens; DTensor parameters made whole
-        return call, padded, gather_params(summed_in_backward(params, mesh), mesh, self.layout)
+        if reduced:
+            params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
+        return call, padded, params
 
     @contextmanager
     def _running(self, call: CallPlan):
@@ -173,14 +192,14 @@ class CPForward:
         ):
             yield
 
-    def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
-        call, padded, params = self._prepare(params, batch, mesh)
+    def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
+        call, padded, params = self._prepare(params, batch, mesh, reduced)
         cp = call.cp_size
         with self._running(call):
             local, router_logits = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
-        loss, num_tokens, logprobs = self._loss(local, params, padded, mesh, held)
+        loss, num_tokens, logprobs = self._loss(local, params, padded, mesh, held, reduced)
         if loss is not None and router_logits:
             loss = loss + self._router_loss(router_logits, padded, call)
         logits = sequence_sharded(local, padded.length, mesh) if self.keep_logits else None
@@ -248,9 +267,10 @@ class CPForward:
             return token_log_probs(local, labels)
         return blocked_token_log_probs(local, labels, *self._head(params))
 
-    def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor):
+    def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor, reduced: bool):
         """``(loss, num_tokens, this rank's token log-probabilities or None)``; the loss is their negated
-        sum over the normaliser when they are asked for (one pass over the head)."""
+        sum over the normaliser when they are asked for (one pass over the head); not ``reduced``, this
+        rank's share of it."""
         if padded.shift_labels is None:
             if self.keep_token_logprobs:
                 raise ValueError("token_logprobs=True needs labels: give the batch labels or shift_labels")
@@ -261,7 +281,7 @@ class CPForward:
         loss_sum = -logprobs.sum() if logprobs is not None else self._loss_sum(local, params, local_labels)
         loss = loss_sum / divisor
         token_group = group_over(mesh, TOKEN_DIMS)
-        if token_group is not None:
+        if token_group is not None and reduced:
             loss = sum_over_group(loss, token_group, name="loss")
         return loss, num_tokens, logprobs
 

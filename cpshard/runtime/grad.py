@@ -8,10 +8,12 @@ that hold other tokens (one bucketed all-reduce per dtype), so ``backward()`` or
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.distributed.tensor import DTensor
 
-from cpshard.comm.collectives import sum_many_grads_over_group
+from cpshard.comm.collectives import sum_many_grads_over_group, sum_now_over_group
 from cpshard.parallel.mesh import TOKEN_DIMS, group_over
 from cpshard.parallel.placement import REPLICA_DIMS
 
@@ -39,18 +41,33 @@ def summed_in_backward(params: dict, mesh) -> dict:
     return result
 
 
+def _grads_of(output, leaves: dict) -> list[torch.Tensor]:
+    if output.loss is None:
+        raise ValueError("value_and_grad needs a loss: give the batch labels or shift_labels")
+    grads = torch.autograd.grad(output.loss, list(leaves.values()), allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(leaves.values(), grads)]
+
+
 def value_and_grad(cp_forward):
     """``fn(params, batch, mesh) -> (CPOutput, grads)``, grads with the keys of ``params``: the gradients of
     ``output.loss`` that plain autograd gives, whatever the parameters' ``requires_grad`` says. DTensor
-    parameters get DTensor gradients with their placements."""
+    parameters get DTensor gradients with their placements.
+
+    Where the cp forward can hand over its unreduced shares (plain parameters), each rank differentiates
+    its share of the loss and one all-reduce per dtype sums the gradients and the loss together, as a
+    data-parallel step does, instead of one for the loss in the forward and one for the gradients."""
 
     def run(params: dict, batch: dict, mesh):
         leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
-        output = cp_forward(leaves, batch, mesh)
-        if output.loss is None:
-            raise ValueError("value_and_grad needs a loss: give the batch labels or shift_labels")
-        grads = torch.autograd.grad(output.loss, list(leaves.values()), allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves.values(), grads)]
+        folds = getattr(cp_forward, "folds_reductions", None)
+        if folds is None or not folds(leaves):
+            output = cp_forward(leaves, batch, mesh)
+            return output, dict(zip(leaves, _grads_of(output, leaves)))
+        output = cp_forward.unreduced(leaves, batch, mesh)
+        grads, group = _grads_of(output, leaves), group_over(mesh, TOKEN_DIMS)
+        if group is not None:
+            *grads, loss = sum_now_over_group([*grads, output.loss.detach()], group, name="gradients")
+            output = replace(output, loss=loss)
         return output, dict(zip(leaves, grads))
 
     return run

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from cpshard.parallel.mesh import cp_size
+from cpshard.parallel.mesh import cp_mesh, cp_size
 from cpshard.spec.sequence import chunk_positions
 
 
@@ -18,7 +18,7 @@ def sequence_sharded(local: torch.Tensor, length: int, mesh) -> DTensor:
     """This rank's chunk ``[B, <= ceil(L / cp), ...]`` of a ``[B, L, ...]`` tensor as the global DTensor."""
     shape = torch.Size((local.shape[0], length, *local.shape[2:]))
     stride = torch.empty(shape, device="meta").stride()  # the whole tensor's, contiguous
-    return DTensor.from_local(local, mesh["cp"], [Shard(1)], run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(local, cp_mesh(mesh), [Shard(1)], run_check=False, shape=shape, stride=stride)
 
 
 def shard_like_logits(tensor: torch.Tensor, mesh) -> DTensor:

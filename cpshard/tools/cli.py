@@ -11,7 +11,7 @@ import sys
 from functools import partial
 
 from cpshard.attention.choice import IMPLEMENTATIONS
-from cpshard.tools.bench import VARIANTS, BenchConfig, plot, run_bench, write_json
+from cpshard.tools.bench import MODELS, VARIANTS, BenchConfig, plot, run_bench, write_json
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
@@ -112,10 +112,11 @@ def _add_bench(commands) -> None:
         ),
         description=(
             "For each cp size and sequence length, time a training step (forward and backward) of "
-            "cpshard's ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp, "
-            "and of Ulysses by DTensor redistribute, DeepSpeed and yunchang (skipped with a note when not "
-            "installed), alternated on local CPU ranks; print median step time, tokens/s, per-rank peak "
-            "memory and bytes communicated per rank."
+            "cpshard's ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp "
+            "(the plain model, and cp_forward at cp=1), and of the peers as their users run them: Ulysses "
+            "by DTensor redistribute, DeepSpeed and yunchang, and DeepSpeed's ALST stack (skipped with a "
+            "note when not installed), alternated on local CPU ranks; print median step time, tokens/s, "
+            "per-rank peak memory, bytes communicated per rank and the longest L within --budget-mib."
         ),
     )
     add = parser.add_argument
@@ -135,18 +136,31 @@ def _add_bench(commands) -> None:
         dest="cps",
         help=f"cp sizes: local CPU ranks (default {listed(defaults.cps)})",
     )
+    add(
+        "--model",
+        choices=list(MODELS),
+        default="vocab32k",
+        help="a Llama of these sizes, which the flags below change (default vocab32k): "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{key} {value}" for key, value in sizes.items() if value)
+            for name, sizes in MODELS.items()
+        ),
+    )
     sizes = dict(
         layers="decoder layers",
-        hidden="hidden size (the MLP is 4x wider)",
+        hidden="hidden size",
         heads="attention heads",
         kv_heads="key/value heads",
         vocab="vocabulary size",
+        intermediate="the MLP's width (4x the hidden size where --model gives none)",
         repeats="timed steps per variant, after a warm-up",
         seed="seed of the weights and tokens",
+        budget_mib="per-rank step memory (MiB) within which each variant's longest L is fitted",
     )
     for name, help in sizes.items():
         default = getattr(defaults, name)
-        add("--" + name.replace("_", "-"), type=int, default=default, help=f"{help} (default {default})")
+        help = f"{help} (default: --model's)" if name in MODELS["vocab1k"] else f"{help} (default {default})"
+        add("--" + name.replace("_", "-"), type=int, help=help)
     add(
         "--variants",
         nargs="+",
@@ -173,8 +187,9 @@ def _add_bench(commands) -> None:
 
 def _run_bench(args, parser: argparse.ArgumentParser) -> int:
     options = {name: getattr(args, name) for name in BenchConfig.__dataclass_fields__}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
     try:
-        config = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
+        config = BenchConfig.of_model(args.model, **options)
     except UsageError as error:
         parser.error(str(error))
     if args.plot and importlib.util.find_spec("matplotlib") is None:

@@ -12,12 +12,15 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def llama_sizes(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int) -> dict:
-    """The config overrides of a Llama of these sizes (an MLP 4x wider, heads of ``hidden / heads``)."""
+def llama_sizes(
+    *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int | None = None
+) -> dict:
+    """The config overrides of a Llama of these sizes (an MLP ``intermediate`` wide, by default 4x the
+    hidden size; heads of ``hidden / heads``)."""
     return dict(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=4 * hidden,
+        intermediate_size=intermediate or 4 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
