@@ -24,7 +24,7 @@ from cpshard.layouts.layout import LayoutError
 from cpshard.layouts.registry import REGISTERED
 from cpshard.parallel.mesh import cp_size
 from cpshard.runtime.grad import value_and_grad
-from cpshard.spec.sequence import positions
+from cpshard.spec.sequence import chunk_positions, positions
 
 #: the (layout name, implementation) pairs verified per model; a pair is marked before its probe runs
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -45,14 +45,18 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _layer_outputs(layers, run) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def _layer_outputs(layers, final, run) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Each layer's output hidden states during ``run()`` and, under a cp call, the real positions this
-    rank holds (None outside one: the whole sequence)."""
+    rank holds (None outside one: the whole sequence). The ``final`` module's output (a post-norm decoder's
+    last layer) is already back in contiguous order, its real rows first."""
     outputs = []
 
     def keep(module, args, output):
         hidden, call, held = _first(output), active_call(), None
-        if call is not None:
+        if call is not None and module is final:
+            held = chunk_positions(call.length, call.cp_size, call.mesh.get_local_rank("cp"))
+            hidden = hidden[:, : len(held)]
+        elif call is not None:
             held = positions(call.order, call.padded_length, call.cp_size, call.mesh.get_local_rank("cp"))
             real = held < call.length
             hidden, held = hidden[:, real], held[real]
@@ -103,7 +107,8 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
         results["cp"] = cp_forward(params, {"input_ids": ids}, mesh)
 
     with torch.no_grad():
-        theirs, ours = _layer_outputs(layers, plain), _layer_outputs(layers, under_cp)
+        final = model.get_submodule(layout.final_norm)
+        theirs, ours = _layer_outputs(layers, final, plain), _layer_outputs(layers, final, under_cp)
     differing = [i for i in range(len(ours)) if not _close(ours[i][0], theirs[i][0][:, ours[i][1]])]
     logits = results["cp"].logits
     logits_differ = logits is not None and not _close(logits.full_tensor(), results["plain"].logits)
