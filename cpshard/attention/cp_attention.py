@@ -20,14 +20,16 @@ from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cpshard.attention.blocks import ring_blocks
+from cpshard.attention.blocks import call_blocks
 from cpshard.attention.ring import RingAttention
-from cpshard.call import active_call
+from cpshard.attention.traced_ring import traced_ring
+from cpshard.call import TRACED_KEY, active_call
+from cpshard.comm.channel import TracedGroup
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
 from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
-from cpshard.spec.sequence import chunks_per_rank, group_positions, row_blocks
+from cpshard.spec.sequence import row_blocks
 
 PREFIX = "cpshard_"
 
@@ -183,19 +185,25 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
         module, query, key, value, kwargs = _heads_for_sequences(
             module, query, key, value, kwargs, call.layout, mesh, "cp_ulysses", path
         )
-    groups = mesh["cp_ring"].size()
-    held = [
-        group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree))
-        for g in range(groups)
-    ]
-    tile = call.padded_length // (call.cp_size * chunks_per_rank(call.order))
-    rank, uniform = mesh.get_local_rank("cp_ring"), inner == "eager"
-    make_blocks = lambda: ring_blocks(attention_mask, held, call.length, rank, uniform, tile)  # noqa: E731
-    blocks = call.shared(("ring blocks", id(attention_mask), uniform), make_blocks)
     scale = kwargs.get("scaling") or module.scaling
-    output = RingAttention.apply(
-        query, key, value, blocks, scale, kwargs.get("softcap"), mesh.get_group("cp_ring"), f"{path} kv"
-    )
+    group = mesh.get_group("cp_ring")
+    if isinstance(group, TracedGroup):  # in a compiled layer: the ring runs as one opaque op
+        output = traced_ring(
+            query,
+            key,
+            value,
+            attention_mask,
+            scale,
+            kwargs.get("softcap"),
+            inner == "eager",
+            group,
+            f"{path} kv",
+        )
+    else:
+        blocks = call_blocks(call, attention_mask, inner == "eager")
+        output = RingAttention.apply(
+            query, key, value, blocks, scale, kwargs.get("softcap"), group, f"{path} kv"
+        )
     output = output.transpose(1, 2)
     if degree > 1:
         output = _sequences_for_heads(output, call.layout, mesh, "cp_ulysses", path)
@@ -208,9 +216,8 @@ def _cp_attention(inner: str):
             f"attention implementation {inner!r} has no mask function; cpshard cannot keep its mask exact"
         )
 
-    def attention(module, query, key, value, attention_mask, **kwargs):
+    def split(module, query, key, value, attention_mask, call, **kwargs):
         function = _inner_function(inner, module)
-        call = active_call()
         if call is None:
             return function(module, query, key, value, attention_mask, **kwargs)
         if call.implementation == "ulysses":
@@ -218,6 +225,16 @@ def _cp_attention(inner: str):
                 inner, function, module, query, key, value, attention_mask, call, **kwargs
             )
         return _ring_attention(inner, module, query, key, value, attention_mask, call, **kwargs)
+
+    @torch._dynamo.disable  # the running call is ambient state: compiled code breaks its graph here
+    def in_running_call(module, query, key, value, attention_mask, **kwargs):
+        return split(module, query, key, value, attention_mask, active_call(), **kwargs)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        traced = kwargs.pop(TRACED_KEY, None)  # put there by the cut hook before a compiled layer
+        if traced is not None:
+            return split(module, query, key, value, attention_mask, traced, **kwargs)
+        return in_running_call(module, query, key, value, attention_mask, **kwargs)
 
     attention.__doc__ = f"Context-parallel attention around {inner!r} attention (cpshard)."
     return attention

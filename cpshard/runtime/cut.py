@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from cpshard.call import CallPlan, active_call
+from cpshard.call import TRACED_KEY, CallPlan, active_call
 from cpshard.comm.redistribute import redistribute
 from cpshard.comm.reorder import to_chunks
 from cpshard.interfaces import Hook
@@ -27,6 +27,7 @@ def _cut(value, before, after, call: CallPlan):
     return redistribute(value, before, after.ordered("cp", call.order), call.mesh)
 
 
+@torch._dynamo.disable  # reads the running call; under cpshard's per-layer compile it runs before the layer
 def _cut_layer_inputs(first: bool, module, args, kwargs):
     call = active_call()
     if call is None:
@@ -40,9 +41,12 @@ def _cut_layer_inputs(first: bool, module, args, kwargs):
     for key, before, after in layout.layer_inputs:
         if kwargs.get(key) is not None:
             kwargs[key] = _cut(kwargs[key], before, after, call)
+    if call.traced:  # what the compiled layer's attention needs, resolved out here (see cpshard.comm.channel)
+        kwargs[TRACED_KEY] = call.traced_for(getattr(module, layout.attention))
     return args, kwargs
 
 
+@torch._dynamo.disable
 def _contiguous_again(module, args, output):
     """After the last layer: back to contiguous chunks, so logits are a plain ``Shard(1)``."""
     call = active_call()
