@@ -66,6 +66,10 @@ class CallPlan:
     def name_of(self, module) -> str:
         return self.module_names.get(id(module), type(module).__name__)
 
+    def key_length(self, mask) -> int:
+        """How many of the keys under ``mask`` are real (the rest are cp padding)."""
+        return self.length
+
     def traced_for(self, module) -> TracedCall:
         """This call as the compiled layer holding attention ``module`` sees it."""
         meshes = [mesh for mesh in (self.mesh, self.split_mesh) if mesh is not None]
@@ -78,9 +82,7 @@ class CallPlan:
             )
             for mesh in meshes
         ]
-        return TracedCall(
-            self.implementation, self.ulysses, self.cp_size, self.layout, self.length, traced[0], traced[-1]
-        )
+        return TracedCall(self.implementation, self.ulysses, self.cp_size, self.layout, traced[0], traced[-1])
 
 
 def _cp_axes(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -100,12 +102,16 @@ class TracedCall:
     ulysses: int
     cp_size: int
     layout: Layout
-    length: int
     mesh: TracedMesh
     split_mesh: TracedMesh
 
     def name_of(self, module) -> str:
         return ""
+
+    def key_length(self, mask) -> int:
+        """The cut hook cut Ulysses' mask to the real keys: a size that compiled code keeps dynamic, where
+        the length as a constant would recompile for every length."""
+        return mask.shape[-1]
 
     def shared(self, key, make):
         return make()

@@ -157,12 +157,14 @@ def _ulysses_attention(inner: str, function, module, query, key, value, attentio
     boolean = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
     if isinstance(attention_mask, torch.Tensor):
         original = attention_mask
-        key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
+        key, value, attention_mask = without_padding_keys(
+            key, value, attention_mask, call.key_length(attention_mask)
+        )
     if inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
         output, weights = _blocked_sdpa(function, module, query, key, value, attention_mask, **kwargs)
     else:
         if inner == "sdpa" and boolean:
-            shared = ("additive mask", id(original), query.dtype)
+            shared = ("additive mask", original, query.dtype)  # a tensor hashes by identity
             attention_mask = call.shared(shared, lambda: additive_mask(attention_mask, query.dtype))
         output, weights = function(module, query, key, value, attention_mask, **kwargs)
     return _sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights

@@ -24,7 +24,8 @@ def _cut(value, before, after, call: CallPlan):
         return tuple(_cut(v, before, after, call) for v in value)
     if not isinstance(value, torch.Tensor):
         return value
-    return redistribute(value, before, after.ordered("cp", call.order), call.mesh)
+    cut = redistribute(value, before, after.ordered("cp", call.order), call.mesh)
+    return cut.contiguous() if call.traced else cut  # every compiled layer gets the same strides: one graph
 
 
 @torch._dynamo.disable  # reads the running call; under cpshard's per-layer compile it runs before the layer
@@ -41,9 +42,29 @@ def _cut_layer_inputs(first: bool, module, args, kwargs):
     for key, before, after in layout.layer_inputs:
         if kwargs.get(key) is not None:
             kwargs[key] = _cut(kwargs[key], before, after, call)
-    if call.traced:  # what the compiled layer's attention needs, resolved out here (see cpshard.comm.channel)
-        kwargs[TRACED_KEY] = call.traced_for(getattr(module, layout.attention))
+    if call.traced:
+        _for_compiled_layer(module, args, kwargs, call)
     return args, kwargs
+
+
+def _for_compiled_layer(layer, args, kwargs, call: CallPlan) -> None:
+    """What a compiled layer's attention needs, resolved out here (see :mod:`cpshard.comm.channel`); the
+    sequence dims marked dynamic, so that the first compile serves every length."""
+    kwargs[TRACED_KEY] = call.traced_for(getattr(layer, call.layout.attention))
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        if call.implementation == "ulysses":  # the keys past the length are cp padding
+            mask = call.shared(("real keys", id(mask)), lambda: mask[..., : call.length].contiguous())
+            kwargs["attention_mask"] = mask
+        for dim in (-2, -1):
+            torch._dynamo.maybe_mark_dynamic(mask, dim % mask.dim())
+    cut = [args[0] if args else kwargs["hidden_states"]]
+    for key, _, _ in call.layout.layer_inputs:
+        value = kwargs.get(key)
+        cut += value if isinstance(value, tuple) else [value]
+    for value in cut:
+        if isinstance(value, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(value, 1)
 
 
 @torch._dynamo.disable
