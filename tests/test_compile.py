@@ -83,3 +83,22 @@ def test_hybrid_compiled_layers_are_exact_without_graph_breaks(ranks4):
 
 def test_five_lengths_compile_at_most_twice(ranks2):
     _check(ranks2.run(per_layer, "ulysses", False, (9, 12, 15, 21, 26)), graphs=2)
+
+
+def whole_step(implementation: str) -> dict:
+    """``torch.compile(value_and_grad(cp_forward))``: exact; the graph breaks it takes, by reason."""
+    torch._dynamo.reset()
+    model = tiny_model("llama").train()
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    forward = cpshard.make_cp_forward(model, implementation=implementation)
+    batch, params = tiny_batch(128, 2, 15, pad="right"), cpshard.params_of(model)
+    expected = reference(model, params, batch)
+    counters.clear()
+    output, grads = torch.compile(cpshard.value_and_grad(forward), backend="aot_eager")(params, batch, mesh)
+    return {"worst": _worst(output, grads, expected), "breaks": sum(counters["graph_break"].values())}
+
+
+def test_whole_compiled_step_is_exact(ranks2):
+    for result in ranks2.run(whole_step, "ulysses"):
+        assert result["worst"] <= TOLERANCE, result
+        assert result["breaks"] > 0, "the batch checks and the running call break the whole step's graph"

@@ -125,6 +125,7 @@ class CPForward:
             order = "contiguous" if implementation == "ulysses" else "head_tail"
         return implementation, degree, order
 
+    @torch._dynamo.disable  # derives sub-meshes and groups, which a compiled cp_forward cannot trace
     def _plan(self, mesh, cp: int, strategy: tuple[str, int, str], padded: PaddedBatch) -> CallPlan:
         """How this call splits the work: the strategy, the lengths, and the meshes and groups it runs on."""
         implementation, degree, order = strategy
