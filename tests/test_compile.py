@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 import cpshard
 from cpshard.comm.record import recording
+from cpshard.runtime.compiled import check_compiled_parallelism, compile_options
 from cpshard.tools.parity import reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
@@ -102,3 +103,13 @@ def test_whole_compiled_step_is_exact(ranks2):
     for result in ranks2.run(whole_step, "ulysses"):
         assert result["worst"] <= TOLERANCE, result
         assert result["breaks"] > 0, "the batch checks and the running call break the whole step's graph"
+
+
+def test_compile_takes_true_or_a_backend_and_refuses_tp_and_ep():
+    assert compile_options(True) == {} and compile_options("aot_eager") == {"backend": "aot_eager"}
+    with pytest.raises(ValueError, match="compile=3"):
+        compile_options(3)
+    check_compiled_parallelism(1, 1)
+    for tp, ep in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match=f"tp={tp}, ep={ep}"):
+            check_compiled_parallelism(tp, ep)
