@@ -42,14 +42,16 @@ def _compiled_step(twin, forward, params, batch, mesh, backend) -> dict:
     }
 
 
-def per_layer(implementation: str, checkpointing: bool, lengths=(15,), degree=None) -> dict:
+def per_layer(
+    implementation: str, checkpointing: bool, lengths=(15,), degree=None, backend="aot_eager"
+) -> dict:
     torch._dynamo.reset()
     model = tiny_model("llama").train()
     if checkpointing:
         model.activation_checkpointing_enable()
     twin = copy.deepcopy(model)
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
-    backend = CompileCounterWithBackend("aot_eager")
+    backend = CompileCounterWithBackend(backend)
     options = dict(implementation=implementation, ulysses_degree=degree)
     compiled = cpshard.make_cp_forward(model, compile=backend, **options)
     params = cpshard.params_of(model)
@@ -79,7 +81,8 @@ def test_each_compiled_layer_is_exact_without_graph_breaks(ranks2, implementatio
 
 
 def test_hybrid_compiled_layers_are_exact_without_graph_breaks(ranks4):
-    _check(ranks4.run(per_layer, "hybrid", False, (15,), 2), graphs=1)
+    # the "eager" backend: dynamo's trace (breaks, graphs) on 4 ranks; aot_eager covers the same ops above
+    _check(ranks4.run(per_layer, "hybrid", False, (15,), 2, "eager"), graphs=1)
 
 
 def test_five_lengths_compile_at_most_twice(ranks2):
