@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from cpshard.comm.channel import Channel, TracedMesh
+from cpshard.comm.record import active_log
 from cpshard.layouts.layout import Layout
+
+#: the keyword under which a compiled decoder layer's attention receives its :class:`TracedCall`
+TRACED_KEY = "cpshard_call"
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class CallPlan:
     expert_plan: str = "dispatch"
     #: a prefill's keys and values as each attention module sees them (this rank's share), by ``id(module)``
     kv_sink: dict | None = field(default=None, compare=False, repr=False)
+    #: whether the decoder layers are compiled: their attention then gets a :class:`TracedCall` (see there)
+    traced: bool = False
     #: what every layer derives alike from the call's inputs, derived once (see :meth:`shared`)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -65,6 +72,56 @@ class CallPlan:
 
     def name_of(self, module) -> str:
         return self.module_names.get(id(module), type(module).__name__)
+
+    def key_length(self, mask) -> int:
+        """How many of the keys under ``mask`` are real (the rest are cp padding)."""
+        return self.length
+
+    def traced_for(self, module) -> TracedCall:
+        """This call as the compiled layer holding attention ``module`` sees it."""
+        meshes = [mesh for mesh in (self.mesh, self.split_mesh) if mesh is not None]
+        groups = {name: mesh.get_group(name) for mesh in meshes for name in _cp_axes(mesh)}
+        channel = Channel(groups, self.name_of(module), active_log(), self)
+        traced = [
+            TracedMesh(
+                channel,
+                tuple((name, mesh[name].size(), mesh.get_local_rank(name)) for name in _cp_axes(mesh)),
+            )
+            for mesh in meshes
+        ]
+        return TracedCall(self.implementation, self.ulysses, self.cp_size, self.layout, traced[0], traced[-1])
+
+
+def _cp_axes(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(name for name in mesh.mesh_dim_names if name.startswith("cp"))
+
+
+@dataclass(frozen=True)
+class TracedCall:
+    """The running call as a compiled decoder layer sees it, an explicit argument instead of ambient state.
+
+    What attention reads are constants, the same for every layer and every call of one configuration
+    (torch.compile guards on them, so one graph serves all layers); the process groups, the record and
+    the module path that differ per layer sit behind the meshes' opaque :class:`Channel`, read only when
+    the collectives run. Module names are therefore empty here: the channel prepends its path."""
+
+    implementation: str
+    ulysses: int
+    cp_size: int
+    layout: Layout
+    mesh: TracedMesh
+    split_mesh: TracedMesh
+
+    def name_of(self, module) -> str:
+        return ""
+
+    def key_length(self, mask) -> int:
+        """The cut hook cut Ulysses' mask to the real keys: a size that compiled code keeps dynamic, where
+        the length as a constant would recompile for every length."""
+        return mask.shape[-1]
+
+    def shared(self, key, make):
+        return make()
 
 
 _ACTIVE: ContextVar[CallPlan | None] = ContextVar("cpshard_active_call", default=None)

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cpshard.comm.redistribute import axis_size
+from cpshard.spec.sequence import chunks_per_rank, group_positions
+
 
 def allowed(mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """``[B or 1, 1, Sq, Sk]`` booleans: True where q may attend to k."""
@@ -72,3 +75,17 @@ def ring_blocks(
     masks = [block(q_positions[rank], q_positions[b]) for b in range(size)]
     uniform = None if empty is None else empty.index_select(-1, q_positions[rank])
     return RingBlocks(masks, needed, sum(not flag for row in needed for flag in row), uniform, tile)
+
+
+def call_blocks(call, mask, uniform_rows: bool) -> RingBlocks:
+    """The ring blocks of this rank in ``call`` (a :class:`cpshard.call.CallPlan` running ring or hybrid),
+    derived once per call and mask."""
+    mesh, degree = call.split_mesh, call.ulysses
+    held = [
+        group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree))
+        for g in range(axis_size(mesh, "cp_ring"))
+    ]
+    tile = call.padded_length // (call.cp_size * chunks_per_rank(call.order))
+    rank = mesh.get_local_rank("cp_ring")
+    make = lambda: ring_blocks(mask, held, call.length, rank, uniform_rows, tile)  # noqa: E731
+    return call.shared(("ring blocks", id(mask), uniform_rows), make)

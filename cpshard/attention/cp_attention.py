@@ -21,15 +21,17 @@ from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cpshard.attention.blocks import ring_blocks
+from cpshard.attention.blocks import call_blocks
 from cpshard.attention.decode import decode_attention
 from cpshard.attention.ring import RingAttention
-from cpshard.call import active_call, active_decode, current_call
+from cpshard.attention.traced_ring import traced_ring
+from cpshard.call import TRACED_KEY, active_call, active_decode, current_call
+from cpshard.comm.channel import TracedGroup
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
 from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
-from cpshard.spec.sequence import chunks_per_rank, group_positions, row_blocks
+from cpshard.spec.sequence import row_blocks
 
 PREFIX = "cpshard_"
 
@@ -163,14 +165,22 @@ def _ulysses_attention(inner: str, function, module, query, key, value, attentio
     boolean = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
     if isinstance(attention_mask, torch.Tensor):
         original = attention_mask
-        key, value, attention_mask = without_padding_keys(key, value, attention_mask, call.length)
+        key, value, attention_mask = without_padding_keys(
+            key, value, attention_mask, call.key_length(attention_mask)
+        )
     elif not _causal(module, kwargs):  # every query sees every key: the cp padding's too, unless cut
-        key, value = key[:, :, : call.length], value[:, :, : call.length]
+        length = getattr(call, "length", None)
+        if length is None:
+            raise ValueError(
+                f"{path} attends in both directions without a mask; compile=True serves causal and masked "
+                "attention only: make_cp_forward without compile"
+            )
+        key, value = key[:, :, :length], value[:, :, :length]
     if inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
         output, weights = _blocked_sdpa(function, module, query, key, value, attention_mask, **kwargs)
     else:
         if inner == "sdpa" and boolean:
-            shared = ("additive mask", id(original), query.dtype)
+            shared = ("additive mask", original, query.dtype)  # a tensor hashes by identity
             attention_mask = call.shared(shared, lambda: additive_mask(attention_mask, query.dtype))
         output, weights = function(module, query, key, value, attention_mask, **kwargs)
     return _sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights
@@ -199,19 +209,25 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
         module, query, key, value, kwargs = _heads_for_sequences(
             module, query, key, value, kwargs, call.layout, mesh, "cp_ulysses", path
         )
-    groups = axis_size(mesh, "cp_ring")
-    held = [
-        group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree))
-        for g in range(groups)
-    ]
-    tile = call.padded_length // (call.cp_size * chunks_per_rank(call.order))
-    rank, uniform = mesh.get_local_rank("cp_ring"), inner == "eager"
-    make_blocks = lambda: ring_blocks(attention_mask, held, call.length, rank, uniform, tile)  # noqa: E731
-    blocks = call.shared(("ring blocks", id(attention_mask), uniform), make_blocks)
     scale = kwargs.get("scaling") or module.scaling
-    output = RingAttention.apply(
-        query, key, value, blocks, scale, kwargs.get("softcap"), mesh.get_group("cp_ring"), f"{path} kv"
-    )
+    group = mesh.get_group("cp_ring")
+    if isinstance(group, TracedGroup):  # in a compiled layer: the ring runs as one opaque op
+        output = traced_ring(
+            query,
+            key,
+            value,
+            attention_mask,
+            scale,
+            kwargs.get("softcap"),
+            inner == "eager",
+            group,
+            f"{path} kv",
+        )
+    else:
+        blocks = call_blocks(call, attention_mask, inner == "eager")
+        output = RingAttention.apply(
+            query, key, value, blocks, scale, kwargs.get("softcap"), group, f"{path} kv"
+        )
     output = output.transpose(1, 2)
     if degree > 1:
         output = _sequences_for_heads(output, call.layout, mesh, "cp_ulysses", path)
@@ -224,7 +240,18 @@ def _cp_attention(inner: str):
             f"attention implementation {inner!r} has no mask function; cpshard cannot keep its mask exact"
         )
 
-    def attention(module, query, key, value, attention_mask, **kwargs):
+    def split(module, query, key, value, attention_mask, call, **kwargs):
+        function = _inner_function(inner, module)
+        if call is None:
+            return function(module, query, key, value, attention_mask, **kwargs)
+        if call.implementation == "ulysses":
+            return _ulysses_attention(
+                inner, function, module, query, key, value, attention_mask, call, **kwargs
+            )
+        return _ring_attention(inner, module, query, key, value, attention_mask, call, **kwargs)
+
+    @torch._dynamo.disable  # the running call is ambient state: compiled code breaks its graph here
+    def in_running_call(module, query, key, value, attention_mask, **kwargs):
         step = active_decode()
         if step is not None:
             scale, window = kwargs.get("scaling") or module.scaling, kwargs.get("sliding_window")
@@ -234,15 +261,13 @@ def _cp_attention(inner: str):
         prefill = current_call()
         if prefill is not None and prefill.kv_sink is not None:  # this rank's share of the prompt's k, v
             prefill.kv_sink[id(module)] = (key, value, kwargs.get("sliding_window"))
-        function = _inner_function(inner, module)
-        call = active_call()
-        if call is None:
-            return function(module, query, key, value, attention_mask, **kwargs)
-        if call.implementation == "ulysses":
-            return _ulysses_attention(
-                inner, function, module, query, key, value, attention_mask, call, **kwargs
-            )
-        return _ring_attention(inner, module, query, key, value, attention_mask, call, **kwargs)
+        return split(module, query, key, value, attention_mask, active_call(), **kwargs)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        traced = kwargs.pop(TRACED_KEY, None)  # put there by the cut hook before a compiled layer
+        if traced is not None:
+            return split(module, query, key, value, attention_mask, traced, **kwargs)
+        return in_running_call(module, query, key, value, attention_mask, **kwargs)
 
     attention.__doc__ = f"Context-parallel attention around {inner!r} attention (cpshard)."
     return attention

@@ -229,43 +229,108 @@ def _ring_steps(needed, rank: int, size: int):
         )
 
 
+def ring_forward(q, k, v, blocks, scale, softcap, group, name):
+    """This rank's q over every rank's k and v: ``(out, lse)``, grouped ``[B, Hkv, G, Sq, D]`` and
+    ``[B, Hkv, G, Sq]``, in fp32."""
+    needed = blocks.needed
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ring = ((rank + 1) % size, (rank - 1) % size)
+    qg = grouped(q.float(), k.shape[1])
+    out = torch.zeros_like(qg)
+    lse = torch.full(qg.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
+    kv = template = torch.stack([k, v])
+    for source, send_on, expect in _ring_steps(needed, rank, size):
+        requests, incoming = _exchange(
+            kv if send_on else None,
+            ring[0],
+            template if expect else None,
+            ring[1],
+            group,
+            name,
+            "forward",
+        )
+        if source is not None and needed[rank][source]:
+            tiled_attention(
+                out,
+                lse,
+                qg,
+                kv[0],
+                kv[1],
+                blocks.masks[source],
+                scale,
+                softcap,
+                blocks.uniform,
+                blocks.tile,
+            )
+        _wait(requests)
+        kv = incoming
+    return out, lse
+
+
+def ring_backward(q, k, v, out, lse, grad_output, blocks, scale, softcap, group, name):
+    """``(dq, dk, dv)`` given :func:`ring_forward`'s ``out`` and ``lse``: dk and dv travel with k and v."""
+    needed = blocks.needed
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ring = ((rank + 1) % size, (rank - 1) % size)
+    qg = grouped(q.float(), k.shape[1])
+    grad_out = grouped(grad_output.float(), k.shape[1])
+    delta = (grad_out * out).sum(-1)
+    grad_q = torch.zeros_like(qg)
+    kv = kv_template = torch.stack([k, v])
+    grad_kv = grad_template = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+    parked: dict[int, torch.Tensor] = {}  # dk, dv of blocks whose travel ends here, by source
+    for source, send_on, expect in _ring_steps(needed, rank, size):
+        requests, incoming = _exchange(
+            kv if send_on else None,
+            ring[0],
+            kv_template if expect else None,
+            ring[1],
+            group,
+            name,
+            "backward",
+        )
+        if source is not None and needed[rank][source]:
+            grad_kv = grad_kv.clone() if grad_kv is grad_template else grad_kv
+            tiled_grads(
+                grad_q,
+                grad_kv,
+                qg,
+                kv[0],
+                kv[1],
+                blocks.masks[source],
+                lse,
+                out,
+                grad_out,
+                delta,
+                scale,
+                softcap,
+                blocks.uniform,
+                blocks.tile,
+            )
+        _wait(requests)
+        requests, incoming_grad = _exchange(
+            grad_kv if send_on else None,
+            ring[0],
+            grad_template if expect else None,
+            ring[1],
+            group,
+            name,
+            "backward",
+        )
+        _wait(requests)
+        if source is not None and not send_on:
+            parked[source] = grad_kv
+        kv, grad_kv = incoming, incoming_grad
+    grad_k, grad_v = _send_home(parked, rank, size, needed, group, name, grad_template)
+    return grad_q.reshape(q.shape).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     """Exact attention of this rank's q over every rank's k and v, by a ring over ``group``."""
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, scale, softcap, group, name):
-        needed = blocks.needed
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        ring = ((rank + 1) % size, (rank - 1) % size)
-        qg = grouped(q.float(), k.shape[1])
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
-        kv = template = torch.stack([k, v])
-        for source, send_on, expect in _ring_steps(needed, rank, size):
-            requests, incoming = _exchange(
-                kv if send_on else None,
-                ring[0],
-                template if expect else None,
-                ring[1],
-                group,
-                name,
-                "forward",
-            )
-            if source is not None and needed[rank][source]:
-                tiled_attention(
-                    out,
-                    lse,
-                    qg,
-                    kv[0],
-                    kv[1],
-                    blocks.masks[source],
-                    scale,
-                    softcap,
-                    blocks.uniform,
-                    blocks.tile,
-                )
-            _wait(requests)
-            kv = incoming
+        out, lse = ring_forward(q, k, v, blocks, scale, softcap, group, name)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.config = (blocks, scale, softcap, group, name)
         return out.reshape(q.shape).to(q.dtype)
@@ -273,61 +338,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         q, k, v, out, lse = ctx.saved_tensors
-        blocks, scale, softcap, group, name = ctx.config
-        needed = blocks.needed
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        ring = ((rank + 1) % size, (rank - 1) % size)
-        qg = grouped(q.float(), k.shape[1])
-        grad_out = grouped(grad_output.float(), k.shape[1])
-        delta = (grad_out * out).sum(-1)
-        grad_q = torch.zeros_like(qg)
-        kv = kv_template = torch.stack([k, v])
-        grad_kv = grad_template = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-        parked: dict[int, torch.Tensor] = {}  # dk, dv of blocks whose travel ends here, by source
-        for source, send_on, expect in _ring_steps(needed, rank, size):
-            requests, incoming = _exchange(
-                kv if send_on else None,
-                ring[0],
-                kv_template if expect else None,
-                ring[1],
-                group,
-                name,
-                "backward",
-            )
-            if source is not None and needed[rank][source]:
-                grad_kv = grad_kv.clone() if grad_kv is grad_template else grad_kv
-                tiled_grads(
-                    grad_q,
-                    grad_kv,
-                    qg,
-                    kv[0],
-                    kv[1],
-                    blocks.masks[source],
-                    lse,
-                    out,
-                    grad_out,
-                    delta,
-                    scale,
-                    softcap,
-                    blocks.uniform,
-                    blocks.tile,
-                )
-            _wait(requests)
-            requests, incoming_grad = _exchange(
-                grad_kv if send_on else None,
-                ring[0],
-                grad_template if expect else None,
-                ring[1],
-                group,
-                name,
-                "backward",
-            )
-            _wait(requests)
-            if source is not None and not send_on:
-                parked[source] = grad_kv
-            kv, grad_kv = incoming, incoming_grad
-        grad_k, grad_v = _send_home(parked, rank, size, needed, group, name, grad_template)
-        return grad_q.reshape(q.shape).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 5)
+        return *ring_backward(q, k, v, out, lse, grad_output, *ctx.config), *([None] * 5)
 
 
 def _send_home(parked: dict, rank: int, size: int, needed, group, name, template):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from cpshard.comm.channel import Channel, TracedGroup
 from cpshard.comm.record import active_log, record
 
 
@@ -59,12 +60,55 @@ class _Exchange(torch.autograd.Function):
         )
 
 
+@torch.library.custom_op("cpshard::exchange", mutates_args=())
+def _channel_exchange(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    ranks: int,
+    channel: Channel,
+    axis: str,
+    name: str,
+    phase: str,
+) -> torch.Tensor:
+    """:func:`_exchange` as compiled code calls it: opaque to torch.compile, run on the channel's group,
+    recorded under the channel's module path when it runs."""
+    group, path = channel.groups[axis], channel.path
+    return _exchange(x, scatter_dim, gather_dim, group, channel.log, f"{path}{name}", phase).contiguous()
+
+
+@_channel_exchange.register_fake
+def _(x, scatter_dim, gather_dim, ranks, channel, axis, name, phase):
+    shape = list(x.shape)
+    shape[scatter_dim % x.dim()] //= ranks
+    shape[gather_dim % x.dim()] *= ranks
+    return x.new_empty(shape)
+
+
+def _save_exchange(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _exchange_back(ctx, grad):
+    scatter_dim, gather_dim, ranks, channel, axis, name, _ = ctx.args
+    back = _channel_exchange(grad, gather_dim, scatter_dim, ranks, channel, axis, name, "backward")
+    return back, *([None] * len(ctx.args))
+
+
+_channel_exchange.register_autograd(_exchange_back, setup_context=_save_exchange)
+
+
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: str = "") -> torch.Tensor:
-    """Split ``scatter_dim`` over the group and gather ``gather_dim`` from it: one all-to-all each way."""
-    if x.shape[scatter_dim] % dist.get_world_size(group):
+    """Split ``scatter_dim`` over the group and gather ``gather_dim`` from it: one all-to-all each way.
+    ``group`` is a process group, or a :class:`TracedGroup` inside a compiled layer."""
+    if x.shape[scatter_dim] % group.size():
         raise ValueError(
             f"{name or 'all_to_all'}: dimension {scatter_dim} of shape {tuple(x.shape)} does not divide "
-            f"over {dist.get_world_size(group)} ranks"
+            f"over {group.size()} ranks"
+        )
+    if isinstance(group, TracedGroup):
+        return _channel_exchange(
+            x, scatter_dim, gather_dim, group.size(), group.channel, group.axis, name, "forward"
         )
     return _Exchange.apply(x, _exchange, (scatter_dim, gather_dim), (gather_dim, scatter_dim), group, name)
 

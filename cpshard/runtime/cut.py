@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from cpshard.call import CallPlan, active_call
+from cpshard.call import TRACED_KEY, CallPlan, active_call
 from cpshard.comm.redistribute import redistribute
 from cpshard.comm.reorder import to_chunks
 from cpshard.interfaces import Hook
@@ -25,9 +25,11 @@ def _cut(value, before, after, call: CallPlan):
         return tuple(_cut(v, before, after, call) for v in value)
     if not isinstance(value, torch.Tensor):
         return value
-    return redistribute(value, before, after.ordered("cp", call.order), call.mesh)
+    cut = redistribute(value, before, after.ordered("cp", call.order), call.mesh)
+    return cut.contiguous() if call.traced else cut  # every compiled layer gets the same strides: one graph
 
 
+@torch._dynamo.disable  # reads the running call; under cpshard's per-layer compile it runs before the layer
 def _cut_layer_inputs(first: bool, names: tuple[str, ...], module, args, kwargs):
     """``names``: the layer's parameters in order, for inputs passed by position (Gemma4's per-layer
     input)."""
@@ -46,13 +48,36 @@ def _cut_layer_inputs(first: bool, names: tuple[str, ...], module, args, kwargs)
         elif key in names[1 : len(args)]:
             index = names.index(key)
             args = (*args[:index], _cut(args[index], before, after, call), *args[index + 1 :])
+    if call.traced:
+        _for_compiled_layer(module, args, kwargs, call)
     return args, kwargs
+
+
+def _for_compiled_layer(layer, args, kwargs, call: CallPlan) -> None:
+    """What a compiled layer's attention needs, resolved out here (see :mod:`cpshard.comm.channel`); the
+    sequence dims marked dynamic, so that the first compile serves every length."""
+    kwargs[TRACED_KEY] = call.traced_for(getattr(layer, call.layout.attention))
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        if call.implementation == "ulysses":  # the keys past the length are cp padding
+            mask = call.shared(("real keys", id(mask)), lambda: mask[..., : call.length].contiguous())
+            kwargs["attention_mask"] = mask
+        for dim in (-2, -1):
+            torch._dynamo.maybe_mark_dynamic(mask, dim % mask.dim())
+    cut = [args[0] if args else kwargs["hidden_states"]]
+    for key, _, _ in call.layout.layer_inputs:
+        value = kwargs.get(key)
+        cut += value if isinstance(value, tuple) else [value]
+    for value in cut:
+        if isinstance(value, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(value, 1)
 
 
 def _held_rows(call: CallPlan) -> int:
     return call.padded_length // call.cp_size
 
 
+@torch._dynamo.disable
 def _contiguous_again(module, args, output):
     """After the final norm (or a post-norm decoder's last layer): back to contiguous chunks, so logits
     are a plain ``Shard(1)``. Where the decoder reshapes its output to the input's length (GPT-2), the
@@ -79,6 +104,7 @@ def held_rows_only(hidden: torch.Tensor) -> torch.Tensor:
     return hidden[:, : _held_rows(call)]
 
 
+@torch._dynamo.disable
 def _head_input(module, args, kwargs):
     if not args:
         return None

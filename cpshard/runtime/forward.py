@@ -41,6 +41,7 @@ from cpshard.runtime.batch import (
     local_token_mask,
     pad_batch,
 )
+from cpshard.runtime.compiled import check_compiled_parallelism, compile_layers, compile_options
 from cpshard.runtime.count import loss_normaliser
 from cpshard.runtime.cut import held_rows_only
 from cpshard.runtime.grad import summed_in_backward
@@ -76,6 +77,8 @@ class ForwardOptions:
     sequence_order: str = "auto"
     token_logprobs: bool = False
     expert_plan: str = "auto"
+    #: False, True (inductor) or a torch.compile backend's name: each decoder layer's forward compiled
+    compile: bool | str = False
 
 
 class CPForward:
@@ -88,10 +91,12 @@ class CPForward:
         self.keep_logits, self.strict = logits, strict
         self.keep_token_logprobs = options.token_logprobs
         self.ulysses_degree, self.sequence_order = options.ulysses_degree, options.sequence_order
-        self.expert_plan = options.expert_plan
+        self.expert_plan, self.compile = options.expert_plan, bool(options.compile)
         self.module_names = {id(module): name for name, module in model.named_modules()}
         self.decoder_prefix = layout.decoder
         install(model, layout)
+        if options.compile:
+            compile_layers(model.get_submodule(layout.decoder_layers), compile_options(options.compile))
 
     def _strategy(self, mesh, cp: int, params: dict) -> tuple[str, int, str]:
         """``(implementation, Ulysses degree, sequence order)`` for this mesh, after the checks of "
@@ -99,6 +104,8 @@ class CPForward:
         tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
         check_tensor_parallel(self.model.config, self.layout, tp)
         check_expert_parallel(self.model.config, self.layout, ep, tp)
+        if self.compile:
+            check_compiled_parallelism(tp, ep)
         if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
             raise ValueError(
                 f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
@@ -126,6 +133,7 @@ class CPForward:
             order = "contiguous" if implementation == "ulysses" else "head_tail"
         return implementation, degree, order
 
+    @torch._dynamo.disable  # derives sub-meshes and groups, which a compiled cp_forward cannot trace
     def _plan(self, mesh, cp: int, strategy: tuple[str, int, str], padded: PaddedBatch) -> CallPlan:
         """How this call splits the work: the strategy, the lengths, and the meshes and groups it runs on."""
         implementation, degree, order = strategy
@@ -144,6 +152,7 @@ class CPForward:
             tp_group=mesh.get_group("tp") if tp > 1 else None,
             expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
             expert_plan=choose_expert_plan(self.expert_plan, tp, ep),
+            traced=self.compile,
         )
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
@@ -173,7 +182,7 @@ class CPForward:
             batch = labels_read_as_shifted(batch)
         # valid and the same across each cp group, or every rank raises
         check_batch(batch, mesh, getattr(self.model.config, "vocab_size", None))
-        ensure_installed(self.model, self.layout)
+        ensure_installed(self.model, self.layout, mesh_size(mesh, "tp"))
         padded = pad_batch(
             batch, cp * chunks_per_rank(strategy[2]), getattr(self.model.config, "pad_token_id", None)
         )
@@ -297,6 +306,7 @@ def make_cp_forward(
     sequence_order="auto",
     token_logprobs=False,
     expert_plan="auto",
+    compile=False,
 ) -> CPForward:
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
 
@@ -307,11 +317,16 @@ def make_cp_forward(
     of rows at a time; with ``logits=False`` a block of tokens at a time, never the whole logits).
     ``expert_plan``: how MoE experts run beside tp, "dispatch" (each tp rank sends its share of the
     (token, expert) pairs to the owners) or "all_reduce" (for an ep group inside a tp group: each rank
-    runs its own experts, no token exchange); "auto" takes "all_reduce" wherever it applies."""
+    runs its own experts, no token exchange); "auto" takes "all_reduce" wherever it applies.
+    ``compile``: True compiles each decoder layer's forward with ``torch.compile`` (inductor), as
+    large-scale training does; a backend (``"aot_eager"``, or a callable) compiles with that backend.
+    The cut and the checks stay eager around the layers; inside a layer nothing breaks the graph, and
+    one graph serves every layer (lengths that change make it dynamic after one recompile). cp and data
+    parallelism only (tp and ep read the running call, which compiled code cannot)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if sequence_order != "auto":
         check_order(sequence_order)
     check_expert_plan(expert_plan)
-    options = ForwardOptions(ulysses_degree, sequence_order, token_logprobs, expert_plan)
+    options = ForwardOptions(ulysses_degree, sequence_order, token_logprobs, expert_plan, compile)
     return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)

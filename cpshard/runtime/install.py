@@ -1,7 +1,7 @@
 """The one install step: what cp_forward puts into a model, once, and checks on every call.
 
 ``install(model, layout)`` registers cpshard's attention function around the model's own, the cut
-(forward pre-hooks on the decoder layers, a hook on the final norm), the tensor-parallel hooks and,
+(forward pre-hooks on the decoder layers, a hook on the final norm) and,
 for a mixture of experts, the expert-parallel experts function. Each of them acts only inside a
 cp_forward call (see :mod:`cpshard.call`); outside one the model gives its ordinary results.
 
@@ -53,15 +53,18 @@ def install(model: nn.Module, layout: Layout) -> None:
     """Put cpshard's attention, cut, tensor- and expert-parallel pieces into ``model`` (idempotent)."""
     install_attention(model, layout)
     layers = model.get_submodule(layout.decoder_layers)
-    cut = cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings())
-    install_hooks(cut + tensor_parallel_hooks(layers, layout))
+    install_hooks(cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings()))
     if layout.experts:
         install_experts(model)
 
 
-def ensure_installed(model: nn.Module, layout: Layout) -> None:
-    """Before each call: a model switched back to another attention (or experts) function is wrapped again."""
+def ensure_installed(model: nn.Module, layout: Layout, tp: int) -> None:
+    """Before each call: a model switched back to another attention (or experts) function is wrapped again;
+    the tensor-parallel hooks go in at the first call with ``tp > 1`` (they act only there, and a layer
+    compiled for cp alone then traces none of them)."""
     install_attention(model, layout)
+    if tp > 1:
+        install_hooks(tensor_parallel_hooks(model.get_submodule(layout.decoder_layers), layout))
     experts = experts_modules(model).values() if layout.experts else ()
     if any(not module.config._experts_implementation.startswith(EXPERTS_PREFIX) for module in experts):
         install_experts(model)

@@ -1,0 +1,95 @@
+"""Ring attention as a compiled layer calls it: one custom op forward, one backward, opaque to torch.compile.
+
+The ring's schedule (point-to-point sends, block masks derived from the mask's values, a plan that skips
+hidden blocks) cannot be traced, and need not be: the ops run :func:`ring_forward` and
+:func:`ring_backward` when the layer runs, on the :class:`Channel`'s group, with the blocks of the running
+call, exactly as :class:`RingAttention` does in eager mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpshard.attention.blocks import call_blocks
+from cpshard.attention.ring import ring_backward, ring_forward
+from cpshard.comm.channel import Channel, TracedGroup
+
+
+@torch.library.custom_op("cpshard::ring_attention", mutates_args=())
+def _ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    uniform_rows: bool,
+    channel: Channel,
+    axis: str,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(output, out, lse)``: the output in q's shape and dtype, and the fp32 results the backward needs."""
+    blocks = call_blocks(channel.call, mask, uniform_rows)
+    out, lse = ring_forward(q, k, v, blocks, scale, softcap, channel.groups[axis], channel.path + name)
+    return out.reshape(q.shape).to(q.dtype, copy=True), out, lse
+
+
+@_ring.register_fake
+def _(q, k, v, mask, scale, softcap, uniform_rows, channel, axis, name):
+    batch, heads, rows, dim = q.shape
+    grouped = (batch, k.shape[1], heads // k.shape[1], rows)
+    return (
+        q.new_empty(q.shape),
+        q.new_empty((*grouped, dim), dtype=torch.float32),
+        q.new_empty(grouped, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("cpshard::ring_attention_backward", mutates_args=())
+def _ring_back(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    uniform_rows: bool,
+    channel: Channel,
+    axis: str,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    blocks = call_blocks(channel.call, mask, uniform_rows)
+    grad_q, grad_k, grad_v = ring_backward(
+        q, k, v, out, lse, grad, blocks, scale, softcap, channel.groups[axis], channel.path + name
+    )
+    return (
+        grad_q,
+        grad_k.clone(),
+        grad_v.clone(),
+    )  # dk and dv may be views of one buffer: an op's outputs may not alias
+
+
+@_ring_back.register_fake
+def _(grad, q, k, v, out, lse, mask, scale, softcap, uniform_rows, channel, axis, name):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, mask, *ctx.config = inputs
+    ctx.save_for_backward(q, k, v, output[1], output[2], mask)
+
+
+def _backward(ctx, grad, _out, _lse):
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    return *_ring_back(grad, q, k, v, out, lse, mask, *ctx.config), *([None] * 7)
+
+
+_ring.register_autograd(_backward, setup_context=_save)
+
+
+def traced_ring(q, k, v, mask, scale: float, softcap, uniform_rows: bool, group: TracedGroup, name: str):
+    """This rank's q over every rank's k and v on the ring of ``group`` (q's shape and dtype)."""
+    return _ring(q, k, v, mask, scale, softcap, uniform_rows, group.channel, group.axis, name)[0]
