@@ -19,7 +19,7 @@ from cpshard.attention.blocks import ring_blocks
 from cpshard.attention.ring import _grouped, tiled_attention, tiled_grads
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import optimum_for
-from cpshard.spec.sequence import chunks_per_rank, padded_length_for, positions
+from cpshard.spec.sequence import chunk_width, padded_length_for, positions
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 MODEL = dict(
@@ -73,7 +73,7 @@ def ring_compute_per_rank(seq: int, cp: int, order: str, repeats: int = 3) -> li
     heads, kv_heads, dim = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"]
     length = padded_length_for(seq, cp, order)
     held = [positions(order, length, cp, r) for r in range(cp)]
-    tile = length // (cp * chunks_per_rank(order))
+    tile = chunk_width(order, length, cp)
     seconds = []
     for rank in range(cp):
         blocks = ring_blocks(None, held, seq, rank, uniform_rows=False, tile=tile)
@@ -85,7 +85,9 @@ def ring_compute_per_rank(seq: int, cp: int, order: str, repeats: int = 3) -> li
             out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
             for source in range(cp):
                 if blocks.needed[rank][source]:
-                    tiled_attention(out, lse, q, k, v, blocks.masks[source], 0.25, None, None, tile)
+                    tiled_attention(
+                        out, lse, q, k, v, blocks.masks[source], 0.25, None, None, blocks.tiles[source]
+                    )
             grad_q, grad_kv, delta = torch.zeros_like(q), torch.zeros(2, *k.shape), (out * out).sum(-1)
             for source in range(cp):
                 if blocks.needed[rank][source]:
@@ -103,7 +105,7 @@ def ring_compute_per_rank(seq: int, cp: int, order: str, repeats: int = 3) -> li
                         0.25,
                         None,
                         None,
-                        tile,
+                        blocks.tiles[source],
                     )
             runs.append(time.perf_counter() - start)
         seconds.append(statistics.median(runs))

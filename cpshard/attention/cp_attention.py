@@ -27,7 +27,7 @@ from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
 from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
-from cpshard.spec.sequence import chunks_per_rank, group_positions, row_blocks
+from cpshard.spec.sequence import chunk_width, group_positions, row_blocks
 
 PREFIX = "cpshard_"
 
@@ -188,7 +188,7 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
         group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree))
         for g in range(groups)
     ]
-    tile = call.padded_length // (call.cp_size * chunks_per_rank(call.order))
+    tile = chunk_width(call.order, call.padded_length, call.cp_size)
     rank, uniform = mesh.get_local_rank("cp_ring"), inner == "eager"
     make_blocks = lambda: ring_blocks(attention_mask, held, call.length, rank, uniform, tile)  # noqa: E731
     blocks = call.shared(("ring blocks", id(attention_mask), uniform), make_blocks)
