@@ -75,7 +75,7 @@ def main():
         f"| L | layers checkpointed | peak MiB/rank | mlp_tile={args.tile} | ratio | CPU s | tiled | ratio |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    with cpshard.LocalRanks(2) as ranks:
+    with cpshard.LocalRanks(2, timeout=3000) as ranks:
         for seq in args.seqs:
             per_rank = ranks.run(rank_job, seq, args.tile, args.repeats)
             for checkpointing in (False, True):
