@@ -293,3 +293,57 @@ def run_outside_and_pure(attn: str):
 def test_model_is_untouched_outside_cp_forward(ranks2, attn):
     for checks in ranks2.run(run_outside_and_pure, attn):
         assert all(checks.values()), checks
+
+
+#: per row, the lengths of the documents packed in it (45 tokens): one-token documents, documents over
+#: several stripes and ranks, none a multiple of any stripe
+PACKED_DOCUMENTS = ([1, 9, 2, 30, 3], [40, 5])
+
+
+def packed_batch(vocab_size: int, pad: str | None = None) -> dict:
+    """Rows packed with :data:`PACKED_DOCUMENTS`, their position_ids restarting at each document."""
+    batch = tiny_batch(vocab_size, len(PACKED_DOCUMENTS), sum(PACKED_DOCUMENTS[0]), pad=pad)
+    batch["position_ids"] = torch.stack(
+        [torch.cat([torch.arange(n) for n in row]) for row in PACKED_DOCUMENTS]
+    )
+    return batch
+
+
+def run_packed(model_type: str, forward: dict, config: dict, pad: str | None):
+    """Parity on packed rows, and the sequence order the call takes."""
+    model = tiny_model(model_type, **config)
+    batch = packed_batch(model.config.vocab_size, pad)
+    cp_forward = cpshard.make_cp_forward(model, **forward)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    return check_parity(model, batch, mesh, cp_forward), cp_forward._order(forward["implementation"], batch)
+
+
+RING = dict(implementation="ring")
+PACKED_CASES = {  # ranks, model type, make_cp_forward options, model config, padding
+    "cp2-ring": (2, "llama", RING, {}, None),
+    "cp2-ring-eager-left-pad": (2, "llama", RING, dict(attn_implementation="eager"), "left"),
+    "cp2-ring-no-logits": (2, "llama", dict(RING, logits=False), {}, None),
+    "cp4-ring": (4, "llama", RING, {}, None),
+    "cp4-hybrid": (4, "llama", dict(implementation="hybrid"), {}, None),
+    "cp4-ring-sliding-window": (4, "mistral", RING, dict(sliding_window=7), None),
+}
+
+
+@pytest.mark.parametrize("name", PACKED_CASES)
+def test_packed_documents_take_the_striped_order_exactly(ranks2, ranks4, name):
+    nprocs, *case = PACKED_CASES[name]
+    results = (ranks2 if nprocs == 2 else ranks4).run(run_packed, *case)
+    assert_exact([parity for parity, _ in results], name)
+    assert {order for _, order in results} == {"striped"}
+
+
+def run_order(order: str, packed: bool):
+    model = tiny_model("llama")
+    batch = packed_batch(model.config.vocab_size) if packed else tiny_batch(model.config.vocab_size, 2, 45)
+    cp_forward = cpshard.make_cp_forward(model, implementation="ring", sequence_order=order)
+    return check_parity(model, batch, cpshard.make_mesh(cp=dist.get_world_size()), cp_forward)
+
+
+@pytest.mark.parametrize("order,packed", [("striped", False), ("head_tail", True), ("contiguous", True)])
+def test_every_order_is_exact_on_any_rows(ranks4, order, packed):
+    assert_exact(ranks4.run(run_order, order, packed), f"{order} packed={packed}")

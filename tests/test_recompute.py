@@ -1,12 +1,11 @@
 """cp_forward under transformers' activation checkpointing: the recompute re-runs the collectives, exactly."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import cpshard
 from cpshard.runtime.recompute import checkpointing_modules
-from cpshard.tools.parity import check_parity
+from cpshard.tools.parity import check_parity, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 TOLERANCE = 1e-5
@@ -40,22 +39,19 @@ def test_checkpointed_layers_recompute_inside_the_call(ranks2, implementation, l
         )
 
 
-def checkpointed_with_other_params() -> tuple[float, float]:
-    """cp_forward's ``params`` are not the module's own (an optimizer's output): the recompute in the
-    backward must use them too. The reference is a model that does not checkpoint at all."""
-    mesh = cpshard.make_mesh(cp=2)
-    model = tiny_model("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    params = {name: value.detach() * 1.05 for name, value in cpshard.params_of(model).items()}
-    batch = tiny_batch(model.config.vocab_size, 2, 11)
-    out, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(params, batch, mesh)
-    leaves = {name: value.clone().requires_grad_(True) for name, value in params.items()}
-    reference = torch.func.functional_call(tiny_model("llama"), leaves, (), batch, strict=False)
-    wanted = torch.autograd.grad(reference.loss, list(leaves.values()))
-    worst = max(float((grads[name] - want).abs().max()) for name, want in zip(leaves, wanted))
-    return float((out.loss - reference.loss).abs()), worst
+def gradients_of_other_params() -> float:
+    """A functional step on parameters that are not the module's own (an optimizer's output): the
+    recompute must use them, not the stale weights the module holds. Returns the largest relative
+    difference from one process without checkpointing."""
+    model, twin = tiny_model("llama", num_hidden_layers=2).train(), tiny_model("llama", num_hidden_layers=2)
+    model.activation_checkpointing_enable()
+    params = {name: p.detach() * 1.5 + 0.01 for name, p in cpshard.params_of(model).items()}
+    batch = tiny_batch(model.config.vocab_size, 2, 15)
+    _, _, want = reference(twin, params, batch)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    _, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(params, batch, mesh)
+    return max(((grads[n] - want[n]).abs().max() / want[n].abs().max()).item() for n in want)
 
 
-def test_the_recompute_uses_the_calls_params_not_the_modules(ranks2):
-    for loss_diff, grad_diff in ranks2.run(checkpointed_with_other_params):
-        assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (loss_diff, grad_diff)
+def test_the_recompute_uses_the_calls_parameters(ranks2):
+    assert max(ranks2.run(gradients_of_other_params)) <= TOLERANCE

@@ -5,9 +5,9 @@ import torch
 
 import cpshard
 from cpshard.attention.blocks import ring_blocks
-from cpshard.attention.ring import block_attention, block_grads, grouped, hops, merge, tiles
+from cpshard.attention.ring import block_attention, block_grads, grouped, hops, merge
 from cpshard.comm.record import recording
-from cpshard.spec.sequence import chunks_per_rank, positions
+from cpshard.spec.sequence import chunk_width, positions
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
@@ -115,17 +115,11 @@ def _home(rank: int, hops_of: list[int]) -> int:
 def computed_tiles(order: str, size: int = 4, length: int = 64) -> list[int]:
     """Tiles each rank computes for a causal mask (the work that decides the step time)."""
     held = [positions(order, length, size, r) for r in range(size)]
-    tile = length // (size * chunks_per_rank(order))
+    tile = chunk_width(order, length, size)
     work = []
     for rank in range(size):
         blocks = ring_blocks(None, held, length, rank, uniform_rows=False, tile=tile)
-        work.append(
-            sum(
-                len(list(tiles(mask, tile))) * tile * tile
-                for mask, need in zip(blocks.masks, blocks.needed[rank])
-                if need
-            )
-        )
+        work.append(sum(len(needed) * tile * tile for needed in blocks.tiles))
     return work
 
 

@@ -3,10 +3,19 @@
 import pytest
 import torch
 
-from cpshard.spec.sequence import chunk_positions, exchange_plan, group_positions, positions, row_blocks
+from cpshard.spec.sequence import (
+    STRIPE,
+    chunk_positions,
+    chunk_width,
+    exchange_plan,
+    group_positions,
+    padded_length_for,
+    positions,
+    row_blocks,
+)
 
 
-@pytest.mark.parametrize("order", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("order", ["contiguous", "head_tail", "striped"])
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_every_position_is_held_once(order, size):
     held = torch.cat([positions(order, 8 * size, size, r) for r in range(size)])
@@ -17,6 +26,25 @@ def test_head_tail_pairs_an_early_chunk_with_a_late_one():
     assert [positions("head_tail", 16, 4, r).tolist() for r in (0, 3)] == [[0, 1, 14, 15], [6, 7, 8, 9]]
     causal_work = [sum(p + 1 for p in positions("head_tail", 64, 4, r).tolist()) for r in range(4)]
     assert len(set(causal_work)) == 1, causal_work  # every rank: the same number of (q, k) pairs
+
+
+def test_striped_deals_stripes_round_robin():
+    assert [positions("striped", 16, 2, r).tolist() for r in (0, 1)] == [
+        [0, 1, 4, 5, 8, 9, 12, 13],
+        [2, 3, 6, 7, 10, 11, 14, 15],
+    ]  # at least four stripes a rank: two tokens wide here
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+@pytest.mark.parametrize("length", [1, 5, 100, 1000, 4 * STRIPE * 8 + 1, 131_072, 131_073])
+def test_striped_padding_gives_stripes_of_at_most_a_tile(length, size):
+    padded = padded_length_for(length, size, "striped")
+    width = chunk_width("striped", padded, size)
+    assert length <= padded < length + size * max(4, -(-length // (size * STRIPE)))  # under a token a stripe
+    assert padded_length_for(padded, size, "striped") == padded  # the padded length keeps its stripes
+    assert 1 <= width <= STRIPE and padded % (size * width) == 0
+    held = torch.cat([positions("striped", padded, size, r) for r in range(size)])
+    assert sorted(held.tolist()) == list(range(padded))
 
 
 def test_bad_orders_and_lengths_are_named():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.comm.redistribute import axis_size
-from cpshard.spec.sequence import chunks_per_rank, group_positions
+from cpshard.spec.sequence import chunk_width, group_positions
 
 
 def allowed(mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -40,6 +40,21 @@ def rows_without_keys(mask: torch.Tensor | None, length: int) -> torch.Tensor | 
     return ~real.any(-1)
 
 
+def tiles(allowed: torch.Tensor, tile: int) -> list[tuple[slice, slice]]:
+    """The ``(q, k)`` tile slices of a block in which some q may attend to some k, row by row: only those
+    are computed. A tile is one chunk of the sequence order, so under head-tail a causal block's hidden
+    quarters are skipped, and under the striped order exactly the tiles one process would need are
+    computed."""
+    rows, cols = allowed.shape[-2:]
+    across = allowed.reshape(-1, rows, cols).any(0)  # any row of the batch, any head
+    whole = across.new_zeros(-(-rows // tile) * tile, -(-cols // tile) * tile)
+    whole[:rows, :cols] = across
+    hit = whole.reshape(whole.shape[0] // tile, tile, whole.shape[1] // tile, tile).any(3).any(1)
+    return [
+        (slice(q * tile, (q + 1) * tile), slice(k * tile, (k + 1) * tile)) for q, k in hit.nonzero().tolist()
+    ]
+
+
 @dataclass(frozen=True)
 class RingBlocks:
     """The masks of this rank's q against each ring peer's k, and which blocks anyone needs."""
@@ -49,8 +64,9 @@ class RingBlocks:
     skipped: int
     #: ``[B or 1, 1, Sq]``: this rank's rows that attend evenly to every real key (scores forced to 0)
     uniform: torch.Tensor | None
-    #: the tile size: one chunk of the sequence order; hidden tiles inside a needed block are skipped
-    tile: int
+    #: per peer, the tiles of this rank's block against it that some query may see (one chunk of the
+    #: sequence order wide): only those are computed
+    tiles: list[list[tuple[slice, slice]]]
 
 
 def ring_blocks(
@@ -74,7 +90,8 @@ def ring_blocks(
     needed = [[bool(block(q_positions[a], q_positions[b]).any()) for b in range(size)] for a in range(size)]
     masks = [block(q_positions[rank], q_positions[b]) for b in range(size)]
     uniform = None if empty is None else empty.index_select(-1, q_positions[rank])
-    return RingBlocks(masks, needed, sum(not flag for row in needed for flag in row), uniform, tile)
+    needed_tiles = [tiles(m, tile) if need else [] for m, need in zip(masks, needed[rank])]
+    return RingBlocks(masks, needed, sum(not flag for row in needed for flag in row), uniform, needed_tiles)
 
 
 def call_blocks(call, mask, uniform_rows: bool) -> RingBlocks:
@@ -85,7 +102,7 @@ def call_blocks(call, mask, uniform_rows: bool) -> RingBlocks:
         group_positions(call.order, call.padded_length, call.cp_size, range(g * degree, (g + 1) * degree))
         for g in range(axis_size(mesh, "cp_ring"))
     ]
-    tile = call.padded_length // (call.cp_size * chunks_per_rank(call.order))
+    tile = chunk_width(call.order, call.padded_length, call.cp_size)
     rank = mesh.get_local_rank("cp_ring")
     make = lambda: ring_blocks(mask, held, call.length, rank, uniform_rows, tile)  # noqa: E731
     return call.shared(("ring blocks", id(mask), uniform_rows), make)

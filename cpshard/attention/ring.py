@@ -133,25 +133,14 @@ def block_grads(
     return grad_q, grad_k, grad_v
 
 
-def tiles(allowed: torch.Tensor, tile: int):
-    """The ``(q, k)`` tile slices of a block in which some q may attend to some k: only those are computed.
-
-    A tile is one chunk of the sequence order, so under head-tail a causal block's hidden
-    quarters are skipped and every rank does the same work."""
-    rows, cols = allowed.shape[-2:]
-    for q0 in range(0, rows, tile):
-        for k0 in range(0, cols, tile):
-            if allowed[..., q0 : q0 + tile, k0 : k0 + tile].any():
-                yield slice(q0, q0 + tile), slice(k0, k0 + tile)
-
-
 def _rows(uniform, rows: slice):
     return None if uniform is None else uniform[..., rows]
 
 
-def tiled_attention(out, lse, qg, k, v, allowed, scale, softcap, uniform, tile: int) -> None:
-    """Merge one block into ``out`` and ``lse`` (in place), tile by tile."""
-    for rows, cols in tiles(allowed, tile):
+def tiled_attention(out, lse, qg, k, v, allowed, scale, softcap, uniform, tiles: list) -> None:
+    """Merge one block into ``out`` and ``lse`` (in place), tile by tile (``tiles``: the block's needed
+    ``(rows, cols)`` slices, :func:`cpshard.attention.blocks.tiles`)."""
+    for rows, cols in tiles:
         part = block_attention(
             qg[..., rows, :],
             k[:, :, cols],
@@ -165,10 +154,10 @@ def tiled_attention(out, lse, qg, k, v, allowed, scale, softcap, uniform, tile: 
 
 
 def tiled_grads(
-    grad_q, grad_kv, qg, k, v, allowed, lse, out, grad_out, delta, scale, softcap, uniform, tile: int
+    grad_q, grad_kv, qg, k, v, allowed, lse, out, grad_out, delta, scale, softcap, uniform, tiles: list
 ):
     """Add one block's dq into ``grad_q`` and its dk, dv into ``grad_kv`` (in place), tile by tile."""
-    for rows, cols in tiles(allowed, tile):
+    for rows, cols in tiles:
         dq, dk, dv = block_grads(
             qg[..., rows, :],
             k[:, :, cols],
@@ -260,7 +249,7 @@ def ring_forward(q, k, v, blocks, scale, softcap, group, name):
                 scale,
                 softcap,
                 blocks.uniform,
-                blocks.tile,
+                blocks.tiles[source],
             )
         _wait(requests)
         kv = incoming
@@ -305,7 +294,7 @@ def ring_backward(q, k, v, out, lse, grad_output, blocks, scale, softcap, group,
                 scale,
                 softcap,
                 blocks.uniform,
-                blocks.tile,
+                blocks.tiles[source],
             )
         _wait(requests)
         requests, incoming_grad = _exchange(

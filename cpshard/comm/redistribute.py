@@ -99,10 +99,11 @@ def _slice(x: torch.Tensor, dim: Dim, move: Move, mesh, tensor: str) -> torch.Te
     """This rank's part of a replicated dimension: a view for contiguous chunks, a gather of
     positions otherwise."""
     ways, size = axis_size(mesh, move.axis), x.shape[move.dst_dim]
-    if size % (ways * chunks_per_rank(dim.order)):
+    pieces = ways * chunks_per_rank(dim.order, size, ways)
+    if size % pieces:
         raise SpecError(
             f"{tensor}: dimension {move.dst_dim} ({dim.name}) has local size {size}, "
-            f"which does not split into {ways * chunks_per_rank(dim.order)} equal chunks "
+            f"which does not split into {pieces} equal chunks "
             f"over mesh axis {move.axis!r} (size {ways})"
         )
     rank = mesh.get_local_rank(move.axis)

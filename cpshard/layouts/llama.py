@@ -41,4 +41,6 @@ LAYOUT = Layout(
     tensor_parallel_inputs=("self_attn", "mlp"),
     experts=(),
     per_head_params=(),
+    mlp="mlp",
+    mlp_tile=None,
 )

@@ -176,10 +176,18 @@ class PaddedBatch:
     num_items: int | torch.Tensor | None = None
 
 
-def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None) -> PaddedBatch:
-    """Pad every per-token field to a multiple of ``cp`` and shift the labels (batch already validated)."""
+def packed_documents(batch: Mapping) -> bool:
+    """Whether some row holds several documents: its ``position_ids`` do not count up by one (each
+    document restarts them). Such rows' causal work is per document (batch already validated)."""
+    position_ids = batch.get("position_ids")
+    return position_ids is not None and bool((position_ids.diff(dim=1) != 1).any())
+
+
+def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None, order: str = "contiguous") -> PaddedBatch:
+    """Pad every per-token field to a length that splits into ``order``'s equal chunks over ``cp`` ranks
+    and shift the labels (batch already validated)."""
     length = next(batch[key] for key in INPUT_KEYS if batch.get(key) is not None).shape[1]
-    extra = padded_length_for(length, cp) - length
+    extra = padded_length_for(length, cp, order) - length
     inputs = {}
     if batch.get("input_ids") is not None:
         inputs["input_ids"] = _pad_tokens(batch["input_ids"], extra, pad_token_id or 0)

@@ -39,6 +39,7 @@ from cpshard.runtime.batch import (
     check_batch,
     labels_read_as_shifted,
     local_token_mask,
+    packed_documents,
     pad_batch,
 )
 from cpshard.runtime.compiled import check_compiled_parallelism, compile_layers, compile_options
@@ -49,7 +50,7 @@ from cpshard.runtime.install import ensure_installed, install
 from cpshard.runtime.probe import verify_once
 from cpshard.runtime.recompute import recompute_in
 from cpshard.runtime.tokens import sequence_sharded
-from cpshard.spec.sequence import check_order, chunk_positions, chunks_per_rank
+from cpshard.spec.sequence import check_order, chunk_positions
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,8 @@ class CPForward:
         if options.compile:
             compile_layers(model.get_submodule(layout.decoder_layers), compile_options(options.compile))
 
-    def _strategy(self, mesh, cp: int, params: dict) -> tuple[str, int, str]:
-        """``(implementation, Ulysses degree, sequence order)`` for this mesh, after the checks of "
-        "tp and ep."""
+    def _strategy(self, mesh, cp: int, params: dict) -> tuple[str, int]:
+        """``(implementation, Ulysses degree)`` for this mesh, after the checks of tp and ep."""
         tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
         check_tensor_parallel(self.model.config, self.layout, tp)
         check_expert_parallel(self.model.config, self.layout, ep, tp)
@@ -128,10 +128,16 @@ class CPForward:
             if tp == 1:
                 raise
             raise ValueError(f"{error} (under tp={tp}: the {heads} heads each tp rank holds)") from None
-        order = self.sequence_order
-        if order == "auto":
-            order = "contiguous" if implementation == "ulysses" else "head_tail"
-        return implementation, degree, order
+        return implementation, degree
+
+    def _order(self, implementation: str, batch: dict) -> str:
+        """The sequence order: the one asked for, else contiguous for Ulysses (its attention sees whole
+        sequences), striped for ring and hybrid on packed documents, head-tail on whole ones."""
+        if self.sequence_order != "auto":
+            return self.sequence_order
+        if implementation == "ulysses":
+            return "contiguous"
+        return "striped" if packed_documents(batch) else "head_tail"
 
     @torch._dynamo.disable  # derives sub-meshes and groups, which a compiled cp_forward cannot trace
     def _plan(self, mesh, cp: int, strategy: tuple[str, int, str], padded: PaddedBatch) -> CallPlan:
@@ -177,15 +183,14 @@ class CPForward:
         the parameters' gradients summed over the ranks that hold other tokens, DTensors made whole."""
         verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
         cp = cp_size(mesh)
-        strategy = self._strategy(mesh, cp, params)
+        implementation, degree = self._strategy(mesh, cp, params)
         if self.layout.labels_shifted:
             batch = labels_read_as_shifted(batch)
         # valid and the same across each cp group, or every rank raises
         check_batch(batch, mesh, getattr(self.model.config, "vocab_size", None))
+        strategy = (implementation, degree, self._order(implementation, batch))
         ensure_installed(self.model, self.layout, mesh_size(mesh, "tp"))
-        padded = pad_batch(
-            batch, cp * chunks_per_rank(strategy[2]), getattr(self.model.config, "pad_token_id", None)
-        )
+        padded = pad_batch(batch, cp, getattr(self.model.config, "pad_token_id", None), strategy[2])
         call = self._plan(mesh, cp, strategy, padded)
         if reduced:
             params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
@@ -311,8 +316,10 @@ def make_cp_forward(
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
 
     ``ulysses_degree``: for hybrid, the Ulysses group size (default: the largest that fits).
-    ``sequence_order``: "contiguous" or "head_tail" (causal load balance); "auto" takes head_tail
-    for ring and hybrid, contiguous for Ulysses (whose attention sees whole sequences anyway).
+    ``sequence_order``: "contiguous", "head_tail" (causal load balance) or "striped" (the causal load
+    balance of packed documents: stripes of up to 128 tokens dealt round-robin); "auto" takes contiguous
+    for Ulysses (whose attention sees whole sequences anyway), and for ring and hybrid striped where some
+    row packs documents (its position_ids restart), else head_tail.
     ``token_logprobs``: also give ``CPOutput.token_logprobs``, the log-probability of each label (a block
     of rows at a time; with ``logits=False`` a block of tokens at a time, never the whole logits).
     ``expert_plan``: how MoE experts run beside tp, "dispatch" (each tp rank sends its share of the

@@ -1,8 +1,9 @@
 """The one install step: what cp_forward puts into a model, once, and checks on every call.
 
 ``install(model, layout)`` registers cpshard's attention function around the model's own, the cut
-(forward pre-hooks on the decoder layers, a hook on the final norm) and,
-for a mixture of experts, the expert-parallel experts function. Each of them acts only inside a
+(forward pre-hooks on the decoder layers, hooks on the final norm and the LM head), for a mixture of
+experts the expert-parallel experts function and, where the layout tiles the MLP, the MLP modules'
+tiled forward (the tensor-parallel hooks go in at the first call with tp > 1). Each acts only inside a
 cp_forward call (see :mod:`cpshard.call`); outside one the model gives its ordinary results.
 
 Installing is idempotent: cpshard's hooks carry a mark, and a model that already holds them (installed
@@ -24,6 +25,7 @@ from cpshard.parallel.experts import PREFIX as EXPERTS_PREFIX
 from cpshard.parallel.experts import experts_modules, install_experts
 from cpshard.parallel.tensor import tensor_parallel_hooks
 from cpshard.runtime.cut import cut_hooks
+from cpshard.runtime.tiled_mlp import install_tiled_mlp
 
 
 def attention_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
@@ -56,6 +58,8 @@ def install(model: nn.Module, layout: Layout) -> None:
     install_hooks(cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings()))
     if layout.experts:
         install_experts(model)
+    if layout.mlp_tile is not None:
+        install_tiled_mlp(layers, layout)
 
 
 def ensure_installed(model: nn.Module, layout: Layout, tp: int) -> None:

@@ -5,8 +5,12 @@ transformers' checkpointed layers re-run their ``forward`` during the backward, 
 over the local slice alone: wrong gradients of the right shape. For the length of each call,
 every checkpointing module's checkpoint function is wrapped so that the function it recomputes
 enters the call again; the collectives then re-run in the backward, in the same order on every rank.
-The recompute also gets the call's parameters again: ``functional_call`` has put the module's own back
-by then, and a recompute with them would give the gradients of other weights.
+
+The recompute also needs the call's parameters: cp_forward runs the model under
+``torch.func.functional_call``, whose parameters are back to the module's own by the time the backward
+recomputes, and a layer reads its weights from the module. So the module's parameters of the forward
+enter each checkpoint as inputs and are put back on the module for the recompute (without them a
+functional training loop would get the gradients of the stale weights the module holds).
 """
 
 from __future__ import annotations
@@ -22,17 +26,19 @@ from cpshard.call import CallPlan, running
 _FUNC = "_gradient_checkpointing_func"
 
 
-def _in_call(call: CallPlan, module: nn.Module, tensors: dict, fn, *args, **kwargs):
-    with running(call), _reparametrize_module(module, tensors):
-        return fn(*args, **kwargs)
+def _in_call(call: CallPlan, module: nn.Module, names: tuple[str, ...], fn, count: int, *inputs, **kwargs):
+    """``fn`` on the first ``count`` inputs, inside ``call``, with the rest of the inputs as ``module``'s
+    parameters ``names``."""
+    with running(call), _reparametrize_module(module, dict(zip(names, inputs[count:]))):
+        return fn(*inputs[:count], **kwargs)
 
 
-def _checkpoint_in_call(checkpoint, call: CallPlan, module: nn.Module, fn, *args, **kwargs):
-    """``module``'s tensors as the forward sees them (cp_forward's ``params``, put in by functional_call)
-    are put in again for the recompute: by then functional_call has given the module its own back."""
-    tensors = dict(module.named_parameters(remove_duplicate=False))
-    tensors.update(module.named_buffers(remove_duplicate=False))
-    return checkpoint(partial(_in_call, call, module, tensors, fn), *args, **kwargs)
+def checkpoint_in_call(checkpoint, call: CallPlan, module: nn.Module, fn, *args, **kwargs):
+    """``checkpoint(fn, *args, **kwargs)`` whose recompute runs inside ``call`` with the parameters ``module``
+    holds now (the call's)."""
+    names = tuple(name for name, _ in module.named_parameters())
+    values = tuple(value for _, value in module.named_parameters())
+    return checkpoint(partial(_in_call, call, module, names, fn, len(args)), *args, *values, **kwargs)
 
 
 def checkpointing_modules(model: nn.Module) -> list[nn.Module]:
@@ -49,7 +55,7 @@ def recompute_in(call: CallPlan, model: nn.Module):
     """While the block runs, checkpointed modules recompute inside ``call``; afterwards, as they were."""
     patched = [(module, module.__dict__.get(_FUNC)) for module in checkpointing_modules(model)]
     for module, _ in patched:
-        setattr(module, _FUNC, partial(_checkpoint_in_call, getattr(module, _FUNC), call, module))
+        setattr(module, _FUNC, partial(checkpoint_in_call, getattr(module, _FUNC), call, module))
     try:
         yield
     finally:

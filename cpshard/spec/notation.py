@@ -185,11 +185,13 @@ class Spec:
             )
         names = self._mesh_axes(mesh, tensor)
         for index, dim in enumerate(self.dims):
-            ways = chunks_per_rank(dim.order)
+            ways = 1
             for axis in dim.axes:
                 ways *= mesh.size(names.index(axis))
+            per_rank = chunks_per_rank(dim.order, shape[index], ways)
+            ways *= per_rank
             if shape[index] % ways:
-                chunks = "" if dim.order == "contiguous" else f", {dim.order}: 2 chunks a rank"
+                chunks = "" if dim.order == "contiguous" else f", {dim.order}: {per_rank} chunks a rank"
                 raise SpecError(
                     f"{tensor}: dimension {index} ({dim.name}) has size {shape[index]}, which mesh axes "
                     f"{'x'.join(dim.axes)} (size {ways}{chunks}) do not divide evenly"

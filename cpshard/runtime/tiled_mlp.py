@@ -1,0 +1,69 @@
+"""The MLP a block of tokens at a time (ALST's TiledMLP): only one block's intermediate activations live.
+
+A dense MLP works token by token, so running it over blocks of ``layout.mlp_tile`` tokens gives every
+token's output exactly. Each block runs under activation checkpointing: the forward keeps only the
+block's input (a view of the layer's), and the backward recomputes one block's gate, up and activation
+at a time, where the whole MLP keeps several ``[tokens, intermediate]`` tensors per layer until the
+backward. The recompute runs inside the call with the call's parameters
+(:func:`cpshard.runtime.recompute.checkpoint_in_call`), so tensor-parallel hooks act in it as in the
+forward, and the weights are ``cp_forward``'s ``params``, not whatever the module holds by then.
+
+Installed once per model as each MLP module's instance ``forward`` (marked, so that installing again
+replaces it); it tiles only inside a call whose layout sets ``mlp_tile`` and is the module's own forward
+everywhere else. A decoder layer recomputed under transformers' checkpointing re-enters the call
+(:mod:`cpshard.runtime.recompute`), so its MLP tiles there too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from cpshard.call import current_call
+from cpshard.layouts.layout import Layout, LayoutError
+from cpshard.runtime.recompute import checkpoint_in_call
+
+
+class TiledForward:
+    """An MLP module's forward: blocks of ``mlp_tile`` tokens under checkpointing inside a call that asks
+    for it, the module's own forward otherwise."""
+
+    def __init__(self, module: nn.Module, own_forward):
+        self.module, self.own_forward = module, own_forward
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
+        call = current_call()
+        tile = None if call is None else call.layout.mlp_tile
+        if tile is None or not torch.is_grad_enabled():
+            return self.own_forward(hidden_states, *args, **kwargs)
+        if args or kwargs:
+            raise LayoutError(
+                f"{call.name_of(self.module)}: mlp_tile runs an MLP called with the hidden states alone; "
+                f"this one got {len(args)} more arguments and {sorted(kwargs)}; use mlp_tile=None"
+            )
+        blocks = [
+            checkpoint_in_call(
+                checkpoint,
+                call,
+                self.module,
+                self.own_forward,
+                hidden_states[:, start : start + tile],
+                use_reentrant=False,
+            )
+            for start in range(0, hidden_states.shape[1], tile)
+        ]
+        return torch.cat(blocks, dim=1)
+
+
+def mlp_modules(layers: nn.ModuleList, layout: Layout) -> list[nn.Module]:
+    """Each decoder layer's MLP module, as the layout names it."""
+    return [layer.get_submodule(layout.mlp) for layer in layers]
+
+
+def install_tiled_mlp(layers: nn.ModuleList, layout: Layout) -> None:
+    """Give each layer's MLP the tiled forward (replacing one installed before, never nesting it)."""
+    for module in mlp_modules(layers, layout):
+        installed = module.__dict__.get("forward")
+        own = installed.own_forward if isinstance(installed, TiledForward) else module.forward
+        module.forward = TiledForward(module, own)

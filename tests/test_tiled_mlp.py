@@ -1,0 +1,81 @@
+"""The MLP a block of tokens at a time under cp: exact against one process, blocks really run (and are
+recomputed), and layouts that cannot tile are refused."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpshard
+from cpshard.layouts.layout import LayoutError
+from cpshard.layouts.registry import resolve_layout
+from cpshard.tools.parity import reference
+from cpshard.tools.tiny import tiny_batch, tiny_model
+
+TOLERANCE = 1e-5
+
+
+def tiled_against_one_process(tile: int, forward: dict, batch_options: dict, checkpointing: bool):
+    """Largest relative difference of loss, logits and every gradient from one process, and how many times
+    the layers' MLP projections ran in the step. The parameters are not the module's own (an optimizer's
+    output), except under checkpointing: there the first call's probe of the layout (not a registered
+    file) runs its one-process reference with the model's checkpointing, which recomputes with the
+    module's own weights."""
+    model, twin = tiny_model("llama", num_hidden_layers=2).train(), tiny_model("llama", num_hidden_layers=2)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    layout = resolve_layout(model).with_rows(mlp_tile=tile)
+    params = {
+        name: p.detach() * (1 if checkpointing else 1.1) for name, p in cpshard.params_of(model).items()
+    }
+    batch = tiny_batch(model.config.vocab_size, 2, 15, **batch_options)
+    want_loss, want_logits, want = reference(twin, params, batch)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    step = cpshard.value_and_grad(cpshard.make_cp_forward(model, layout=layout, **forward))
+    step(params, batch, mesh)  # the first call probes the layout
+    runs = []  # the tokens each call of an MLP's first projection took
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.register_forward_hook(lambda _, args, __: runs.append(args[0].shape[1]))
+    out, grads = step(params, batch, mesh)
+    diffs = [((out.loss - want_loss).abs() / want_loss.abs()).item()]
+    if out.logits is not None:
+        diffs.append(((out.logits.full_tensor() - want_logits).abs().max() / want_logits.abs().max()).item())
+    diffs += [((grads[n] - want[n]).abs().max() / want[n].abs().max()).item() for n in want]
+    return max(diffs), runs
+
+
+CASES = {  # mlp_tile, make_cp_forward options, batch options, activation checkpointing
+    "ulysses": (3, {}, {}, False),
+    "ulysses-no-logits-right-pad": (3, dict(logits=False), dict(pad="right"), False),
+    "ring-packed": (5, dict(implementation="ring"), dict(packed=True), False),
+    "ulysses-checkpointed": (3, {}, {}, True),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_tiled_mlp_is_exact(ranks2, name):
+    tile, forward, batch_options, checkpointing = CASES[name]
+    local = 8  # 15 tokens padded to 16 over cp=2 (ring on packed rows: striped, padded to 16 as well)
+    for worst, runs in ranks2.run(tiled_against_one_process, tile, forward, batch_options, checkpointing):
+        assert worst <= TOLERANCE, name
+        assert max(runs) <= tile, f"the MLP ran {max(runs)} tokens at once"
+        # every layer's blocks, in the forward and again in the backward's recompute
+        assert len(runs) >= 2 * 2 * -(-local // tile) and sum(runs) >= 2 * 2 * local
+
+
+def refused(model_type: str, tile) -> str:
+    model = tiny_model(model_type)
+    with pytest.raises(LayoutError) as caught:
+        cpshard.make_cp_forward(model, layout=resolve_layout(model).with_rows(mlp_tile=tile))
+    return str(caught.value)
+
+
+def test_layouts_that_cannot_tile_are_refused():
+    assert "mlp_tile=0 is not a positive number of tokens" in refused("llama", 0)
+    assert "mlp_tile tiles dense MLPs; 'mlp' holds the experts ['mlp.experts']" in refused("qwen3_moe", 4)
+
+
+def test_outside_a_call_the_mlp_is_its_own():
+    model, twin = tiny_model("llama"), tiny_model("llama")
+    cpshard.make_cp_forward(model, layout=resolve_layout(model).with_rows(mlp_tile=2))
+    batch = tiny_batch(model.config.vocab_size, 1, 9)
+    assert torch.equal(model(**batch).logits, twin(**batch).logits)
