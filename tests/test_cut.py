@@ -4,7 +4,7 @@ GPT-2 reshapes its final hidden states to the input's length (the rows each rank
 of that length to the head); BERT is post-norm (its last layer, whose output is a tuple, gives the final
 hidden states); Gemma4 hands each layer its per-layer input by position. Each is exact against one
 process under Ulysses and under ring's head-tail order, with and without logits. (Gemma4 runs Ulysses
-here: under ring its small per-layer gate gradients come out at 1.4e-6 against a scale of 0.1, the
+here: under ring its small per-layer gate gradients differ by 1.4e-6, just beyond 1e-5 of their scale: the
 ring's blockwise sums rounding at the edge of the 1e-5 tolerance.)
 """
 

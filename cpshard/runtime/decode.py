@@ -67,7 +67,7 @@ class CPDecode:
         check_step(tokens, cache, group)
         if len(cache.layers) != len(self.layer_of):
             raise ValueError(f"a cache of {len(cache.layers)} layers for a model of {len(self.layer_of)}")
-        ensure_installed(self.model, self.layout)
+        ensure_installed(self.model, self.layout, tp=1)  # decode serves cp meshes only
         mask, positions = cache.extended()
         step = DecodeStep(cache, mask, positions, self.layer_of, self.names, group)
         inputs = {"input_ids": tokens[:, None], "position_ids": positions[:, -1:], "use_cache": False}
