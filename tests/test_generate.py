@@ -150,9 +150,9 @@ def check_case(results: list[dict], case: Case):
 
 CASES_CP2 = [
     Case("llama", 64),
-    Case("qwen3", 16),
-    Case("mistral", 16, config={"sliding_window": 8}),
-    Case("gemma3_text", 16, config=GEMMA3_MIXED),
+    Case("qwen3", 64),
+    Case("mistral", 64, config={"sliding_window": 8}),
+    Case("gemma3_text", 64, config=GEMMA3_MIXED),
     Case("llama", 8, pad="right"),
     Case("gemma3_text", 8, pad="right", config=GEMMA3_MIXED),
     Case("llama", 8, implementation="ring"),
@@ -160,9 +160,10 @@ CASES_CP2 = [
 ]
 CASES_CP4 = [
     Case("llama", 64),
+    Case("qwen3", 64),
     Case("qwen3", 12, pad=None),
-    Case("mistral", 16, config={"sliding_window": 8}),
-    Case("gemma3_text", 16, config=GEMMA3_MIXED),
+    Case("mistral", 64, config={"sliding_window": 8}),
+    Case("gemma3_text", 64, config=GEMMA3_MIXED),
 ]
 
 
