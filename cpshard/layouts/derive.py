@@ -144,7 +144,7 @@ def _sequence_spec(tensor: torch.Tensor) -> tuple | None:
     return specs(" ".join(["b", *names]), " ".join(["b", *names]).replace(" s", " s@cp", 1))
 
 
-def layer_arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict:
+def _layer_arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict:
     """A decoder layer's arguments by name, positional ones included (Gemma4 passes its per-layer input
     second, unnamed)."""
     names = list(inspect.signature(layer.forward).parameters)
@@ -179,7 +179,7 @@ def _record(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_
         if module is layers[0] and (not isinstance(hidden, torch.Tensor) or hidden.dim() != 3):
             shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             seen["hidden"] = shape
-        named = layer_arguments(module, args, kwargs)
+        named = _layer_arguments(module, args, kwargs)
         for key, value in list(named.items())[1:]:
             parts = value if isinstance(value, tuple) else (value,)
             if "mask" in key or not all(isinstance(v, torch.Tensor) for v in parts):

@@ -96,8 +96,8 @@ def _contiguous_again(module, args, output):
 
 
 def held_rows_only(hidden: torch.Tensor) -> torch.Tensor:
-    """The rows this rank holds, out of the decoder's output of the input's length (see
-    :func:`_contiguous_again`; as given elsewhere)."""
+    """The rows this rank holds, where the decoder gave them in a tensor of the input's length
+    (:func:`_contiguous_again`); any other tensor as it is."""
     call = active_call()
     if call is None or not call.layout.restores_length or hidden.shape[1] != call.padded_length:
         return hidden
