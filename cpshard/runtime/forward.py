@@ -164,6 +164,10 @@ class CPForward:
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         return self._run(params, batch, mesh, reduced=True)
 
+    def probed(self) -> CPForward:
+        """The cp forward whose outputs the layout probe compares with one process's: this one."""
+        return self
+
     def folds_reductions(self, params: dict) -> bool:
         """Whether :func:`cpshard.value_and_grad` may sum the loss with the gradients, in one all-reduce
         after the backward (:meth:`unreduced`): for plain parameters (DTensors reduce in their gather's
@@ -181,7 +185,7 @@ class CPForward:
     def _prepare(self, params: dict, batch: dict, mesh, reduced: bool = True):
         """Checks, padding and the plan of one call: ``(call, padded batch, parameters)``; ``reduced``:
         the parameters' gradients summed over the ranks that hold other tokens, DTensors made whole."""
-        verify_once(self, params, mesh)  # a layout that is not a tested file: probed once per model
+        verify_once(self.probed(), params, mesh)  # a layout that is not a tested file: probed once per model
         cp = cp_size(mesh)
         implementation, degree = self._strategy(mesh, cp, params)
         if self.layout.labels_shifted:

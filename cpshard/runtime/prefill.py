@@ -9,6 +9,7 @@ logits to every rank.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 import torch
@@ -105,6 +106,16 @@ class CPPrefill(CPForward):
         check_servable(model, layout)
         super().__init__(model, layout, implementation, True, False, ForwardOptions())
         self.attention = attention_modules(model, layout)
+        self.training_forward = CPForward(model, layout, implementation, True, False, ForwardOptions())
+        # a decoder that reads logits_to_keep itself (Gemma4 slices its inputs with it) would read this
+        # rank's indices as the whole sequence's: such a model gets its local logits whole, then the rows
+        decoder = model.get_submodule(layout.decoder)
+        self.head_keeps_rows = "logits_to_keep" not in inspect.signature(decoder.forward).parameters
+
+    def probed(self) -> CPForward:
+        """The training forward of the same model, layout and implementation: the probe compares losses,
+        logits and gradients, which a prefill does not give (and a layout it verified stays verified)."""
+        return self.training_forward
 
     def __call__(self, params: dict, batch: dict, mesh) -> tuple[torch.Tensor, ShardedKVCache]:
         check_mesh_and_params(mesh, params)
@@ -120,10 +131,13 @@ class CPPrefill(CPForward):
         rank = mesh.get_local_rank("cp") if cp > 1 else 0
         held, last = chunk_positions(padded.length, cp, rank), last_real(mask)
         keep = (held[:, None] == last[None, :]).any(1).nonzero().flatten()
-        inputs = {**padded.model_inputs, "use_cache": False, "logits_to_keep": keep}
+        inputs = {**padded.model_inputs, "use_cache": False}
+        if self.head_keeps_rows:
+            inputs["logits_to_keep"] = keep
         with torch.no_grad(), self._running(call):
             local = torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True)
-            logits = sum_over_group(rows_at(local.logits, held[keep], last), group, name="last logits")
+            kept = local.logits if self.head_keeps_rows else local.logits[:, keep]
+            logits = sum_over_group(rows_at(kept, held[keep], last), group, name="last logits")
         missing = [self.module_names[id(m)] for m in self.attention if id(m) not in call.kv_sink]
         if missing:
             raise ValueError(f"the prefill saw no keys and values at {missing}: cpshard cannot cache them")
