@@ -111,6 +111,7 @@ def test_local_folders_with_and_without_weights(ranks2, tmp_path):
         (["llama", "--set", "num_hidden_layers"], "write --set key=value"),
         (["llama", "--set", "no_such_field=3"], "has no field 'no_such_field'"),
         (["mamba2", "--set", "num_heads=3"], "cannot build random mamba2 (small)"),  # its validator's error
+        (["gpt_neo"], "does not support --attn sdpa: use --attn eager"),
         (
             [
                 "llama",

@@ -52,11 +52,14 @@ UNBUILDABLE = {
     **dict.fromkeys(("musicgen", "musicgen_melody"), "a decoder config inside a composite config"),
     "xlnet": "no sequence length limit: tiny_config cannot set one",
 }
-#: the classic GPT families that must be exact (bloom, falcon, gpt_neo and mpt compute attention in their
-#: own code, not through transformers' registry: they are refused, naming that)
-CLASSIC = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "codegen", "opt", "llama", "mistral", "qwen2", "phi")
+#: the classic GPT families that must be exact (bloom, falcon, gpt_neo and mpt through their rewritten
+#: attention, :mod:`cpshard.layouts.family_attention`)
+CLASSIC = (
+    *("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "codegen", "opt", "bloom", "falcon", "gpt_neo", "mpt"),
+    *("llama", "mistral", "qwen2", "phi"),
+)
 #: the exact types today
-MIN_EXACT = 110
+MIN_EXACT = 118
 #: address space per rank
 _MEMORY_LIMIT = 6 << 30
 _CPSHARD = os.path.dirname(cpshard.__file__)

@@ -29,6 +29,7 @@ from cpshard.call import TRACED_KEY, active_call, active_decode, current_call
 from cpshard.comm.channel import TracedGroup
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
+from cpshard.layouts.family_attention import FORWARDS, eager_for
 from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import row_blocks
@@ -67,8 +68,11 @@ def _local_heads(module, names: tuple[str, ...], heads: int, rank: int) -> dict:
 
 @cache
 def _model_eager(module_class: type):
-    """The eager attention function of the modeling file that defines ``module_class``."""
+    """The eager attention function of the modeling file that defines ``module_class`` (transformers'
+    generic one for the families whose attention cpshard rewrites: their files have none)."""
     function = getattr(sys.modules[module_class.__module__], "eager_attention_forward", None)
+    if function is None and module_class.__name__ in FORWARDS:
+        function = eager_for(module_class)
     if function is None:
         raise ValueError(f"{module_class.__name__}: its modeling file has no eager_attention_forward to wrap")
     return function
@@ -101,6 +105,16 @@ def _heads_for_sequences(module, query, key, value, kwargs: dict, layout, mesh, 
         kwargs = {k: per_head[full[id(v)]] if id(v) in full else v for k, v in kwargs.items()}
         module = SeenAs(module, num_key_value_groups=query.shape[1] // key.shape[1], **per_head)
     return module, query, key, value, kwargs
+
+
+def _mask_heads(mask, heads: int, mesh, axis: str):
+    """A mask with one slice per q head cut to this rank's ``heads``, as q was; others as they are."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] == 1:
+        return mask
+    if mask.shape[1] != heads * axis_size(mesh, axis):
+        raise ValueError(f"a mask of {mask.shape[1]} heads for {heads * axis_size(mesh, axis)} q heads")
+    start = mesh.get_local_rank(axis) * heads
+    return mask[:, start : start + heads]
 
 
 def _sequences_for_heads(output, layout, mesh, axis: str, path: str):
@@ -162,6 +176,7 @@ def _ulysses_attention(inner: str, function, module, query, key, value, attentio
     module, query, key, value, kwargs = _heads_for_sequences(
         module, query, key, value, kwargs, call.layout, call.mesh, "cp", path
     )
+    attention_mask = _mask_heads(attention_mask, query.shape[1], call.mesh, "cp")
     boolean = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
     if isinstance(attention_mask, torch.Tensor):
         original = attention_mask

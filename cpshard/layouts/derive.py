@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpshard.layouts.decoder import LAYOUT as DECODER
+from cpshard.layouts.family_attention import PER_KEY_INPUTS
 from cpshard.layouts.layout import HEAD_TRANSFORMS, Layout, LayoutError, calls_attention_registry, specs
 
 #: the sequence length of the recording run: odd and prime, so no other size is mistaken for it
@@ -182,7 +183,7 @@ def _record(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_
         named = _layer_arguments(module, args, kwargs)
         for key, value in list(named.items())[1:]:
             parts = value if isinstance(value, tuple) else (value,)
-            if "mask" in key or not all(isinstance(v, torch.Tensor) for v in parts):
+            if "mask" in key or key in PER_KEY_INPUTS or not all(isinstance(v, torch.Tensor) for v in parts):
                 continue
             pair = _sequence_spec(parts[0])
             if pair is not None and all(_sequence_spec(v) == pair for v in parts):

@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 from torch import nn
 
+from cpshard.layouts.family_attention import rewritten
 from cpshard.spec.notation import Spec
 
 #: how a layout's tensor-parallel plan may treat a module (see :mod:`cpshard.parallel.placement`)
@@ -129,8 +130,9 @@ def _forward_calls_registry(module: nn.Module) -> bool:
 def calls_attention_registry(module: nn.Module) -> bool:
     """Whether ``module`` (or a module inside it: BERT's ``attention.self``) calls its attention function
     through transformers' registry (the function cpshard replaces); read from the source, since a class
-    flag may be missing or wrong."""
-    return any(_forward_calls_registry(inner) for inner in module.modules())
+    flag may be missing or wrong); or whose attention cpshard rewrites to call it
+    (:mod:`cpshard.layouts.family_attention`)."""
+    return any(_forward_calls_registry(inner) or rewritten(inner) for inner in module.modules())
 
 
 def _from_rows(rows: dict) -> Layout:

@@ -16,10 +16,12 @@ now uses, so attention never runs on a slice of the sequence alone.
 from __future__ import annotations
 
 from torch import nn
+from transformers import PretrainedConfig
 
 from cpshard.attention.cp_attention import PREFIX as ATTENTION_PREFIX
 from cpshard.attention.cp_attention import ulysses_name
 from cpshard.interfaces import install_hooks
+from cpshard.layouts.family_attention import rewrite, rewritten
 from cpshard.layouts.layout import Layout
 from cpshard.parallel.experts import PREFIX as EXPERTS_PREFIX
 from cpshard.parallel.experts import experts_modules, install_experts
@@ -48,11 +50,31 @@ def install_attention(model: nn.Module, layout: Layout) -> None:
             "wraps one attention implementation per model: set one with model.set_attn_implementation"
         )
     if unwrapped:
-        model.set_attn_implementation(ulysses_name(unwrapped[0]))
+        _set_implementation(model, ulysses_name(unwrapped[0]), layout)
+
+
+def _set_implementation(model: nn.Module, name: str, layout: Layout) -> None:
+    """``model`` (and its sub-models) dispatch attention to ``name``. transformers declines to switch a family
+    whose attention is its own code; cpshard has rewritten that code to dispatch, so it sets the name."""
+    if any(rewritten(m) for attention in attention_modules(model, layout) for m in attention.modules()):
+        for module in model.modules():
+            if isinstance(getattr(module, "config", None), PretrainedConfig):
+                module.config._attn_implementation_internal = name
+    else:
+        model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise ValueError(
+            f"{type(model).__name__} did not take the attention implementation {name!r} (it has "
+            f"{model.config._attn_implementation!r}), so cp's attention would not run: report this model type"
+        )
 
 
 def install(model: nn.Module, layout: Layout) -> None:
     """Put cpshard's attention, cut, tensor- and expert-parallel pieces into ``model`` (idempotent)."""
+    for attention in attention_modules(model, layout):
+        for module in attention.modules():
+            if rewritten(module):  # Bloom, Falcon, GPT-Neo, MPT: through the registry from now on
+                rewrite(module, model.config)
     install_attention(model, layout)
     layers = model.get_submodule(layout.decoder_layers)
     install_hooks(cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings()))

@@ -19,6 +19,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
 from cpshard.comm.collectives import sum_over_group
+from cpshard.layouts.family_attention import score_bias
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.batch import BatchError, validate
 from cpshard.runtime.forward import CPForward, ForwardOptions
@@ -37,6 +38,13 @@ def check_servable(model, layout) -> None:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "
             "have no place in the split cache's log-sum-exp merge; cp generation does not serve this model"
+        )
+    modules = [inner for attention in attention_modules(model, layout) for inner in attention.modules()]
+    biased = {bias for module in modules if (bias := score_bias(module, model.config))}
+    if biased:
+        raise ValueError(
+            f"{type(model).__name__} adds {' and '.join(sorted(biased))} to its attention scores, which cp "
+            "generation's decode over the split cache does not carry yet; generate without cp"
         )
     text_config = model.config.get_text_config(decoder=True)
     types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(SERVED_LAYER_TYPES))

@@ -181,6 +181,22 @@ def build_model(source: ModelSource, config: CheckConfig):
     return model.to(dtype)
 
 
+def _check_attention(model_config, source: ModelSource, attn: str) -> None:
+    """A usage error where the model type does not support ``--attn`` (GPT-Neo and MPT have no sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(model_config, attn_implementation=attn)
+    except ValueError as error:
+        if "does not support an attention implementation" not in str(error):
+            raise
+        others = [other for other in ATTNS if other != attn]
+        raise UsageError(
+            f"{source.describe()} does not support --attn {attn}: use --attn {others[0]}"
+        ) from None
+
+
 def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
     """Find every usage problem before ranks start; what cp will run, in words.
 
@@ -208,6 +224,7 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
         implementation, degree = choose_implementation(config.implementation, heads, config.cp)
     except (ValueError, OSError, KeyError) as error:
         raise UsageError(" ".join(str(error).split())) from None
+    _check_attention(model_config, source, config.attn)
     how = implementation + (f", Ulysses degree {degree}" if implementation == "hybrid" else "")
     extras = [f"{config.pad} padding" if config.pad else "", "packed documents" if config.packed else ""]
     shape = ", ".join(filter(None, [f"batch {config.batch} x {config.seq} tokens", *extras]))

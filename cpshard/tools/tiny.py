@@ -72,7 +72,7 @@ PER_TYPE = {
     **dict.fromkeys(("gpt_bigcode", "openai-gpt", "gpt2", "biogpt", "xglm", "opt", "gpt_neo"), _ABSOLUTE),
     "gptj": dict(rotary_dim=8),
     "codegen": dict(rotary_dim=8),
-    "gpt_neo": dict(**_ABSOLUTE, attention_types=[[["global", "local"], 1]]),
+    "gpt_neo": dict(**_ABSOLUTE, attention_types=[[["global", "local"], 1]], window_size=4),
     "falcon": dict(head_dim=None),
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
     **dict.fromkeys(("dots3_note", "dots3_note_text"), dict(num_key_value_heads=4)),

@@ -1,0 +1,198 @@
+"""Attention of the families that compute it in their own code (Bloom, Falcon, GPT-Neo, MPT), rewritten to
+call it through transformers' attention registry, as its newer models do, so that cp's attention serves it.
+
+Each forward is the family's own: its projections, rotary, output projection and dropout, read from the
+pinned transformers. What the family adds to the scores becomes part of one additive mask, built from the
+model's own whole-sequence inputs, so it holds for any cut of the queries: ALiBi (Bloom, MPT, Falcon with
+``alibi``) per head and key, GPT-Neo's local window per query and key. The scores are then the same sum
+one process computes, in another order (equal to rounding). Cost: a mask with ALiBi is
+``[batch, heads, L, L]`` floats per layer (Ulysses keeps its share of the heads), where the families' own
+code builds the same ``[batch * heads, L, L]`` scores; ring and hybrid take masks of allowed and hidden
+positions only, so they refuse ALiBi and GPT-Neo's window with a clear error.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
+
+#: layer inputs with one value per key of the whole sequence (ALiBi): the cut leaves them whole
+PER_KEY_INPUTS = ("alibi", "position_bias")
+
+
+def _hidden_value(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The model's mask as additive floats (0 where allowed, the dtype's minimum where hidden)."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, _hidden_value(dtype))
+
+
+def _whole(mask: torch.Tensor | None, family: str) -> torch.Tensor:
+    if mask is None:
+        raise ValueError(
+            f"{family} attention with a position bias needs the model's mask of the whole sequence, and got "
+            "none: use the eager attention implementation"
+        )
+    return mask
+
+
+def _eager_hidden_without_gradient(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager attention as MPT masks: a hidden score (the dtype's minimum in the mask) is that
+    minimum, with no gradient, also in a row that sees no key (where an added mask lets one through)."""
+    key, value = (repeat_kv(x, module.num_key_value_groups) for x in (key, value))
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling + attention_mask
+    scores = scores.masked_fill(
+        attention_mask == _hidden_value(attention_mask.dtype), _hidden_value(scores.dtype)
+    )
+    weights = nn.functional.softmax(scores.float(), dim=-1).to(value.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def eager_for(module_class: type):
+    """The eager attention function for a rewritten family's class: MPT's masking, else transformers' own."""
+    return (
+        _eager_hidden_without_gradient if module_class.__name__ == "MptAttention" else eager_attention_forward
+    )
+
+
+def _attend(module, config, query, key, value, mask, scaling: float, dropout: float) -> torch.Tensor:
+    """The function the model's implementation names (eager: :func:`eager_for`) over ``[B, H, S, D]`` q, k, v
+    and ``mask``; the output ``[B, S, H * D]``."""
+    name = config._attn_implementation
+    function = eager_for(type(module)) if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+    output, _ = function(
+        module, query, key, value, mask, scaling=scaling, dropout=dropout if module.training else 0.0
+    )
+    return output.reshape(*output.shape[:2], -1)
+
+
+def _bloom(module, config, hidden_states, residual, alibi, attention_mask, layer_past=None, **kwargs):
+    query, key, value = module._reshape(module.query_key_value(hidden_states))
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, module.layer_idx)
+    mask = _additive(_whole(attention_mask, "Bloom"), query.dtype)
+    bias = alibi.view(query.shape[0], module.num_heads, 1, -1) * module.beta
+    output = _attend(
+        module, config, query, key, value, mask + bias, module.inv_norm_factor, module.attention_dropout.p
+    )
+    output = nn.functional.dropout(module.dense(output), module.hidden_dropout, module.training)
+    return residual + output, None
+
+
+def _falcon(
+    module, config, hidden_states, alibi, attention_mask, layer_past=None, position_embeddings=None, **kwargs
+):
+    query, key, value = module._split_heads(module.query_key_value(hidden_states))
+    batch, length = query.shape[:2]
+    kv_heads = module.num_heads if module.new_decoder_architecture else module.num_kv_heads
+    query = query.transpose(1, 2).reshape(batch, module.num_heads, length, module.head_dim)
+    key, value = (x.transpose(1, 2).reshape(batch, kv_heads, length, module.head_dim) for x in (key, value))
+    if alibi is None:
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, module.layer_idx)
+    mask, dropout = attention_mask, 0.0
+    if alibi is not None:  # the model put alibi / sqrt(d) into the mask; its eager path adds it once more
+        dropout = module.attention_dropout.p
+        if not config._attn_implementation.endswith("sdpa"):
+            bias = alibi.view(batch, module.num_heads, 1, -1) * module.inv_norm_factor
+            mask = _additive(_whole(mask, "Falcon"), query.dtype) + bias
+    output = _attend(module, config, query, key, value, mask, module.inv_norm_factor, dropout)
+    return module.dense(output), None
+
+
+def _gpt_neo(module, config, hidden_states, attention_mask=None, layer_past=None, **kwargs):
+    query, key, value = (
+        module._split_heads(projection(hidden_states), module.num_heads, module.head_dim)
+        for projection in (module.q_proj, module.k_proj, module.v_proj)
+    )
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, module.layer_id)
+    mask = _additive(_whole(attention_mask, "GPT-Neo"), query.dtype)
+    queries, keys = mask.shape[-2:]
+    window = module.bias[:, :, keys - queries : keys, :keys].to(mask.device)
+    mask = torch.zeros_like(window, dtype=mask.dtype).masked_fill(~window, _hidden_value(mask.dtype)) + mask
+    output = _attend(module, config, query, key, value, mask, 1.0, module.attn_dropout.p)
+    return module.resid_dropout(module.out_proj(output)), None
+
+
+def _mpt(module, config, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
+    batch, length = hidden_states.shape[:2]
+    mixed = module.Wqkv(hidden_states)
+    if module.clip_qkv:
+        mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    query, key, value = (
+        x.reshape(batch, length, module.n_heads, module.head_dim).transpose(1, 2)
+        for x in mixed.chunk(3, dim=2)
+    )
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
+    hidden = _whole(attention_mask, "MPT")  # True where hidden, as MPT reads it
+    keys = hidden.shape[-1]
+    bias = position_bias[:, :, max(0, position_bias.shape[-1] - keys) :].unsqueeze(0).to(query.dtype)
+    mask = torch.where(hidden, _hidden_value(query.dtype), bias)
+    output = _attend(module, config, query, key, value, mask, module.softmax_scale, module.attn_dropout_p)
+    return module.out_proj(output), None
+
+
+#: each family's attention class, by name, and its forward through the registry
+FORWARDS = {
+    "BloomAttention": _bloom,
+    "FalconAttention": _falcon,
+    "GPTNeoSelfAttention": _gpt_neo,
+    "MptAttention": _mpt,
+}
+
+
+def rewritten(module: nn.Module) -> bool:
+    """Whether ``module``'s class is one whose attention this module rewrites."""
+    return type(module).__name__ in FORWARDS
+
+
+def score_bias(module: nn.Module, config) -> str | None:
+    """What ``module`` (rewritten here) adds to its scores beyond the model's mask, None for anything else:
+    cp generation's decode merges scores over a split cache without it."""
+    name = type(module).__name__
+    if name in ("BloomAttention", "MptAttention") or (name == "FalconAttention" and config.alibi):
+        return "ALiBi"
+    if name == "GPTNeoSelfAttention" and module.attention_type == "local":
+        return "a local window"
+    return None
+
+
+def kv_groups(module: nn.Module) -> int:
+    """q heads per k/v head as the registry's functions read them (Falcon's multi-query has one k/v head)."""
+    kv_heads = getattr(module, "num_kv_heads", None)
+    if getattr(module, "new_decoder_architecture", False) or not kv_heads:
+        return 1
+    return module.num_heads // kv_heads
+
+
+def rewrite(module: nn.Module, config) -> None:
+    """``module`` (one of :data:`FORWARDS`' classes) attends through the registry from now on (again, after
+    a ``copy.deepcopy``: the forward is set anew each time)."""
+    if type(module).__name__ == "FalconAttention" and config.alibi and kv_groups(module) > 1:
+        if config._attn_implementation.endswith("sdpa"):
+            raise ValueError(
+                "Falcon with alibi=True and multi_query=True under sdpa: torch computes a row that sees no "
+                "key (left padding) with another kernel for its one shared k/v head than for the heads the "
+                "rewritten attention gives each q head, so the gradients would differ from the model's own; "
+                "load it with attn_implementation='eager'"
+            )
+    if getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False):
+        raise ValueError(
+            f"{type(module).__name__}: slow_but_exact with pretraining_tp > 1 splits the output projection "
+            "as no registry function does; set config.slow_but_exact=False"
+        )
+    module.num_key_value_groups = kv_groups(module)
+    module.forward = partial(FORWARDS[type(module).__name__], module, config)

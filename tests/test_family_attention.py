@@ -1,0 +1,119 @@
+"""Bloom, Falcon, GPT-Neo and MPT: their attention, rewritten to go through transformers' registry, is exact
+under cp against the family's own code run in one process (a second model on the same weights that cpshard
+never touched): loss, logits and every gradient, on plain and left-padded batches. ALiBi (Bloom, MPT,
+Falcon-RW), GPT-Neo's local window, Falcon's multi-query, grouped (new architecture) and multi-head k/v;
+ring serves the rotary Falcon and refuses ALiBi and the window with a clear error on every rank.
+"""
+
+import copy
+
+import pytest
+
+import cpshard
+from cpshard.layouts.family_attention import rewrite, rewritten
+from cpshard.tools.parity import check_parity, failing_rows
+from cpshard.tools.tiny import tiny_batch, tiny_model
+
+#: (model type, attention implementation, config overrides)
+VARIANTS = [
+    ("bloom", "eager", {}),
+    ("mpt", "eager", {}),
+    ("mpt", "eager", {"attn_config": {"clip_qkv": 0.5}}),
+    ("falcon", "sdpa", {}),  # multi-query, rotary
+    ("falcon", "eager", {}),
+    ("falcon", "sdpa", {"alibi": True, "multi_query": False}),  # Falcon-RW
+    ("falcon", "eager", {"alibi": True}),
+    ("falcon", "sdpa", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    ("gpt_neo", "eager", {}),  # a global and a local layer, window 4
+]
+IDS = [f"{t}-{impl}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for t, impl, o in VARIANTS]
+
+
+def failing_against_own_code(model_type, implementation, overrides, cp_implementation) -> list[str]:
+    """cp on a prepared model against the family's own attention (a fresh model on the same seed)."""
+    mesh = cpshard.make_mesh(cp=2)
+    own = tiny_model(model_type, attn_implementation=implementation, **overrides)
+    prepared = tiny_model(model_type, attn_implementation=implementation, **overrides)
+    cp_forward = cpshard.make_cp_forward(prepared, implementation=cp_implementation)
+    rows = []
+    for pad in (None, "left"):
+        batch = tiny_batch(own.config.vocab_size, 2, 11, pad=pad)
+        rows += [f"pad={pad}: {row}" for row in failing_rows([check_parity(own, batch, mesh, cp_forward)])]
+    return rows
+
+
+@pytest.mark.parametrize("model_type, implementation, overrides", VARIANTS, ids=IDS)
+def test_rewritten_attention_is_exact_under_ulysses(ranks2, model_type, implementation, overrides):
+    result = ranks2.run(failing_against_own_code, model_type, implementation, overrides, "ulysses")
+    assert result == [[], []]
+
+
+def test_ring_serves_rotary_falcon(ranks2):
+    assert ranks2.run(failing_against_own_code, "falcon", "sdpa", {}, "ring") == [[], []]
+
+
+def refusal(model_type: str, implementation: str, overrides: dict) -> str:
+    try:
+        failing_against_own_code(model_type, implementation, overrides, "ring")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "gpt_neo"])
+def test_ring_refuses_alibi_and_windows_on_every_rank(ranks2, model_type):
+    messages = ranks2.run(refusal, model_type, "eager", {})
+    assert all("implementation='ulysses'" in message for message in messages), messages
+
+
+def test_multi_query_alibi_under_sdpa_is_refused_up_front():
+    model = tiny_model("falcon", attn_implementation="sdpa", alibi=True)
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        cpshard.make_cp_forward(model)
+
+
+def test_the_rewrite_follows_a_deep_copy():
+    model = tiny_model("bloom", attn_implementation="eager")
+    cpshard.make_cp_forward(model)
+    clone = copy.deepcopy(model)
+    attention = clone.transformer.h[0].self_attention
+    assert rewritten(attention) and attention.forward.args[0] is attention
+
+
+def test_a_rewritten_model_outside_cp_gives_its_own_results():
+    own = tiny_model("mpt", attn_implementation="eager")
+    other = copy.deepcopy(own)
+    for module in other.modules():
+        if rewritten(module):
+            rewrite(module, other.config)
+    batch = tiny_batch(own.config.vocab_size, 2, 11, pad="left")
+    expected, got = own(**batch), other(**batch)
+    expected.loss.backward()
+    got.loss.backward()
+    assert (expected.logits - got.logits).abs().max() < 1e-5
+    for (name, a), b in zip(own.named_parameters(), other.parameters()):
+        assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name
+
+
+def generated(model_type: str, overrides: dict) -> object:
+    """cp=2 greedy tokens against the family's own ``model.generate`` (True when equal), or the error."""
+    model = tiny_model(model_type, attn_implementation="auto", **overrides)
+    mesh = cpshard.make_mesh(cp=2)
+    prompt = tiny_batch(model.config.vocab_size, 2, 13, pad="left")
+    batch = {"input_ids": prompt["input_ids"], "attention_mask": prompt["attention_mask"]}
+    expected = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    try:
+        tokens = cpshard.generate(model, batch, mesh, max_new_tokens=12)
+    except ValueError as error:
+        return str(error)
+    return bool((tokens == expected).all())
+
+
+def test_rotary_falcon_generates_as_its_own_code(ranks2):
+    assert ranks2.run(generated, "falcon", {}) == [True, True]
+
+
+@pytest.mark.parametrize("model_type, bias", [("bloom", "ALiBi"), ("gpt_neo", "a local window")])
+def test_generation_refuses_score_biases_on_every_rank(ranks2, model_type, bias):
+    messages = ranks2.run(generated, model_type, {})
+    assert all(f"adds {bias} to its attention scores" in str(message) for message in messages), messages
