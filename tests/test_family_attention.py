@@ -1,8 +1,9 @@
-"""Bloom, Falcon, GPT-Neo and MPT: their attention, rewritten to go through transformers' registry, is exact
-under cp against the family's own code run in one process (a second model on the same weights that cpshard
-never touched): loss, logits and every gradient, on plain and left-padded batches. ALiBi (Bloom, MPT,
-Falcon-RW), GPT-Neo's local window, Falcon's multi-query, grouped (new architecture) and multi-head k/v;
-ring serves the rotary Falcon and refuses ALiBi and the window with a clear error on every rank.
+"""Bloom, Falcon, GPT-Neo, MPT and XGLM: their attention, rewritten to go through transformers' registry,
+is exact under cp against the family's own code run in one process (a second model on the same weights that
+cpshard never touched): loss, logits and every gradient, on plain and left-padded batches. ALiBi (Bloom,
+MPT, Falcon-RW), GPT-Neo's local window, Falcon's multi-query, grouped (new architecture) and multi-head
+k/v, MPT's masked_fill and XGLM's clamp; ring serves the rotary Falcon and refuses ALiBi and the window
+with a clear error on every rank.
 """
 
 import copy
@@ -25,6 +26,7 @@ VARIANTS = [
     ("falcon", "eager", {"alibi": True}),
     ("falcon", "sdpa", {"new_decoder_architecture": True, "num_kv_heads": 2}),
     ("gpt_neo", "eager", {}),  # a global and a local layer, window 4
+    ("xglm", "eager", {}),
 ]
 IDS = [f"{t}-{impl}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for t, impl, o in VARIANTS]
 

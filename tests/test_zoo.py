@@ -59,7 +59,7 @@ CLASSIC = (
     *("llama", "mistral", "qwen2", "phi"),
 )
 #: the exact types today
-MIN_EXACT = 118
+MIN_EXACT = 119
 #: address space per rank
 _MEMORY_LIMIT = 6 << 30
 _CPSHARD = os.path.dirname(cpshard.__file__)

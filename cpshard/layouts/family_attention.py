@@ -1,14 +1,17 @@
-"""Attention of the families that compute it in their own code (Bloom, Falcon, GPT-Neo, MPT), rewritten to
-call it through transformers' attention registry, as its newer models do, so that cp's attention serves it.
+"""Attention of the families that compute it in their own code (Bloom, Falcon, GPT-Neo, MPT, XGLM),
+rewritten to call it through transformers' attention registry, as its newer models do, so that cp's
+attention serves it.
 
 Each forward is the family's own: its projections, rotary, output projection and dropout, read from the
 pinned transformers. What the family adds to the scores becomes part of one additive mask, built from the
 model's own whole-sequence inputs, so it holds for any cut of the queries: ALiBi (Bloom, MPT, Falcon with
 ``alibi``) per head and key, GPT-Neo's local window per query and key. The scores are then the same sum
-one process computes, in another order (equal to rounding). Cost: a mask with ALiBi is
-``[batch, heads, L, L]`` floats per layer (Ulysses keeps its share of the heads), where the families' own
-code builds the same ``[batch * heads, L, L]`` scores; ring and hybrid take masks of allowed and hidden
-positions only, so they refuse ALiBi and GPT-Neo's window with a clear error.
+one process computes, in another order (equal to rounding); where a family hides scores otherwise than by
+adding the mask (MPT's ``masked_fill``, XGLM's clamp), its eager function does the same, so that even a
+row that sees no key gets the family's gradient. Cost: a mask with ALiBi is ``[batch, heads, L, L]``
+floats per layer (Ulysses keeps its share of the heads), where the families' own code builds the same
+``[batch * heads, L, L]`` scores; ring and hybrid take masks of allowed and hidden positions only, so they
+refuse ALiBi and GPT-Neo's window with a clear error.
 """
 
 from __future__ import annotations
@@ -45,24 +48,37 @@ def _whole(mask: torch.Tensor | None, family: str) -> torch.Tensor:
     return mask
 
 
-def _eager_hidden_without_gradient(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' eager attention as MPT masks: a hidden score (the dtype's minimum in the mask) is that
-    minimum, with no gradient, also in a row that sees no key (where an added mask lets one through)."""
-    key, value = (repeat_kv(x, module.num_key_value_groups) for x in (key, value))
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling + attention_mask
-    scores = scores.masked_fill(
-        attention_mask == _hidden_value(attention_mask.dtype), _hidden_value(scores.dtype)
-    )
-    weights = nn.functional.softmax(scores.float(), dim=-1).to(value.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+def _eager_then(hide):
+    """transformers' eager attention with ``hide(scores, mask)`` applied to the masked scores, as a family's
+    own code treats its hidden positions (their gradient, in a row that sees no key, differs from a sum's)."""
+
+    def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key, value = (repeat_kv(x, module.num_key_value_groups) for x in (key, value))
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling + attention_mask
+        weights = nn.functional.softmax(hide(scores, attention_mask).float(), dim=-1).to(value.dtype)
+        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+    return eager
+
+
+def _filled(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """MPT's ``masked_fill``: a hidden score (the dtype's minimum in the mask) is that minimum, gradient 0."""
+    return scores.masked_fill(mask == _hidden_value(mask.dtype), _hidden_value(scores.dtype))
+
+
+def _clamped(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """XGLM's ``torch.max(scores, minimum)`` (a hidden score ties the minimum: half its gradient)."""
+    return torch.max(scores, torch.full((), _hidden_value(scores.dtype), device=scores.device))
+
+
+#: the eager attention of the families whose own code treats hidden scores otherwise than by adding the mask
+_EAGER = {"MptAttention": _eager_then(_filled), "XGLMAttention": _eager_then(_clamped)}
 
 
 def eager_for(module_class: type):
-    """The eager attention function for a rewritten family's class: MPT's masking, else transformers' own."""
-    return (
-        _eager_hidden_without_gradient if module_class.__name__ == "MptAttention" else eager_attention_forward
-    )
+    """The eager attention function for a rewritten family's class (its own masking, else transformers')."""
+    return _EAGER.get(module_class.__name__, eager_attention_forward)
 
 
 def _attend(module, config, query, key, value, mask, scaling: float, dropout: float) -> torch.Tensor:
@@ -145,12 +161,28 @@ def _mpt(module, config, hidden_states, position_bias, cache=None, attention_mas
     return module.out_proj(output), None
 
 
+def _xglm(module, config, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
+    if key_value_states is not None:
+        raise ValueError("XGLM's cross-attention is not a decoder's self-attention: cp does not serve it")
+    batch, length = hidden_states.shape[:2]
+    query = (module.q_proj(hidden_states) * module.scaling).view(batch, length, -1, module.head_dim)
+    key, value = (
+        p(hidden_states).view(batch, length, -1, module.head_dim) for p in (module.k_proj, module.v_proj)
+    )
+    query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
+    mask = _additive(_whole(attention_mask, "XGLM"), query.dtype)
+    return module.out_proj(_attend(module, config, query, key, value, mask, 1.0, module.dropout)), None
+
+
 #: each family's attention class, by name, and its forward through the registry
 FORWARDS = {
     "BloomAttention": _bloom,
     "FalconAttention": _falcon,
     "GPTNeoSelfAttention": _gpt_neo,
     "MptAttention": _mpt,
+    "XGLMAttention": _xglm,
 }
 
 
