@@ -15,6 +15,7 @@ from cpshard.tools.bench import MODELS, VARIANTS, BenchConfig, plot, run_bench, 
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
+from cpshard.tools.packed_bench import packed_report
 from cpshard.tools.usage import UsageError
 
 USAGE_ERROR = 2
@@ -176,6 +177,16 @@ def _add_bench(commands) -> None:
             "on this machine)"
         ),
     )
+    add(
+        "--packed",
+        type=int,
+        metavar="ROWS",
+        help=(
+            "instead: ring work on rows packing documents (log-normal around 1K tokens), each sequence "
+            "order's tiles per rank counted over ROWS rows of 131,072 tokens at cp=8, and each rank's ring "
+            "attention compute timed at every --cp and --seqs"
+        ),
+    )
     add("--json", metavar="FILE", help="write the rows as JSON")
     add(
         "--plot",
@@ -196,6 +207,11 @@ def _run_bench(args, parser: argparse.ArgumentParser) -> int:
         parser.error(
             "--plot needs matplotlib, which is not installed: pip install matplotlib (or cpshard[bench])"
         )
+    if args.packed is not None:
+        if args.packed < 1:
+            parser.error(f"--packed {args.packed}: give at least one row")
+        packed_report(config.seqs, config.cps, config.repeats, args.packed)
+        return 0
     rows = run_bench(config)
     if args.json:
         write_json(rows, config, args.json)
