@@ -31,12 +31,14 @@ VARIANTS = [
 IDS = [f"{t}-{impl}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for t, impl, o in VARIANTS]
 
 
-def failing_against_own_code(model_type, implementation, overrides, cp_implementation) -> list[str]:
+def failing_against_own_code(
+    model_type, implementation, overrides, cp_implementation, compile=False
+) -> list[str]:
     """cp on a prepared model against the family's own attention (a fresh model on the same seed)."""
     mesh = cpshard.make_mesh(cp=2)
     own = tiny_model(model_type, attn_implementation=implementation, **overrides)
     prepared = tiny_model(model_type, attn_implementation=implementation, **overrides)
-    cp_forward = cpshard.make_cp_forward(prepared, implementation=cp_implementation)
+    cp_forward = cpshard.make_cp_forward(prepared, implementation=cp_implementation, compile=compile)
     rows = []
     for pad in (None, "left"):
         batch = tiny_batch(own.config.vocab_size, 2, 11, pad=pad)
@@ -48,6 +50,13 @@ def failing_against_own_code(model_type, implementation, overrides, cp_implement
 def test_rewritten_attention_is_exact_under_ulysses(ranks2, model_type, implementation, overrides):
     result = ranks2.run(failing_against_own_code, model_type, implementation, overrides, "ulysses")
     assert result == [[], []]
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "gpt_neo", "mpt"])
+def test_rewritten_attention_compiles_per_layer(ranks2, model_type):
+    """A compiled cp layer's mask holds the real keys only (fewer than its queries): ALiBi and the window
+    are cut to them."""
+    assert ranks2.run(failing_against_own_code, model_type, "eager", {}, "ulysses", "aot_eager") == [[], []]
 
 
 def test_ring_serves_rotary_falcon(ranks2):

@@ -92,12 +92,18 @@ def _attend(module, config, query, key, value, mask, scaling: float, dropout: fl
     return output.reshape(*output.shape[:2], -1)
 
 
+def _per_key(alibi: torch.Tensor, batch: int, heads: int, mask: torch.Tensor) -> torch.Tensor:
+    """``[B * H, 1, L]`` ALiBi as ``[B, H, 1, keys]`` for ``mask``'s keys (a compiled cp layer's mask holds
+    the real keys only, the cp padding cut)."""
+    return alibi.view(batch, heads, 1, -1)[..., : mask.shape[-1]]
+
+
 def _bloom(module, config, hidden_states, residual, alibi, attention_mask, layer_past=None, **kwargs):
     query, key, value = module._reshape(module.query_key_value(hidden_states))
     if layer_past is not None:
         key, value = layer_past.update(key, value, module.layer_idx)
     mask = _additive(_whole(attention_mask, "Bloom"), query.dtype)
-    bias = alibi.view(query.shape[0], module.num_heads, 1, -1) * module.beta
+    bias = _per_key(alibi, query.shape[0], module.num_heads, mask) * module.beta
     output = _attend(
         module, config, query, key, value, mask + bias, module.inv_norm_factor, module.attention_dropout.p
     )
@@ -121,8 +127,8 @@ def _falcon(
     if alibi is not None:  # the model put alibi / sqrt(d) into the mask; its eager path adds it once more
         dropout = module.attention_dropout.p
         if not config._attn_implementation.endswith("sdpa"):
-            bias = alibi.view(batch, module.num_heads, 1, -1) * module.inv_norm_factor
-            mask = _additive(_whole(mask, "Falcon"), query.dtype) + bias
+            mask = _additive(_whole(mask, "Falcon"), query.dtype)
+            mask = mask + _per_key(alibi, batch, module.num_heads, mask) * module.inv_norm_factor
     output = _attend(module, config, query, key, value, mask, module.inv_norm_factor, dropout)
     return module.dense(output), None
 
@@ -135,8 +141,9 @@ def _gpt_neo(module, config, hidden_states, attention_mask=None, layer_past=None
     if layer_past is not None:
         key, value = layer_past.update(key, value, module.layer_id)
     mask = _additive(_whole(attention_mask, "GPT-Neo"), query.dtype)
-    queries, keys = mask.shape[-2:]
-    window = module.bias[:, :, keys - queries : keys, :keys].to(mask.device)
+    queries, keys = mask.shape[-2:]  # a compiled cp layer's mask holds the real keys only: fewer than queries
+    start = max(keys - queries, 0)
+    window = module.bias[:, :, start : start + queries, :keys].to(mask.device)
     mask = torch.zeros_like(window, dtype=mask.dtype).masked_fill(~window, _hidden_value(mask.dtype)) + mask
     output = _attend(module, config, query, key, value, mask, 1.0, module.attn_dropout.p)
     return module.resid_dropout(module.out_proj(output)), None
