@@ -50,6 +50,8 @@ class CallPlan:
     padded_length: int
     #: the cp axis unflattened as (cp_ring, cp_ulysses), for ring and hybrid
     split_mesh: DeviceMesh | None = None
+    #: ``mesh["cp"]``, which the outputs' DTensors live on (sliced outside a compiled step: inductor cannot)
+    cp_mesh: DeviceMesh | None = None
     #: the process group of the ``tp`` ranks (tensor parallelism), None when tp is 1
     tp_group: ProcessGroup | None = None
     #: the process group of the ``ep`` ranks (expert parallelism), None when ep is 1

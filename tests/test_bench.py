@@ -1,14 +1,15 @@
 """cpshard bench: rows for every variant, bytes against the optimum, notes for absent baselines,
 usage errors."""
 
+import dataclasses
 import json
 import sys
 
 import pytest
 
 from cpshard.debug.optimum import optimum_of
-from cpshard.tools import bench
-from cpshard.tools.cli import main
+from cpshard.tools import bench, bench_compile
+from cpshard.tools.cli import build_parser, main
 from cpshard.tools.tiny import tiny_model
 
 CONFIG = bench.BenchConfig(
@@ -72,6 +73,32 @@ def test_rows_times_bytes_and_optimum(ranks2):
     table = bench.format_table(rows)
     assert all(name in table for name in by_name) and "tokens/s" in table
     assert any(line.startswith("  time, cp=2, L=64") for line in bench.targets(rows))
+
+
+def test_compiled_rows_against_eager(ranks2):
+    # the "eager" backend: dynamo's trace and the same cp steps at a fraction of inductor's compile time
+    config = dataclasses.replace(
+        CONFIG, seqs=(32, 64), variants=("single", "ulysses", "ulysses-checkpointed")
+    )
+    assert bench_compile.compiled_variants(config, 2) == ("ulysses", "ulysses-checkpointed")
+    rows = bench_compile.measure(ranks2, config, "eager")
+    assert [(row.variant, row.seq) for row in rows] == [
+        (v, n) for v in ("ulysses", "ulysses-checkpointed") for n in (32, 64)
+    ]
+    for row in rows:
+        assert row.cp == 2 and row.compile_seconds > 0 and row.eager_seconds > 0 and row.compiled_seconds > 0
+        assert row.time_ratio > 0 and row.cpu_ratio > 0 and row.breaks == 0 and row.loss_diff <= 1e-5, row
+    assert [row.graphs for row in rows] == [1, 0, 1, 0], "one graph per variant, for both lengths"
+    table = bench_compile.format_table(rows)
+    assert "first compiled call s" in table and len(table.splitlines()) == 2 + len(rows)
+
+
+def test_compile_flag_names_a_backend(capsys):
+    assert build_parser().parse_args(["bench", "--compile"]).compile == "inductor"
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--compile", "nosuch"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "--compile nosuch: not a torch.compile backend" in err
 
 
 def test_absent_baselines_give_notes(ranks2):

@@ -28,10 +28,12 @@ def _ring(
     axis: str,
     name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(output, out, lse)``: the output in q's shape and dtype, and the fp32 results the backward needs."""
+    """``(output, out, lse)``: the output in q's shape and dtype, and the fp32 results the backward needs;
+    contiguous, as the fake says (inductor checks the strides; ``out`` follows q's, a transposed view)."""
     blocks = call_blocks(channel.call, mask, uniform_rows)
     out, lse = ring_forward(q, k, v, blocks, scale, softcap, channel.groups[axis], channel.path + name)
-    return out.reshape(q.shape).to(q.dtype, copy=True), out, lse
+    output = out.reshape(q.shape).to(q.dtype, memory_format=torch.contiguous_format, copy=True)
+    return output, out.contiguous(), lse.contiguous()
 
 
 @_ring.register_fake
@@ -65,11 +67,10 @@ def _ring_back(
     grad_q, grad_k, grad_v = ring_backward(
         q, k, v, out, lse, grad, blocks, scale, softcap, channel.groups[axis], channel.path + name
     )
-    return (
-        grad_q,
-        grad_k.clone(),
-        grad_v.clone(),
-    )  # dk and dv may be views of one buffer: an op's outputs may not alias
+    # contiguous, as the fake says; dk and dv may be views of one buffer, and an op's outputs may not alias
+    return grad_q.contiguous(), *(
+        grad.clone(memory_format=torch.contiguous_format) for grad in (grad_k, grad_v)
+    )
 
 
 @_ring_back.register_fake

@@ -26,7 +26,15 @@ def _cut(value, before, after, call: CallPlan):
     if not isinstance(value, torch.Tensor):
         return value
     cut = redistribute(value, before, after.ordered("cp", call.order), call.mesh)
-    return cut.contiguous() if call.traced else cut  # every compiled layer gets the same strides: one graph
+    return _fresh(cut) if call.traced else cut
+
+
+def _fresh(cut: torch.Tensor) -> torch.Tensor:
+    """``cut`` contiguous and at the start of its storage, as every later layer's input is: one compiled
+    graph serves all layers (a contiguous slice keeps its offset, and torch.compile specializes offset 0)."""
+    if cut.is_contiguous() and cut.storage_offset() == 0:
+        return cut
+    return cut.clone(memory_format=torch.contiguous_format)
 
 
 @torch._dynamo.disable  # reads the running call; under cpshard's per-layer compile it runs before the layer

@@ -31,7 +31,15 @@ from cpshard.parallel.experts import (
     expert_counts,
 )
 from cpshard.parallel.fsdp import gather_params
-from cpshard.parallel.mesh import TOKEN_DIMS, cp_size, expert_degree, group_over, mesh_size, split_cp
+from cpshard.parallel.mesh import (
+    TOKEN_DIMS,
+    cp_mesh,
+    cp_size,
+    expert_degree,
+    group_over,
+    mesh_size,
+    split_cp,
+)
 from cpshard.parallel.placement import expert_mesh
 from cpshard.parallel.tensor import check_tensor_parallel
 from cpshard.runtime.batch import (
@@ -155,6 +163,7 @@ class CPForward:
             length=padded.length,
             padded_length=padded.padded_length,
             split_mesh=split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None,
+            cp_mesh=cp_mesh(mesh),
             tp_group=mesh.get_group("tp") if tp > 1 else None,
             expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
             expert_plan=choose_expert_plan(self.expert_plan, tp, ep),
@@ -220,8 +229,8 @@ class CPForward:
         loss, num_tokens, logprobs = self._loss(local, params, padded, mesh, held, reduced)
         if loss is not None and router_logits:
             loss = loss + self._router_loss(router_logits, padded, call)
-        logits = sequence_sharded(local, padded.length, mesh) if self.keep_logits else None
-        logprobs = None if logprobs is None else sequence_sharded(logprobs, padded.length, mesh)
+        logits = sequence_sharded(local, padded.length, call.cp_mesh) if self.keep_logits else None
+        logprobs = None if logprobs is None else sequence_sharded(logprobs, padded.length, call.cp_mesh)
         return CPOutput(loss, logits, num_tokens, logprobs)
 
     def _local_outputs(self, params: dict, inputs: dict) -> tuple[torch.Tensor, tuple | None]:

@@ -8,17 +8,19 @@ ranks fewer), so that labels, weights or advantages line up with ``CPOutput.logi
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from cpshard.parallel.mesh import cp_mesh, cp_size
 from cpshard.spec.sequence import chunk_positions
 
 
-def sequence_sharded(local: torch.Tensor, length: int, mesh) -> DTensor:
-    """This rank's chunk ``[B, <= ceil(L / cp), ...]`` of a ``[B, L, ...]`` tensor as the global DTensor."""
+def sequence_sharded(local: torch.Tensor, length: int, cp: DeviceMesh) -> DTensor:
+    """This rank's chunk ``[B, <= ceil(L / cp), ...]`` of a ``[B, L, ...]`` tensor as the global DTensor on
+    ``cp``, the mesh's cp axis."""
     shape = torch.Size((local.shape[0], length, *local.shape[2:]))
     stride = torch.empty(shape, device="meta").stride()  # the whole tensor's, contiguous
-    return DTensor.from_local(local, cp_mesh(mesh), [Shard(1)], run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(local, cp, [Shard(1)], run_check=False, shape=shape, stride=stride)
 
 
 def shard_like_logits(tensor: torch.Tensor, mesh) -> DTensor:
@@ -30,4 +32,4 @@ def shard_like_logits(tensor: torch.Tensor, mesh) -> DTensor:
         )
     cp = cp_size(mesh)
     held = chunk_positions(tensor.shape[1], cp, mesh.get_local_rank("cp") if cp > 1 else 0)
-    return sequence_sharded(tensor.index_select(1, held.to(tensor.device)), tensor.shape[1], mesh)
+    return sequence_sharded(tensor.index_select(1, held.to(tensor.device)), tensor.shape[1], cp_mesh(mesh))

@@ -12,6 +12,7 @@ from functools import partial
 
 from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.tools.bench import MODELS, VARIANTS, BenchConfig, plot, run_bench, write_json
+from cpshard.tools.bench_compile import check_backend, run_compiled_bench
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
@@ -187,6 +188,17 @@ def _add_bench(commands) -> None:
             "attention compute timed at every --cp and --seqs"
         ),
     )
+    add(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help=(
+            "then time each cpshard variant's step with its decoder layers compiled (make_cp_forward("
+            "compile=BACKEND), default inductor) against the same step eager: the first compiled call apart, "
+            "compiled / eager round by round, graphs and graph breaks"
+        ),
+    )
     add("--json", metavar="FILE", help="write the rows as JSON")
     add(
         "--plot",
@@ -201,6 +213,8 @@ def _run_bench(args, parser: argparse.ArgumentParser) -> int:
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
     try:
         config = BenchConfig.of_model(args.model, **options)
+        if args.compile is not None:
+            check_backend(args.compile)
     except UsageError as error:
         parser.error(str(error))
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -219,6 +233,8 @@ def _run_bench(args, parser: argparse.ArgumentParser) -> int:
     if args.plot:
         plot(rows, args.plot)
         print(f"plot written to {args.plot}")
+    if args.compile is not None:
+        run_compiled_bench(config, args.compile)
     return 0
 
 
