@@ -8,7 +8,7 @@ from cpshard.tools.layout_file import layout_for
 from cpshard.tools.tiny import tiny_model
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "gpt_oss", "qwen3"])
+@pytest.mark.parametrize("model_type", ["gpt_neox", "gpt_oss", "qwen3", "bloom"])
 def test_the_printed_file_gives_back_the_layout(model_type):
     namespace = {}
     exec(layout_for(model_type), namespace)  # noqa: S102 -- the file a user would save and import
@@ -20,3 +20,8 @@ def test_cli_prints_or_refuses(capsys):
     assert "decoder_layers='gpt_neox.layers'," in capsys.readouterr().out
     assert main(["layout", "zaya"]) == 1
     assert "convolution along the sequence" in capsys.readouterr().err
+
+
+def test_a_rewritten_attention_is_named_in_the_file():
+    assert "# cpshard rewrites BloomAttention's forward" in layout_for("bloom")
+    assert "rewrites" not in layout_for("gpt_neox")

@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from transformers import AutoConfig
 
+from cpshard.layouts.family_attention import rewritten
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.spec.notation import Spec
@@ -29,12 +30,21 @@ def _value(value) -> str:
     return repr(value)
 
 
-def layout_source(layout: Layout, origin: str) -> str:
-    """``layout`` as a layout file: one row per line."""
+def layout_source(layout: Layout, origin: str, rewritten: tuple[str, ...] = ()) -> str:
+    """``layout`` as a layout file: one row per line; a comment naming the ``rewritten`` attention classes."""
     rows = "\n".join(f"    {f.name}={_value(getattr(layout, f.name))}," for f in fields(layout))
+    note = "".join(
+        f"# cpshard rewrites {name}'s forward to call transformers' attention registry\n"
+        "# (cpshard/layouts/family_attention.py): cp's attention serves it\n"
+        for name in rewritten
+    )
     return (
         f'"""The cp layout of {origin}, as cpshard derived it (edit it, then make_cp_forward(model, '
-        'layout=LAYOUT))."""\n\nfrom cpshard import Layout, Spec\n\nLAYOUT = Layout(\n' + rows + "\n)\n"
+        'layout=LAYOUT))."""\n\nfrom cpshard import Layout, Spec\n\n'
+        + note
+        + "LAYOUT = Layout(\n"
+        + rows
+        + "\n)\n"
     )
 
 
@@ -58,4 +68,7 @@ def layout_for(source: str) -> str:
         raise ValueError(f"cannot build a tiny {source}: {type(error).__name__}: {error}") from None
     layout = resolve_layout(model)
     kind = "the registered file" if layout in REGISTERED.values() else "derived"
-    return layout_source(layout, f"{model.config.model_type} ({kind})")
+    layers = model.get_submodule(layout.decoder_layers)
+    inner = [module for layer in layers for module in getattr(layer, layout.attention).modules()]
+    names = tuple(dict.fromkeys(type(module).__name__ for module in inner if rewritten(module)))
+    return layout_source(layout, f"{model.config.model_type} ({kind})", names)
