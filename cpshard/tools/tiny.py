@@ -8,7 +8,7 @@ gradients are of order one and parity tolerances mean something.
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 SMALL = dict(
     vocab_size=128,
@@ -65,7 +65,19 @@ _SEQ2SEQ_TYPES = (
 )
 #: absolute position tables (and GPT-BigCode's causal mask buffer) are max_position_embeddings long
 _ABSOLUTE = dict(max_position_embeddings=256)
-#: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default)
+#: hybrids of linear attention and sparse experts (Qwen3-Next and kin): few small experts and linear heads
+_HYBRID_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+#: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default); a
+#: composite config's parts (its text, vision and audio configs) are looked up here by their own types
 PER_TYPE = {
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa"), _LATENT),
     **dict.fromkeys(("longcat_flash", "minicpm3", "sarvam_mla", "youtu", "axk1", "axk2"), _LATENT),
@@ -75,12 +87,30 @@ PER_TYPE = {
     "gpt_neo": dict(**_ABSOLUTE, attention_types=[[["global", "local"], 1]], window_size=4),
     "falcon": dict(head_dim=None),
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
-    **dict.fromkeys(("dots3_note", "dots3_note_text"), dict(num_key_value_heads=4)),
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size * expand = num_heads * head_dim
     **dict.fromkeys(_SEQ2SEQ_TYPES, _SEQ2SEQ),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "prophetnet": dict(num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2),
     "zamba": dict(num_hidden_layers=3),
+    **dict.fromkeys(("qwen3_next", "qwen3_5_moe_text"), _HYBRID_MOE),
+    "qwen4_exp_text": dict(**_HYBRID_MOE, hc_lowrank=16),
+    "gemma4_text": dict(vocab_size_per_layer_input=SMALL["vocab_size"]),
+    "blt": dict(encoder_hash_byte_group_vocab=64),
+    **dict.fromkeys(("blt_local_encoder", "blt_local_decoder"), dict(hidden_size_global=SMALL["hidden_size"])),
+    "dots3_note_text": dict(
+        _LATENT, shared_experts_intermediate_size=32, index_n_heads=2, index_head_dim=16, num_key_value_heads=4
+    ),
+    "dots3_note_vision_encoder": dict(
+        mlp_layer_types=["dense"] * SMALL["num_hidden_layers"],
+        adapter_in_dim=SMALL["hidden_size"],
+        adapter_out_dim=SMALL["hidden_size"],
+    ),
+    "dots3_note_audio_encoder": dict(
+        adapter_input_size=SMALL["hidden_size"], adapter_out_dim=SMALL["hidden_size"], downsample_hidden_size=32
+    ),
+    "phi4_multimodal_audio": dict(
+        num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64, nemo_conv_channels=32
+    ),
     "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], max_position_embeddings=256),
     "qwen3_moe": dict(
         num_experts=8,
@@ -96,17 +126,26 @@ def _is_dropout(name: str, value) -> bool:
     return isinstance(value, float) and ("dropout" in name or name.endswith("pdrop"))
 
 
+def _tiny_parts(model_type: str) -> dict:
+    """The sub-configs of a composite config (text, vision, audio...), each tiny as a type of its own:
+    left to their defaults, they would build the full-size towers of a released model."""
+    specs = getattr(CONFIG_MAPPING[model_type], "sub_configs_defaults", {})
+    return {
+        key: tiny_config(spec.model_type, **{**spec.init_kwargs, **SMALL, **PER_TYPE.get(spec.model_type, {})})
+        for key, spec in specs.items()
+        if not spec.optional and spec.model_type in CONFIG_MAPPING
+    }
+
+
 def tiny_config(model_type: str, **overrides):
-    """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``.
+    """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``;
+    a composite config's parts are shrunk the same way.
 
     Dropout is off (BERT and BART default to 0.1): a random mask drawn per run makes no two runs agree."""
-    try:
-        sizes = {**SMALL, **PER_TYPE.get(model_type, {}), **overrides}
-        config = AutoConfig.for_model(
-            model_type, **{key: value for key, value in sizes.items() if value is not None}
-        )
-    except ValueError as error:
-        raise ValueError(f"unknown model type {model_type!r}: {error}") from None
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"unknown model type {model_type!r}")
+    sizes = {**SMALL, **_tiny_parts(model_type), **PER_TYPE.get(model_type, {}), **overrides}
+    config = AutoConfig.for_model(model_type, **{key: value for key, value in sizes.items() if value is not None})
     for name, value in config.to_dict().items():
         if _is_dropout(name, value) and name not in overrides:
             setattr(config, name, 0.0)
