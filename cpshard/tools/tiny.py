@@ -89,16 +89,44 @@ PER_TYPE = {
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size * expand = num_heads * head_dim
     **dict.fromkeys(_SEQ2SEQ_TYPES, _SEQ2SEQ),
-    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    # Gemma 4's drafter: a text model without per-layer inputs that reads all its keys and values from
+    # the target model
+    "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
+    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=SMALL["vocab_size"]),
+    "xlnet": dict(max_position_embeddings=None, d_head=SMALL["head_dim"]),  # no position limit to set
+    "dbrx": dict(
+        d_model=SMALL["hidden_size"],  # its feed-forward's width is copied from d_model, not hidden_size
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0),  # its attention reads rope_theta here
+        ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
+    ),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32),
+    "lfm2_moe": dict(
+        layer_types=["full_attention", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], mamba_d_state=16),
+    # its rotary embedding reads the parameters per layer type
+    "cohere_compass_text": dict(
+        rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4)}
+    ),
     "prophetnet": dict(num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2),
     "zamba": dict(num_hidden_layers=3),
     **dict.fromkeys(("qwen3_next", "qwen3_5_moe_text"), _HYBRID_MOE),
     "qwen4_exp_text": dict(**_HYBRID_MOE, hc_lowrank=16),
     "gemma4_text": dict(vocab_size_per_layer_input=SMALL["vocab_size"]),
     "blt": dict(encoder_hash_byte_group_vocab=64),
-    **dict.fromkeys(("blt_local_encoder", "blt_local_decoder"), dict(hidden_size_global=SMALL["hidden_size"])),
+    **dict.fromkeys(
+        ("blt_local_encoder", "blt_local_decoder"), dict(hidden_size_global=SMALL["hidden_size"])
+    ),
     "dots3_note_text": dict(
-        _LATENT, shared_experts_intermediate_size=32, index_n_heads=2, index_head_dim=16, num_key_value_heads=4
+        _LATENT,
+        shared_experts_intermediate_size=32,
+        index_n_heads=2,
+        index_head_dim=16,
+        num_key_value_heads=4,
     ),
     "dots3_note_vision_encoder": dict(
         mlp_layer_types=["dense"] * SMALL["num_hidden_layers"],
@@ -106,7 +134,9 @@ PER_TYPE = {
         adapter_out_dim=SMALL["hidden_size"],
     ),
     "dots3_note_audio_encoder": dict(
-        adapter_input_size=SMALL["hidden_size"], adapter_out_dim=SMALL["hidden_size"], downsample_hidden_size=32
+        adapter_input_size=SMALL["hidden_size"],
+        adapter_out_dim=SMALL["hidden_size"],
+        downsample_hidden_size=32,
     ),
     "phi4_multimodal_audio": dict(
         num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64, nemo_conv_channels=32
@@ -126,26 +156,33 @@ def _is_dropout(name: str, value) -> bool:
     return isinstance(value, float) and ("dropout" in name or name.endswith("pdrop"))
 
 
-def _tiny_parts(model_type: str) -> dict:
-    """The sub-configs of a composite config (text, vision, audio...), each tiny as a type of its own:
-    left to their defaults, they would build the full-size towers of a released model."""
+def _tiny_parts(model_type: str, sizes: dict) -> dict:
+    """The sub-configs of a composite config (text, vision, audio...), each tiny as a type of its own, with
+    the part's entry of ``sizes`` (a dict) on top: left to their defaults, they would build the
+    full-size towers of a released model."""
     specs = getattr(CONFIG_MAPPING[model_type], "sub_configs_defaults", {})
     return {
-        key: tiny_config(spec.model_type, **{**spec.init_kwargs, **SMALL, **PER_TYPE.get(spec.model_type, {})})
+        key: tiny_config(
+            spec.model_type,
+            **{**spec.init_kwargs, **SMALL, **PER_TYPE.get(spec.model_type, {}), **sizes.get(key, {})},
+        )
         for key, spec in specs.items()
-        if not spec.optional and spec.model_type in CONFIG_MAPPING
+        if not spec.optional and spec.model_type in CONFIG_MAPPING and isinstance(sizes.get(key, {}), dict)
     }
 
 
 def tiny_config(model_type: str, **overrides):
     """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``;
-    a composite config's parts are shrunk the same way.
+    a composite config's parts are shrunk the same way (``text_config=dict(...)`` sizes its text part).
 
     Dropout is off (BERT and BART default to 0.1): a random mask drawn per run makes no two runs agree."""
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"unknown model type {model_type!r}")
-    sizes = {**SMALL, **_tiny_parts(model_type), **PER_TYPE.get(model_type, {}), **overrides}
-    config = AutoConfig.for_model(model_type, **{key: value for key, value in sizes.items() if value is not None})
+    sizes = {**SMALL, **PER_TYPE.get(model_type, {}), **overrides}
+    sizes.update(_tiny_parts(model_type, sizes))
+    config = AutoConfig.for_model(
+        model_type, **{key: value for key, value in sizes.items() if value is not None}
+    )
     for name, value in config.to_dict().items():
         if _is_dropout(name, value) and name not in overrides:
             setattr(config, name, 0.0)
