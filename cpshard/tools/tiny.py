@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 SMALL = dict(
     vocab_size=128,
@@ -189,6 +190,19 @@ def tiny_config(model_type: str, **overrides):
     return config
 
 
+def _causal_lm(config, attn_implementation: str):
+    """transformers' causal LM for ``config``; one that takes a part of a composite config alone
+    (MusicGen's takes its decoder) is built from that part."""
+    taken = getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "config_class", type(config))
+    parts = [getattr(config, key) for key in getattr(config, "sub_configs", {})]
+    part = next((part for part in parts if isinstance(part, taken)), None)
+    if isinstance(config, taken) or part is None:
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._from_config(
+        part, attn_implementation=attn_implementation
+    )
+
+
 def tiny_model(
     model_type: str, seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **overrides
 ):
@@ -205,7 +219,7 @@ def tiny_model(
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        model = _causal_lm(config, attn_implementation)
     if hasattr(model, "set_default_language"):  # X-MOD runs one language adapter, chosen up front
         model.set_default_language(config.languages[0])
     return model.to(dtype)
