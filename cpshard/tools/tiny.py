@@ -90,6 +90,17 @@ PER_TYPE = {
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size * expand = num_heads * head_dim
     **dict.fromkeys(_SEQ2SEQ_TYPES, _SEQ2SEQ),
+    "prophetnet": dict(num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2),
+    "zamba": dict(num_hidden_layers=3),
+    "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], max_position_embeddings=256),
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+    ),
+    # configs whose validators or models need more than SMALL, and the parts of composite configs;
     # Gemma 4's drafter: a text model without per-layer inputs that reads all its keys and values from
     # the target model
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
@@ -113,8 +124,6 @@ PER_TYPE = {
     "cohere_compass_text": dict(
         rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4)}
     ),
-    "prophetnet": dict(num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2),
-    "zamba": dict(num_hidden_layers=3),
     **dict.fromkeys(("qwen3_next", "qwen3_5_moe_text"), _HYBRID_MOE),
     "qwen4_exp_text": dict(**_HYBRID_MOE, hc_lowrank=16),
     "gemma4_text": dict(vocab_size_per_layer_input=SMALL["vocab_size"]),
@@ -142,19 +151,18 @@ PER_TYPE = {
     "phi4_multimodal_audio": dict(
         num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64, nemo_conv_channels=32
     ),
-    "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], max_position_embeddings=256),
-    "qwen3_moe": dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        decoder_sparse_step=1,
-        mlp_only_layers=[0],
-    ),
 }
 
 
 def _is_dropout(name: str, value) -> bool:
     return isinstance(value, float) and ("dropout" in name or name.endswith("pdrop"))
+
+
+def _part_sizes(spec, given: dict) -> dict:
+    """A part's sizes: its composite's defaults for it (dropout off), :data:`SMALL`, its type's entry of
+    :data:`PER_TYPE`, then the sizes ``given`` for it."""
+    defaults = {name: value for name, value in spec.init_kwargs.items() if not _is_dropout(name, value)}
+    return {**defaults, **SMALL, **PER_TYPE.get(spec.model_type, {}), **given}
 
 
 def _tiny_parts(model_type: str, sizes: dict) -> dict:
@@ -163,10 +171,7 @@ def _tiny_parts(model_type: str, sizes: dict) -> dict:
     full-size towers of a released model."""
     specs = getattr(CONFIG_MAPPING[model_type], "sub_configs_defaults", {})
     return {
-        key: tiny_config(
-            spec.model_type,
-            **{**spec.init_kwargs, **SMALL, **PER_TYPE.get(spec.model_type, {}), **sizes.get(key, {})},
-        )
+        key: tiny_config(spec.model_type, **_part_sizes(spec, sizes.get(key, {})))
         for key, spec in specs.items()
         if not spec.optional and spec.model_type in CONFIG_MAPPING and isinstance(sizes.get(key, {}), dict)
     }
