@@ -33,7 +33,7 @@ CLASSIC = (
     *("llama", "mistral", "qwen2", "phi"),
 )
 #: the exact types today
-MIN_EXACT = 128
+MIN_EXACT = 124
 #: address space per rank
 _MEMORY_LIMIT = 6 << 30
 _CPSHARD = os.path.dirname(cpshard.__file__)

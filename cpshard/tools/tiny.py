@@ -7,6 +7,8 @@ gradients are of order one and parity tolerances mean something.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -177,6 +179,13 @@ def _tiny_parts(model_type: str, sizes: dict) -> dict:
     }
 
 
+def _top_level(config_class) -> dict:
+    """The settings of :data:`SMALL` that a composite config declares itself: the others belong to its
+    parts (a multimodal config's text part has the heads), where a released config has them too."""
+    declared = {field.name for field in dataclasses.fields(config_class)} | set(config_class.attribute_map)
+    return {key: value for key, value in SMALL.items() if key in declared}
+
+
 def tiny_config(model_type: str, **overrides):
     """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``;
     a composite config's parts are shrunk the same way (``text_config=dict(...)`` sizes its text part).
@@ -184,8 +193,10 @@ def tiny_config(model_type: str, **overrides):
     Dropout is off (BERT and BART default to 0.1): a random mask drawn per run makes no two runs agree."""
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"unknown model type {model_type!r}")
-    sizes = {**SMALL, **PER_TYPE.get(model_type, {}), **overrides}
-    sizes.update(_tiny_parts(model_type, sizes))
+    given = {**PER_TYPE.get(model_type, {}), **overrides}
+    parts = _tiny_parts(model_type, given)
+    base = _top_level(CONFIG_MAPPING[model_type]) if parts else SMALL
+    sizes = {**base, **given, **parts}
     config = AutoConfig.for_model(
         model_type, **{key: value for key, value in sizes.items() if value is not None}
     )
