@@ -206,7 +206,7 @@ def tiny_config(model_type: str, **overrides):
     return config
 
 
-def _causal_lm(config, attn_implementation: str):
+def causal_lm(config, attn_implementation: str | None = None):
     """transformers' causal LM for ``config``; one that takes a part of a composite config alone
     (MusicGen's takes its decoder) is built from that part."""
     taken = getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "config_class", type(config))
@@ -235,7 +235,7 @@ def tiny_model(
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = _causal_lm(config, attn_implementation)
+        model = causal_lm(config, attn_implementation)
     if hasattr(model, "set_default_language"):  # X-MOD runs one language adapter, chosen up front
         model.set_default_language(config.languages[0])
     return model.to(dtype)
