@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cpshard.tools.tiny import tiny_batch, tiny_model
+from cpshard.tools.tiny import SMALL, tiny_batch, tiny_config, tiny_model
 
 
 def test_models_are_deterministic_per_seed():
@@ -18,6 +18,22 @@ def test_models_are_deterministic_per_seed():
 def test_unknown_model_type_is_named():
     with pytest.raises(ValueError, match="unknown model type 'no_such_model'"):
         tiny_model("no_such_model")
+
+
+def test_a_composite_configs_parts_are_tiny_and_sized_by_a_dict():
+    config = tiny_config("gemma3", text_config=dict(num_hidden_layers=3))
+    text, vision = config.text_config, config.vision_config
+    assert (text.model_type, text.hidden_size, text.num_hidden_layers) == ("gemma3_text", 64, 3)
+    assert (vision.hidden_size, vision.num_hidden_layers) == (
+        SMALL["hidden_size"],
+        SMALL["num_hidden_layers"],
+    )
+    assert sum(p.numel() for p in tiny_model("gemma3").parameters()) < 1_000_000
+
+
+def test_a_causal_lm_of_one_part_is_built_from_that_part():
+    model = tiny_model("musicgen")  # MusicGen's causal LM is its decoder: MusicgenConfig holds three parts
+    assert model.config.model_type == "musicgen_decoder" and model.config.hidden_size == SMALL["hidden_size"]
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

@@ -24,34 +24,8 @@ from cpshard.tools.parity import check_parity, failing_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 ZOO = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-#: types whose tiny config cannot be built here: configs nested per modality (the tiny sizes do not
-#: reach their text model, whose defaults take gigabytes) or that need settings no causal LM has
-UNBUILDABLE = {
-    "blt": "nested patcher/encoder configs at full size",
-    "emu3": "nested vision config at full size",
-    "gemma3": "multimodal: nested text config at full size",
-    "gemma4": "multimodal: nested text config at full size",
-    "gemma4_unified": "multimodal: nested text config at full size",
-    "gemma4_unified_assistant": "multimodal: nested text config at full size",
-    "llama4": "multimodal: nested text config at full size",
-    "mllama": "multimodal: nested text config at full size",
-    "qwen3_5": "multimodal: nested text config at full size",
-    "qwen3_5_moe": "multimodal: nested text config at full size",
-    "qwen4_exp": "multimodal: nested text config at full size",
-    "got_ocr2": "multimodal: nested vision config at full size",
-    "moss_transcribe_diarize": "multimodal: nested audio config at full size",
-    "phi4_multimodal": "multimodal: nested vision and audio configs at full size",
-    # configs whose validators need sizes that tiny_config does not set for them yet
-    **dict.fromkeys(
-        ("dbrx", "dots1", "dots3_note", "gemma3n_text", "gemma4_assistant", "lfm2_moe", "zamba2"),
-        "its config validation rejects the tiny sizes",
-    ),
-    "cohere_compass_text": "its config validation rejects the tiny sizes",
-    "dots3_note_text": "its tiny config still holds 95M parameters (its experts' sizes)",
-    "gemma3n": "needs pillow (its vision tower)",
-    **dict.fromkeys(("musicgen", "musicgen_melody"), "a decoder config inside a composite config"),
-    "xlnet": "no sequence length limit: tiny_config cannot set one",
-}
+#: types whose tiny config cannot be built here
+UNBUILDABLE = {"gemma3n": "needs pillow and timm (its vision tower)"}
 #: the classic GPT families that must be exact (bloom, falcon, gpt_neo and mpt through their rewritten
 #: attention, :mod:`cpshard.layouts.family_attention`)
 CLASSIC = (
@@ -59,7 +33,7 @@ CLASSIC = (
     *("llama", "mistral", "qwen2", "phi"),
 )
 #: the exact types today
-MIN_EXACT = 119
+MIN_EXACT = 125
 #: address space per rank
 _MEMORY_LIMIT = 6 << 30
 _CPSHARD = os.path.dirname(cpshard.__file__)

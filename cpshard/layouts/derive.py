@@ -198,6 +198,13 @@ def _record(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_
     try:
         with torch.no_grad():
             output = model(input_ids=ids, labels=ids, use_cache=False)
+    except LayoutError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- whatever the model raises, cp cannot run it either
+        raise LayoutError(
+            f"{type(model).__name__} does not run on token ids and labels alone ({type(error).__name__}: "
+            f"{str(error)[:200]}); cpshard runs a causal LM on those"
+        ) from error
     finally:
         for handle in handles:
             handle.remove()

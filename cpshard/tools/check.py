@@ -28,7 +28,7 @@ from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError
 from cpshard.runtime.forward import IMPLEMENTATIONS, choose_implementation, make_cp_forward
 from cpshard.tools.parity import RTOL, Parity, check_parity, failing_rows, format_rows
-from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model
+from cpshard.tools.tiny import causal_lm, tiny_batch, tiny_config, tiny_model
 from cpshard.tools.usage import UsageError, say
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -177,17 +177,15 @@ def build_model(source: ModelSource, config: CheckConfig):
         )
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(hf_config(source, settings), attn_implementation=config.attn)
+        model = causal_lm(hf_config(source, settings), attn_implementation=config.attn)
     return model.to(dtype)
 
 
 def _check_attention(model_config, source: ModelSource, attn: str) -> None:
     """A usage error where the model type does not support ``--attn`` (GPT-Neo and MPT have no sdpa)."""
-    from transformers import AutoModelForCausalLM
-
     try:
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(model_config, attn_implementation=attn)
+            causal_lm(model_config, attn_implementation=attn)
     except ValueError as error:
         if "does not support an attention implementation" not in str(error):
             raise
@@ -201,7 +199,6 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
     """Find every usage problem before ranks start; what cp will run, in words.
 
     The model is built on the meta device: its structure and config, none of its memory."""
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     source = resolve_source(config.model)
@@ -210,7 +207,7 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
         if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise UsageError(f"model type {model_config.model_type!r} has no causal LM in transformers")
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config)
+            model = causal_lm(model_config)
     except UsageError:
         raise
     except Exception as error:  # noqa: BLE001 -- transformers' validators raise many types

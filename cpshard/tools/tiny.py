@@ -7,8 +7,11 @@ gradients are of order one and parity tolerances mean something.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 SMALL = dict(
     vocab_size=128,
@@ -65,7 +68,19 @@ _SEQ2SEQ_TYPES = (
 )
 #: absolute position tables (and GPT-BigCode's causal mask buffer) are max_position_embeddings long
 _ABSOLUTE = dict(max_position_embeddings=256)
-#: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default)
+#: hybrids of linear attention and sparse experts (Qwen3-Next and kin): few small experts and linear heads
+_HYBRID_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+#: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default); a
+#: composite config's parts (its text, vision and audio configs) are looked up here by their own types
 PER_TYPE = {
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa"), _LATENT),
     **dict.fromkeys(("longcat_flash", "minicpm3", "sarvam_mla", "youtu", "axk1", "axk2"), _LATENT),
@@ -75,10 +90,8 @@ PER_TYPE = {
     "gpt_neo": dict(**_ABSOLUTE, attention_types=[[["global", "local"], 1]], window_size=4),
     "falcon": dict(head_dim=None),
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
-    **dict.fromkeys(("dots3_note", "dots3_note_text"), dict(num_key_value_heads=4)),
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size * expand = num_heads * head_dim
     **dict.fromkeys(_SEQ2SEQ_TYPES, _SEQ2SEQ),
-    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "prophetnet": dict(num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2),
     "zamba": dict(num_hidden_layers=3),
     "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], max_position_embeddings=256),
@@ -89,6 +102,57 @@ PER_TYPE = {
         decoder_sparse_step=1,
         mlp_only_layers=[0],
     ),
+    # configs whose validators or models need more than SMALL, and the parts of composite configs;
+    # Gemma 4's drafter: a text model without per-layer inputs that reads all its keys and values from
+    # the target model
+    "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
+    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=SMALL["vocab_size"]),
+    "xlnet": dict(max_position_embeddings=None, d_head=SMALL["head_dim"]),  # no position limit to set
+    "dbrx": dict(
+        d_model=SMALL["hidden_size"],  # its feed-forward's width is copied from d_model, not hidden_size
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0),  # its attention reads rope_theta here
+        ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
+    ),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32),
+    "lfm2_moe": dict(
+        layer_types=["full_attention", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], mamba_d_state=16),
+    # its rotary embedding reads the parameters per layer type
+    "cohere_compass_text": dict(
+        rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4)}
+    ),
+    **dict.fromkeys(("qwen3_next", "qwen3_5_moe_text"), _HYBRID_MOE),
+    "qwen4_exp_text": dict(**_HYBRID_MOE, hc_lowrank=16),
+    "gemma4_text": dict(vocab_size_per_layer_input=SMALL["vocab_size"]),
+    "blt": dict(encoder_hash_byte_group_vocab=64),
+    **dict.fromkeys(
+        ("blt_local_encoder", "blt_local_decoder"), dict(hidden_size_global=SMALL["hidden_size"])
+    ),
+    "dots3_note_text": dict(
+        _LATENT,
+        shared_experts_intermediate_size=32,
+        index_n_heads=2,
+        index_head_dim=16,
+        num_key_value_heads=4,
+    ),
+    "dots3_note_vision_encoder": dict(
+        mlp_layer_types=["dense"] * SMALL["num_hidden_layers"],
+        adapter_in_dim=SMALL["hidden_size"],
+        adapter_out_dim=SMALL["hidden_size"],
+    ),
+    "dots3_note_audio_encoder": dict(
+        adapter_input_size=SMALL["hidden_size"],
+        adapter_out_dim=SMALL["hidden_size"],
+        downsample_hidden_size=32,
+    ),
+    "phi4_multimodal_audio": dict(
+        num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64, nemo_conv_channels=32
+    ),
 }
 
 
@@ -96,21 +160,63 @@ def _is_dropout(name: str, value) -> bool:
     return isinstance(value, float) and ("dropout" in name or name.endswith("pdrop"))
 
 
+def _part_sizes(spec, given: dict) -> dict:
+    """A part's sizes: its composite's defaults for it (dropout off), :data:`SMALL`, its type's entry of
+    :data:`PER_TYPE`, then the sizes ``given`` for it."""
+    defaults = {name: value for name, value in spec.init_kwargs.items() if not _is_dropout(name, value)}
+    return {**defaults, **SMALL, **PER_TYPE.get(spec.model_type, {}), **given}
+
+
+def _tiny_parts(model_type: str, sizes: dict) -> dict:
+    """The sub-configs of a composite config (text, vision, audio...), each tiny as a type of its own, with
+    the part's entry of ``sizes`` (a dict) on top: left to their defaults, they would build the
+    full-size towers of a released model."""
+    specs = getattr(CONFIG_MAPPING[model_type], "sub_configs_defaults", {})
+    return {
+        key: tiny_config(spec.model_type, **_part_sizes(spec, sizes.get(key, {})))
+        for key, spec in specs.items()
+        if not spec.optional and spec.model_type in CONFIG_MAPPING and isinstance(sizes.get(key, {}), dict)
+    }
+
+
+def _top_level(config_class) -> dict:
+    """The settings of :data:`SMALL` that a composite config declares itself: the others belong to its
+    parts (a multimodal config's text part has the heads), where a released config has them too."""
+    declared = {field.name for field in dataclasses.fields(config_class)} | set(config_class.attribute_map)
+    return {key: value for key, value in SMALL.items() if key in declared}
+
+
 def tiny_config(model_type: str, **overrides):
-    """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``.
+    """transformers' config for ``model_type`` at the sizes of :data:`SMALL`, with ``overrides``;
+    a composite config's parts are shrunk the same way (``text_config=dict(...)`` sizes its text part).
 
     Dropout is off (BERT and BART default to 0.1): a random mask drawn per run makes no two runs agree."""
-    try:
-        sizes = {**SMALL, **PER_TYPE.get(model_type, {}), **overrides}
-        config = AutoConfig.for_model(
-            model_type, **{key: value for key, value in sizes.items() if value is not None}
-        )
-    except ValueError as error:
-        raise ValueError(f"unknown model type {model_type!r}: {error}") from None
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"unknown model type {model_type!r}")
+    given = {**PER_TYPE.get(model_type, {}), **overrides}
+    parts = _tiny_parts(model_type, given)
+    base = _top_level(CONFIG_MAPPING[model_type]) if parts else SMALL
+    sizes = {**base, **given, **parts}
+    config = AutoConfig.for_model(
+        model_type, **{key: value for key, value in sizes.items() if value is not None}
+    )
     for name, value in config.to_dict().items():
         if _is_dropout(name, value) and name not in overrides:
             setattr(config, name, 0.0)
     return config
+
+
+def causal_lm(config, attn_implementation: str | None = None):
+    """transformers' causal LM for ``config``; one that takes a part of a composite config alone
+    (MusicGen's takes its decoder) is built from that part."""
+    taken = getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "config_class", type(config))
+    parts = [getattr(config, key) for key in getattr(config, "sub_configs", {})]
+    part = next((part for part in parts if isinstance(part, taken)), None)
+    if isinstance(config, taken) or part is None:
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._from_config(
+        part, attn_implementation=attn_implementation
+    )
 
 
 def tiny_model(
@@ -129,7 +235,7 @@ def tiny_model(
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        model = causal_lm(config, attn_implementation)
     if hasattr(model, "set_default_language"):  # X-MOD runs one language adapter, chosen up front
         model.set_default_language(config.languages[0])
     return model.to(dtype)
