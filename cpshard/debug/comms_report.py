@@ -22,6 +22,7 @@ from cpshard.comm.record import CommEvent, recording
 from cpshard.debug.analytic import attention_paths, head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
+from cpshard.layouts.layout import text_config
 
 PHASES = ("forward", "backward")
 #: the names cpshard's forward and :func:`cpshard.value_and_grad` give their reductions
@@ -65,7 +66,7 @@ class _Run:
         inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
         if inputs is None or getattr(call, "implementation", "ulysses") != "ulysses":
             return None
-        params, config, layout = list(model.parameters()), model.config, call.layout
+        params, config, layout = list(model.parameters()), text_config(model), call.layout
         floating = [p for p in params if p.is_floating_point()]
         optimum = ulysses_optimum(
             batch=inputs.shape[0],

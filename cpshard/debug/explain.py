@@ -14,7 +14,7 @@ from cpshard.attention.cp_attention import kv_replication
 from cpshard.debug.analytic import Step, attention_paths, attention_steps, cut_steps, mesh_sizes
 from cpshard.debug.table import grouped, table
 from cpshard.debug.typeof import dtype_name
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.parallel.mesh import cp_size
 
@@ -150,7 +150,7 @@ def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree
     """The layout as applied to ``model`` on ``mesh``: choices, reasons, and every move's collective
     and cost."""
     chosen = resolve_layout(model, layout)
-    config, sizes = model.config, mesh_sizes(mesh)
+    config, sizes = text_config(model), mesh_sizes(mesh)
     name, reason, replicas = _implementation(config, chosen, cp_size(mesh), implementation, ulysses_degree)
     attention = attention_steps(config, chosen, sizes, model.dtype) if replicas else ()
     return Explanation(

@@ -15,6 +15,7 @@ import torch
 from cpshard.attention.choice import choose_implementation
 from cpshard.attention.cp_attention import kv_replication
 from cpshard.comm.redistribute import plan
+from cpshard.layouts.layout import text_config
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.forward import params_of
 from cpshard.spec.notation import Spec
@@ -139,7 +140,7 @@ def tp_share_bytes(
 
 def _sizes(model) -> dict:
     """The model's sizes that the optimum formulas take."""
-    layout, config = resolve_layout(model), model.config
+    layout, config = resolve_layout(model), text_config(model)
     heads, kv_heads = layout.head_counts(config)
     params = list(params_of(model).values())
     return dict(
@@ -167,7 +168,7 @@ def ring_optimum_of(
         cp=cp,
         degree=degree,
         order=order,
-        hidden=model.config.hidden_size,
+        hidden=text_config(model).hidden_size,
         rank=rank,
         **_sizes(model),
     )
@@ -178,7 +179,7 @@ def optimum_for(
 ) -> CommOptimum:
     """Rank 0's optimum for ``make_cp_forward(model, implementation=..., sequence_order=...)``: the
     implementation and Ulysses degree it would choose for this cp, and its sequence order."""
-    heads = resolve_layout(model).head_counts(model.config)[0]
+    heads = resolve_layout(model).head_counts(text_config(model))[0]
     chosen, degree = choose_implementation(implementation, heads, cp)
     if chosen == "ulysses":
         return optimum_of(model, batch, length, cp)

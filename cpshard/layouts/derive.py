@@ -26,7 +26,14 @@ from torch import nn
 
 from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.layouts.family_attention import PER_KEY_INPUTS
-from cpshard.layouts.layout import HEAD_TRANSFORMS, Layout, LayoutError, calls_attention_registry, specs
+from cpshard.layouts.layout import (
+    HEAD_TRANSFORMS,
+    Layout,
+    LayoutError,
+    calls_attention_registry,
+    specs,
+    text_config,
+)
 
 #: the sequence length of the recording run: odd and prime, so no other size is mistaken for it
 PROBE_LENGTH = 13
@@ -154,7 +161,7 @@ def _layer_arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict:
 
 def _probe_ids(model: nn.Module) -> torch.Tensor:
     """``[1, PROBE_LENGTH]`` token ids inside the vocabulary, clear of the usual special ids."""
-    ids = torch.arange(PROBE_LENGTH).remainder(max(getattr(model.config, "vocab_size", 2) - 3, 1)) + 3
+    ids = torch.arange(PROBE_LENGTH).remainder(max(getattr(text_config(model), "vocab_size", 2) - 3, 1)) + 3
     return ids.unsqueeze(0).to(next(model.parameters()).device)
 
 
@@ -274,9 +281,10 @@ def _config_value(config, name: str):
 
 def derive_layout(model: nn.Module) -> Layout:
     """The layout of ``model`` read off the model; a :class:`LayoutError` naming what cp cannot serve."""
-    config, get_decoder = getattr(model, "config", None), getattr(model, "get_decoder", None)
-    if config is None or get_decoder is None:
+    top_config, get_decoder = getattr(model, "config", None), getattr(model, "get_decoder", None)
+    if top_config is None or get_decoder is None:
         raise LayoutError("it is not a transformers model (no config, no get_decoder)")
+    config = text_config(top_config)  # a multimodal model's decoder sizes sit in its text part
     decoder = _decoder(model, get_decoder())
     decoder_path = _path_of(model, decoder)
     inner, layers = _decoder_layers(decoder, getattr(config, "num_hidden_layers", None))
@@ -310,8 +318,8 @@ def derive_layout(model: nn.Module) -> Layout:
     restores = bool(recording.children) and _restores_length(model, model.get_submodule(final))
     return replace(
         DECODER,
-        name=f"derived:{config.model_type}",
-        model_types=(config.model_type,),
+        name=f"derived:{top_config.model_type}",
+        model_types=(top_config.model_type,),
         decoder=decoder_path,
         decoder_layers=layers_path,
         attention=attention,

@@ -127,6 +127,14 @@ def _forward_calls_registry(module: nn.Module) -> bool:
     return any(call in source for call in _REGISTRY_CALLS)
 
 
+def text_config(model_or_config):
+    """The config that holds the decoder's sizes: a multimodal model's text part (heads, vocabulary, pad id,
+    logit transforms sit there, not at its top level), else the model's own config."""
+    config = getattr(model_or_config, "config", model_or_config)
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
 def calls_attention_registry(module: nn.Module) -> bool:
     """Whether ``module`` (or a module inside it: BERT's ``attention.self``) calls its attention function
     through transformers' registry (the function cpshard replaces); read from the source, since a class
@@ -165,7 +173,7 @@ def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
         problems.append(f"not every decoder layer has an attention module {layout.attention!r}")
     elif not all(calls_attention_registry(module) for module in attentions):
         problems.append("it does not call attention through transformers' attention-function registry")
-    config = getattr(model, "config", None)
+    config = text_config(model) if hasattr(model, "config") else None
     for attr in (layout.heads, layout.kv_heads):
         if attr is not None and not isinstance(getattr(config, attr, None), int):
             problems.append(f"its config has no {attr}")

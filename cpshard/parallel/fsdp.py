@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from cpshard.comm.collectives import all_gather_shards, sum_grads_over_group
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.experts import check_expert_parallel
 from cpshard.parallel.mesh import MESH_DIMS, expert_degree, mesh_size
@@ -58,8 +58,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout | str = "auto
     check_mesh(mesh)
     if max(mesh_size(mesh, "tp"), expert_degree(mesh)) > 1:  # only then does the layout's plan matter
         layout = resolve_layout(model, layout)
-        check_tensor_parallel(model.config, layout, mesh_size(mesh, "tp"))
-        check_expert_parallel(model.config, layout, expert_degree(mesh), mesh_size(mesh, "tp"))
+        check_tensor_parallel(text_config(model), layout, mesh_size(mesh, "tp"))
+        check_expert_parallel(text_config(model), layout, expert_degree(mesh), mesh_size(mesh, "tp"))
     else:
         layout = None
     named = dict(model.named_parameters())

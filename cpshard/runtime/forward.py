@@ -18,7 +18,7 @@ from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
 from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import sum_over_group
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs
 from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
@@ -110,8 +110,8 @@ class CPForward:
     def _strategy(self, mesh, cp: int, params: dict) -> tuple[str, int]:
         """``(implementation, Ulysses degree)`` for this mesh, after the checks of tp and ep."""
         tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
-        check_tensor_parallel(self.model.config, self.layout, tp)
-        check_expert_parallel(self.model.config, self.layout, ep, tp)
+        check_tensor_parallel(text_config(self.model), self.layout, tp)
+        check_expert_parallel(text_config(self.model), self.layout, ep, tp)
         if self.compile:
             check_compiled_parallelism(tp, ep)
         if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
@@ -120,7 +120,7 @@ class CPForward:
                 "cpshard.params_of(cpshard.parallelize(model, mesh)): each rank computes with its "
                 "own tp and ep blocks"
             )
-        heads = self.layout.head_counts(self.model.config)[0] // tp  # the heads this tp rank holds
+        heads = self.layout.head_counts(text_config(self.model))[0] // tp  # the heads this tp rank holds
         if tp > 1 and self.implementation == "ulysses" and heads % cp:
             raise ValueError(
                 f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: "
@@ -181,7 +181,7 @@ class CPForward:
         """Whether :func:`cpshard.value_and_grad` may sum the loss with the gradients, in one all-reduce
         after the backward (:meth:`unreduced`): for plain parameters (DTensors reduce in their gather's
         backward) and without the router loss (the same on every rank, not a share)."""
-        routed = bool(getattr(self.model.config, "output_router_logits", False))
+        routed = bool(getattr(text_config(self.model), "output_router_logits", False))
         return not routed and not any(isinstance(value, DTensor) for value in params.values())
 
     def unreduced(self, params: dict, batch: dict, mesh) -> CPOutput:
@@ -200,10 +200,10 @@ class CPForward:
         if self.layout.labels_shifted:
             batch = labels_read_as_shifted(batch)
         # valid and the same across each cp group, or every rank raises
-        check_batch(batch, mesh, getattr(self.model.config, "vocab_size", None))
+        check_batch(batch, mesh, getattr(text_config(self.model), "vocab_size", None))
         strategy = (implementation, degree, self._order(implementation, batch))
         ensure_installed(self.model, self.layout, mesh_size(mesh, "tp"))
-        padded = pad_batch(batch, cp, getattr(self.model.config, "pad_token_id", None), strategy[2])
+        padded = pad_batch(batch, cp, getattr(text_config(self.model), "pad_token_id", None), strategy[2])
         call = self._plan(mesh, cp, strategy, padded)
         if reduced:
             params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
@@ -240,7 +240,7 @@ class CPForward:
         Such models run their decoder alone and the head here: the model's own forward would add the
         load-balancing loss of this rank's slice, against the mask of the whole sequence."""
         inputs = {**inputs, "use_cache": False}
-        routed = bool(getattr(self.model.config, "output_router_logits", False))
+        routed = bool(getattr(text_config(self.model), "output_router_logits", False))
         if self.keep_logits and not routed:
             return torch.func.functional_call(
                 self.model, params, (), inputs, strict=False, tie_weights=True
@@ -273,14 +273,14 @@ class CPForward:
         rank = call.mesh.get_local_rank("cp") if call.cp_size > 1 else 0
         mask = local_token_mask(padded, call.order, call.cp_size, rank)
         aux = load_balancing_loss(
-            router_logits, *expert_counts(self.model.config), mask, group_over(call.mesh, TOKEN_DIMS)
+            router_logits, *expert_counts(text_config(self.model)), mask, group_over(call.mesh, TOKEN_DIMS)
         )
-        return self.model.config.router_aux_loss_coef * aux
+        return text_config(self.model).router_aux_loss_coef * aux
 
     def _head(self, params: dict) -> tuple:
         """``(weight, bias, transform)``: the LM head as the losses without logits apply it."""
         transform = partial(
-            transform_logits, config=self.model.config, transforms=self.layout.head_transforms
+            transform_logits, config=text_config(self.model), transforms=self.layout.head_transforms
         )
         return *head_of(self.model, params), transform
 

@@ -12,6 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 from cpshard.comm.collectives import all_gather_rows
+from cpshard.layouts.layout import text_config
 from cpshard.runtime.decode import make_cp_decode
 from cpshard.runtime.forward import params_of
 from cpshard.runtime.prefill import make_cp_prefill
@@ -90,7 +91,7 @@ def _token_ids(value) -> torch.Tensor | None:
 def stop_and_pad_ids(model, eos_token_id) -> tuple[torch.Tensor | None, int | None]:
     """``(eos ids or None, pad id)``: the model's generation config's eos (else its config's) unless given;
     padding after eos with the pad token, else the first eos, as transformers does."""
-    config, generation = model.config, model.generation_config
+    config, generation = text_config(model), model.generation_config
     if eos_token_id is _MODELS_OWN:
         eos_token_id = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
     eos = _token_ids(eos_token_id)

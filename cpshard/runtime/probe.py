@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from cpshard.call import active_call
-from cpshard.layouts.layout import LayoutError
+from cpshard.layouts.layout import LayoutError, text_config
 from cpshard.layouts.registry import REGISTERED
 from cpshard.parallel.mesh import cp_size
 from cpshard.runtime.grad import value_and_grad
@@ -73,7 +73,7 @@ def _layer_outputs(layers, final, run) -> list[tuple[torch.Tensor, torch.Tensor 
 
 def _probe_ids(model, cp: int, device) -> torch.Tensor:
     """Two rows of ``3 * cp + 1`` token ids spread over the vocabulary (odd: the cp padding is exercised)."""
-    vocab = max(getattr(model.config, "vocab_size", 8) - 3, 1)
+    vocab = max(getattr(text_config(model), "vocab_size", 8) - 3, 1)
     return (torch.arange(2 * (3 * cp + 1)) * 7).remainder(vocab).add(3).view(2, -1).to(device)
 
 

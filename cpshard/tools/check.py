@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError
@@ -217,7 +217,7 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
         ) from None
     try:
         chosen = resolve_layout(model, layout)
-        heads = getattr(model.config, chosen.heads)
+        heads = getattr(text_config(model), chosen.heads)
         implementation, degree = choose_implementation(config.implementation, heads, config.cp)
     except (ValueError, OSError, KeyError) as error:
         raise UsageError(" ".join(str(error).split())) from None
@@ -238,7 +238,7 @@ def check_job(config: CheckConfig, layout: Layout | str = "auto") -> Parity:
     mesh = make_mesh(cp=config.cp)
     model = build_model(resolve_source(config.model), config)
     batch = tiny_batch(
-        model.config.vocab_size,
+        text_config(model).vocab_size,
         config.batch,
         config.seq,
         pad=config.pad,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.comm.record import recording
+from cpshard.layouts.layout import text_config
 from cpshard.runtime.forward import params_of
 from cpshard.runtime.grad import value_and_grad
 
@@ -34,12 +35,12 @@ def reference(model, params: dict, batch: dict):
     loss = output.loss
     if "shift_labels" in batch:  # transformers takes shift_labels in its loss only, not in forward
         loss = model.loss_function(
-            output.logits, None, model.config.vocab_size, shift_labels=batch["shift_labels"]
+            output.logits, None, text_config(model).vocab_size, shift_labels=batch["shift_labels"]
         )
         if (
             getattr(output, "aux_loss", None) is not None
         ):  # the MoE router's load-balancing loss, as with labels
-            loss = loss + model.config.router_aux_loss_coef * output.aux_loss
+            loss = loss + text_config(model).router_aux_loss_coef * output.aux_loss
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(leaves.items(), grads)}
     return loss.detach(), output.logits.detach(), grads
