@@ -42,16 +42,11 @@ class TiledForward:
                 f"{call.name_of(self.module)}: mlp_tile runs an MLP called with the hidden states alone; "
                 f"this one got {len(args)} more arguments and {sorted(kwargs)}; use mlp_tile=None"
             )
+        # split, not slices: the input's gradient is one cat of the blocks' gradients, where each slice's
+        # backward would make a zero tensor of the whole input's size
         blocks = [
-            checkpoint_in_call(
-                checkpoint,
-                call,
-                self.module,
-                self.own_forward,
-                hidden_states[:, start : start + tile],
-                use_reentrant=False,
-            )
-            for start in range(0, hidden_states.shape[1], tile)
+            checkpoint_in_call(checkpoint, call, self.module, self.own_forward, block, use_reentrant=False)
+            for block in hidden_states.split(tile, dim=1)
         ]
         return torch.cat(blocks, dim=1)
 
