@@ -45,7 +45,8 @@ def test_rows_times_bytes_and_optimum(ranks2):
     assert set(by_name) == set(CONFIG.variants) - absent - {"hybrid"}
     assert len(notes) == 1 + len(absent)  # hybrid does not fit cp=2, and one line per absent baseline
     for row in rows:
-        assert row.seconds > 0 and row.cpu_seconds > 0 and row.tokens_per_second > 0 and row.peak_mib >= 0
+        assert row.seconds > 0 and row.cpu_seconds > 0 and row.tokens_per_second > 0 and row.peak_mib > 0
+        assert row.rss_mib is not None  # beside the live tensors' peak, the resident size
         assert (row.bytes_sent > 0) == (row.variant not in bench.ONE_PROCESS), row
     optimum = optimum_of(tiny_model("llama", **CONFIG.model_sizes()), 1, 64, 2)
     ulysses = by_name["ulysses"]
