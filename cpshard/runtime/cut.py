@@ -26,6 +26,9 @@ def _cut(value, before, after, call: CallPlan):
     if not isinstance(value, torch.Tensor):
         return value
     cut = redistribute(value, before, after.ordered("cp", call.order), call.mesh)
+    if type(cut) is torch.Tensor and cut.untyped_storage().nbytes() > cut.nbytes:
+        # a slice of the whole sequence: the layer (its norm, a checkpoint) saves it, and with it the whole
+        cut = cut.clone()
     return cut.contiguous() if call.traced else cut  # every compiled layer gets the same strides: one graph
 
 
