@@ -22,15 +22,12 @@ from torch.utils.checkpoint import checkpoint
 
 from cpshard.call import current_call
 from cpshard.layouts.layout import Layout, LayoutError
-from cpshard.runtime.recompute import checkpoint_in_call
+from cpshard.runtime.recompute import OwnForward, checkpoint_in_call, install_forward
 
 
-class TiledForward:
+class TiledForward(OwnForward):
     """An MLP module's forward: blocks of ``mlp_tile`` tokens under checkpointing inside a call that asks
     for it, the module's own forward otherwise."""
-
-    def __init__(self, module: nn.Module, own_forward):
-        self.module, self.own_forward = module, own_forward
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
         call = current_call()
@@ -58,7 +55,4 @@ def mlp_modules(layers: nn.ModuleList, layout: Layout) -> list[nn.Module]:
 
 def install_tiled_mlp(layers: nn.ModuleList, layout: Layout) -> None:
     """Give each layer's MLP the tiled forward (replacing one installed before, never nesting it)."""
-    for module in mlp_modules(layers, layout):
-        installed = module.__dict__.get("forward")
-        own = installed.own_forward if isinstance(installed, TiledForward) else module.forward
-        module.forward = TiledForward(module, own)
+    install_forward(mlp_modules(layers, layout), TiledForward)

@@ -54,7 +54,7 @@ CPSHARD = {
 #: variants whose model recomputes each decoder layer in the backward (transformers' activation checkpointing)
 CHECKPOINTED = ("ulysses-checkpointed", "ulysses-lean", "ulysses-lean-nologits")
 #: variants that also run the MLP in blocks of as many tokens as the hidden size (the layout's ``mlp_tile``;
-#: ALST's TiledMLP example cuts as many), the memory-lean configuration
+#: ALST's TiledMLP example cuts as many) and recompute the attention apart: the memory-lean configuration
 TILED = ("ulysses-lean", "ulysses-lean-nologits")
 #: the variants whose memory the targets judge
 JUDGED = ("ulysses", "ulysses-nologits", "ulysses-checkpointed", *TILED)
@@ -195,10 +195,12 @@ def _checkpointed(model):
 
 
 def _tiled(variant: str, model) -> dict:
-    """The layout option of a variant in :data:`TILED`: the model's own with ``mlp_tile`` set."""
+    """The layout option of a variant in :data:`TILED`: the model's own with ``mlp_tile`` and
+    ``attention_recompute`` set."""
     if variant not in TILED:
         return {}
-    return dict(layout=resolve_layout(model).with_rows(mlp_tile=model.config.hidden_size))
+    tile = model.config.hidden_size
+    return dict(layout=resolve_layout(model).with_rows(mlp_tile=tile, attention_recompute=True))
 
 
 def _release_memory() -> None:
