@@ -21,10 +21,11 @@ def test_peak_counts_what_lives_at_once():
 
 
 def test_storages_made_before_the_block_are_not_counted():
-    outside = torch.ones(MIB // 4)
+    outside, parameter = torch.ones(MIB // 4), torch.nn.Parameter(torch.ones(MIB // 4))
     with LiveTensors() as live:
         outside[:10].mul_(2)
         outside.detach()
+        parameter.detach()
     assert live.peak == 0
 
 

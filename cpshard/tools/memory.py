@@ -43,6 +43,14 @@ def current_rss() -> int:
     return _status_bytes("VmRSS") or peak_rss()
 
 
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """Where a tensor's storage starts (a parameter's too); None for a wrapper that holds none."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class LiveTensors(TorchDispatchMode):
     """The peak total size of the storages the ops inside the block allocate, while they live: the CPU's
     counterpart of ``torch.cuda.max_memory_allocated``, exact and deterministic where the resident size
@@ -64,9 +72,7 @@ class LiveTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if type(t) is torch.Tensor
-        }
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if type(t) is not torch.Tensor or t.device.type != "cpu":  # a wrapper holds no storage
                 continue
