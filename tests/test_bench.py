@@ -96,6 +96,7 @@ def test_paired_ratio_takes_each_round_against_its_own():
 
 def test_json_file(tmp_path):
     row = bench.Row("ulysses", 2, 64, 0.5, 0.6, 10.0, 100, 100, {"all_to_all": 100}, optimum=100)
+    assert "ulysses" in bench.format_table([row])  # a row without a resident size reads "-" there
     bench.write_json([row], CONFIG, tmp_path / "rows.json")
     written = json.loads((tmp_path / "rows.json").read_text())
     assert written["rows"][0]["tokens_per_second"] == 128 and written["config"]["seqs"] == [64]

@@ -2,10 +2,10 @@
 
 ``install(model, layout)`` registers cpshard's attention function around the model's own, the cut
 (forward pre-hooks on the decoder layers, hooks on the final norm and the LM head), for a mixture of
-experts the expert-parallel experts function, where the layout tiles the MLP, the MLP modules'
-tiled forward, and where it asks, the attention modules' recomputed forward (the tensor-parallel hooks go
-in at the first call with tp > 1). Each acts only inside a
-cp_forward call (see :mod:`cpshard.call`); outside one the model gives its ordinary results.
+experts the expert-parallel experts function, where the layout tiles the MLP, the MLP modules' tiled
+forward, and where it asks, the attention modules' recomputed forward (the tensor-parallel hooks go in
+at the first call with tp > 1). Each acts only inside a cp_forward call (see :mod:`cpshard.call`);
+outside one the model gives its ordinary results.
 
 Installing is idempotent: cpshard's hooks carry a mark, and a model that already holds them (installed
 before, or a ``copy.deepcopy`` of a prepared model) has them replaced, never doubled. Every call checks

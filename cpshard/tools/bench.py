@@ -424,7 +424,7 @@ def format_table(rows: list[Row]) -> str:
             _ratio(r.cpu_ratio),
             f"{r.peak_mib:.0f}",
             _ratio(r.memory_ratio),
-            f"{r.rss_mib:.0f}",
+            "-" if r.rss_mib is None else f"{r.rss_mib:.0f}",
             grouped(r.bytes_sent),
             grouped(r.optimum) if r.optimum else "-",
             grouped(r.bytes_received),
