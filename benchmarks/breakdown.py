@@ -9,19 +9,16 @@ that made each. Same model, batch and step functions as the bench.
 """
 
 import argparse
-import weakref
 from collections import defaultdict
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
 from cpshard.runtime.forward import params_of
 from cpshard.tools.bench import VARIANTS, BenchConfig, _steps
+from cpshard.tools.memory import LiveTensors
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 KINDS = {  # first match wins
@@ -57,48 +54,6 @@ KINDS = {  # first match wins
 
 def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS.items() if any(key in name for key in keys)), "other")
-
-
-class LiveTensors(TorchDispatchMode):
-    """Tensors made inside the block: the peak of their total size, and the biggest ones alive at it."""
-
-    def __init__(self, top: int = 12):
-        super().__init__()
-        self.live, self.refs, self.total, self.peak, self.at_peak, self.top = (
-            {},
-            defaultdict(int),
-            0,
-            0,
-            [],
-            top,
-        )
-
-    def _release(self, ptr: int) -> None:
-        self.refs[ptr] -= 1
-        if not self.refs[ptr]:
-            self.total -= self.live.pop(ptr)[0]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if (
-                type(t) is not torch.Tensor or t.device.type != "cpu"
-            ):  # a collective's wrapper holds no storage
-                continue
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self.live:
-                self.live[ptr] = (
-                    storage.nbytes(),
-                    f"{func.overloadpacket.__name__} {list(t.shape)} {str(t.dtype)[6:]}",
-                )
-                self.total += storage.nbytes()
-            self.refs[ptr] += 1
-            weakref.finalize(t, self._release, ptr)
-        if self.total > self.peak + (1 << 20):
-            self.peak = self.total
-            self.at_peak = sorted(self.live.values(), reverse=True)[: self.top]
-        return out
 
 
 def breakdown(config: BenchConfig, seq: int, variants: tuple) -> dict:

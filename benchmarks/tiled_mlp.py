@@ -5,8 +5,9 @@
 The bench's model (``cpshard bench``: a 2-layer llama, hidden 256, 8 heads, 4 kv heads, intermediate
 1,024, vocabulary 32,000), Ulysses over 2 local ranks, batch 1, ``logits=False``, without and with
 transformers' activation checkpointing of the layers; each variant's training step with and without
-the tiled MLP, alternated in each round. Memory is the peak resident memory a step adds on the busiest
-rank (median over rounds); time is CPU seconds of that rank's step.
+the tiled MLP, alternated in each round. Memory is the peak of the tensors a step allocates on the
+busiest rank (:class:`cpshard.tools.memory.LiveTensors`: exact, where the resident size also holds what
+glibc's heap kept of earlier steps); time is CPU seconds of that rank's step (median over rounds).
 """
 
 import argparse
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.layouts.registry import resolve_layout
-from cpshard.tools.memory import current_rss, peak_rss, reset_peak_rss
+from cpshard.tools.memory import LiveTensors
 from cpshard.tools.tiny import tiny_batch, tiny_model
 from cpshard.tools.usage import llama_sizes
 
@@ -35,15 +36,15 @@ def _variant(checkpointing: bool, tile: int | None):
 
 
 def _measured(step, params, batch, mesh) -> tuple[float, float]:
-    """One step: the peak memory it adds (bytes) and its CPU seconds."""
+    """One step: the peak of the tensors it allocates (bytes, an untimed step) and its CPU seconds."""
     gc.collect()
     dist.barrier()
-    reset_peak_rss()
-    before, cpu = current_rss(), time.process_time()
-    result = step(params, batch, mesh)
-    cpu, growth = time.process_time() - cpu, peak_rss() - before
-    del result
-    return growth, cpu
+    with LiveTensors() as live:
+        step(params, batch, mesh)
+    dist.barrier()
+    cpu = time.process_time()
+    step(params, batch, mesh)
+    return live.peak, time.process_time() - cpu
 
 
 def rank_job(seq: int, tile: int, repeats: int) -> dict:

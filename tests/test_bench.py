@@ -46,7 +46,8 @@ def test_rows_times_bytes_and_optimum(ranks2):
     assert set(by_name) == set(CONFIG.variants) - absent - {"hybrid"}
     assert len(notes) == 1 + len(absent)  # hybrid does not fit cp=2, and one line per absent baseline
     for row in rows:
-        assert row.seconds > 0 and row.cpu_seconds > 0 and row.tokens_per_second > 0 and row.peak_mib >= 0
+        assert row.seconds > 0 and row.cpu_seconds > 0 and row.tokens_per_second > 0 and row.peak_mib > 0
+        assert row.rss_mib is not None  # beside the live tensors' peak, the resident size
         assert (row.bytes_sent > 0) == (row.variant not in bench.ONE_PROCESS), row
     optimum = optimum_of(tiny_model("llama", **CONFIG.model_sizes()), 1, 64, 2)
     ulysses = by_name["ulysses"]
@@ -122,6 +123,7 @@ def test_paired_ratio_takes_each_round_against_its_own():
 
 def test_json_file(tmp_path):
     row = bench.Row("ulysses", 2, 64, 0.5, 0.6, 10.0, 100, 100, {"all_to_all": 100}, optimum=100)
+    assert "ulysses" in bench.format_table([row])  # a row without a resident size reads "-" there
     bench.write_json([row], CONFIG, tmp_path / "rows.json")
     written = json.loads((tmp_path / "rows.json").read_text())
     assert written["rows"][0]["tokens_per_second"] == 128 and written["config"]["seqs"] == [64]

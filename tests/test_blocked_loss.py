@@ -82,3 +82,20 @@ def test_token_log_probs_block_by_block_with_exact_gradients(config):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert largest.largest <= max(2 * 50 * 3, weight.numel()) < logits.numel(), largest.largest
+
+
+def test_default_blocks_hold_no_more_logits_than_the_head_weight():
+    """By default a block holds as many tokens as the hidden size (here 8 of 40), exactly."""
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 40, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 50, (1, 40), generator=generator)
+    transform = partial(transform_logits, config=SimpleNamespace(), transforms=HEAD_TRANSFORMS)
+    whole = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), labels.flatten(), reduction="sum")
+    with _LargestBuffer() as largest:
+        blocked = blocked_loss_sum(hidden, labels, weight, None, transform)
+        got = torch.autograd.grad(blocked, [hidden, weight])
+    torch.testing.assert_close(blocked, whole)
+    for g, w in zip(got, torch.autograd.grad(whole, [hidden, weight])):
+        torch.testing.assert_close(g, w)
+    assert largest.largest == weight.numel()  # [8 tokens, 50] logits, never [40, 50]

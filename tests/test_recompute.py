@@ -1,9 +1,11 @@
-"""cp_forward under transformers' activation checkpointing: the recompute re-runs the collectives, exactly."""
+"""cp_forward under transformers' activation checkpointing: the recompute re-runs the collectives, exactly;
+a layout's attention_recompute checkpoints each attention on its own, with or without the layers'."""
 
 import pytest
 import torch.distributed as dist
 
 import cpshard
+from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.recompute import checkpointing_modules
 from cpshard.tools.parity import check_parity, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -55,3 +57,37 @@ def gradients_of_other_params() -> float:
 
 def test_the_recompute_uses_the_calls_parameters(ranks2):
     assert max(ranks2.run(gradients_of_other_params)) <= TOLERANCE
+
+
+def attention_recomputed(implementation: str, checkpointing: bool) -> tuple[float, int]:
+    """The largest relative difference of loss, logits and gradients from one process, and how many times
+    each layer's attention ran in one step. The parameters are not the module's own (an optimizer's
+    output), except under layer checkpointing (the layout's probe recomputes with the module's own)."""
+    model, twin = tiny_model("llama", num_hidden_layers=2).train(), tiny_model("llama", num_hidden_layers=2)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    layout = resolve_layout(model).with_rows(attention_recompute=True)
+    scale = 1 if checkpointing else 1.1
+    params = {name: p.detach() * scale for name, p in cpshard.params_of(model).items()}
+    batch = tiny_batch(model.config.vocab_size, 2, 15, pad="right")
+    want_loss, want_logits, want = reference(twin, params, batch)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    step = cpshard.value_and_grad(
+        cpshard.make_cp_forward(model, layout=layout, implementation=implementation)
+    )
+    step(params, batch, mesh)  # the first call probes the layout
+    runs = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *_: runs.append(1))
+    out, grads = step(params, batch, mesh)
+    diffs = [((out.loss - want_loss).abs() / want_loss.abs()).item()]
+    diffs.append(((out.logits.full_tensor() - want_logits).abs().max() / want_logits.abs().max()).item())
+    diffs += [((grads[n] - want[n]).abs().max() / want[n].abs().max()).item() for n in want]
+    return max(diffs), len(runs)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["alone", "in-checkpointed-layers"])
+@pytest.mark.parametrize("implementation", ["ulysses", "ring"])
+def test_attention_recomputed_apart_is_exact(ranks2, implementation, checkpointing):
+    for worst, runs in ranks2.run(attention_recomputed, implementation, checkpointing):
+        assert worst <= TOLERANCE
+        assert runs == (3 if checkpointing else 2)  # the forward, the layer's recompute, the attention's

@@ -85,6 +85,11 @@ class Layout:
     #: :mod:`cpshard.runtime.tiled_mlp`); None runs it whole
     mlp: str | None = None
     mlp_tile: int | None = None
+    #: run each layer's attention module (``attention``) under activation checkpointing of its own, inside
+    #: the layer's: its activations (the exchanged q, k, v, its output) are recomputed when the backward
+    #: reaches it, so the layer's MLP backward does not hold them (:mod:`cpshard.runtime.recompute`); one
+    #: more attention forward and its exchanges per layer
+    attention_recompute: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))

@@ -43,4 +43,5 @@ LAYOUT = Layout(
     per_head_params=(),
     mlp="mlp",
     mlp_tile=None,
+    attention_recompute=False,
 )

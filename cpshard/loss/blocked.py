@@ -22,6 +22,14 @@ from cpshard.spec.sequence import row_blocks
 BLOCK_ELEMENTS = 1 << 24
 
 
+def _blocks(hidden, weight, block_elements: int | None) -> list[slice]:
+    """The token blocks: by default each block's logits are no bigger than the head's weight (a block of
+    as many tokens as the hidden size, so its matmul outweighs adding its share to the weight's gradient)
+    nor than :data:`BLOCK_ELEMENTS`, so that the loss holds less than the layers do per token."""
+    budget = min(BLOCK_ELEMENTS, weight.numel()) if block_elements is None else block_elements
+    return row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], budget)
+
+
 def _block_loss(hidden, labels, weight, bias, transform):
     return cross_entropy_sum(transform(F.linear(hidden, weight, bias)), labels)
 
@@ -60,11 +68,11 @@ class _BlockedHeadLoss(torch.autograd.Function):
 
 
 def blocked_loss_sum(
-    hidden, labels, weight, bias, transform, block_elements: int = BLOCK_ELEMENTS
+    hidden, labels, weight, bias, transform, block_elements: int | None = None
 ) -> torch.Tensor:
     """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, block by block;
     ``transform`` is what the LM head does to its logits after the projection."""
-    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], block_elements)
+    parts = _blocks(hidden, weight, block_elements)
     return _BlockedHeadLoss.apply(hidden, weight, bias, labels, transform, parts)
 
 
@@ -73,12 +81,12 @@ def _block_log_probs(hidden, weight, bias, labels, transform):
 
 
 def blocked_token_log_probs(
-    hidden, labels, weight, bias, transform, block_elements: int = BLOCK_ELEMENTS
+    hidden, labels, weight, bias, transform, block_elements: int | None = None
 ) -> torch.Tensor:
     """The log-probability of each of ``labels`` ``[B, S]`` (0 where ignored) from ``hidden`` ``[B, S, D]``,
     block by block. Their gradient is known only in the backward, so each block's logits are computed
     again there (checkpointed), one block at a time: the head's matmul twice, never the whole logits."""
-    parts = row_blocks(hidden.shape[1], hidden.shape[0] * weight.shape[0], block_elements)
+    parts = _blocks(hidden, weight, block_elements)
     blocks = [
         checkpoint(
             _block_log_probs, hidden[:, part], weight, bias, labels[:, part], transform, use_reentrant=False

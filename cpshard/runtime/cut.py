@@ -26,15 +26,16 @@ def _cut(value, before, after, call: CallPlan):
     if not isinstance(value, torch.Tensor):
         return value
     cut = redistribute(value, before, after.ordered("cp", call.order), call.mesh)
-    return _fresh(cut) if call.traced else cut
+    return _fresh(cut, call.traced)
 
 
-def _fresh(cut: torch.Tensor) -> torch.Tensor:
-    """``cut`` contiguous and at the start of its storage, as every later layer's input is: one compiled
-    graph serves all layers (a contiguous slice keeps its offset, and torch.compile specializes offset 0)."""
-    if cut.is_contiguous() and cut.storage_offset() == 0:
-        return cut
-    return cut.clone(memory_format=torch.contiguous_format)
+def _fresh(cut: torch.Tensor, traced: bool) -> torch.Tensor:
+    """``cut`` in a storage of its own where it is a slice of the whole sequence (the layer saves it, for
+    its norm or a checkpoint, and with it the whole would stay alive), which also puts it at offset 0;
+    contiguous for a compiled layer, as every later layer's input is, so one graph serves all layers."""
+    if type(cut) is torch.Tensor and cut.untyped_storage().nbytes() > cut.nbytes:
+        return cut.clone(memory_format=torch.contiguous_format)
+    return cut.contiguous() if traced else cut
 
 
 @torch._dynamo.disable  # reads the running call; under cpshard's per-layer compile it runs before the layer

@@ -2,9 +2,10 @@
 
 ``install(model, layout)`` registers cpshard's attention function around the model's own, the cut
 (forward pre-hooks on the decoder layers, hooks on the final norm and the LM head), for a mixture of
-experts the expert-parallel experts function and, where the layout tiles the MLP, the MLP modules'
-tiled forward (the tensor-parallel hooks go in at the first call with tp > 1). Each acts only inside a
-cp_forward call (see :mod:`cpshard.call`); outside one the model gives its ordinary results.
+experts the expert-parallel experts function, where the layout tiles the MLP, the MLP modules' tiled
+forward, and where it asks, the attention modules' recomputed forward (the tensor-parallel hooks go in
+at the first call with tp > 1). Each acts only inside a cp_forward call (see :mod:`cpshard.call`);
+outside one the model gives its ordinary results.
 
 Installing is idempotent: cpshard's hooks carry a mark, and a model that already holds them (installed
 before, or a ``copy.deepcopy`` of a prepared model) has them replaced, never doubled. Every call checks
@@ -27,6 +28,7 @@ from cpshard.parallel.experts import PREFIX as EXPERTS_PREFIX
 from cpshard.parallel.experts import experts_modules, install_experts
 from cpshard.parallel.tensor import tensor_parallel_hooks
 from cpshard.runtime.cut import cut_hooks
+from cpshard.runtime.recompute import RecomputedForward, install_forward
 from cpshard.runtime.tiled_mlp import install_tiled_mlp
 
 
@@ -82,6 +84,8 @@ def install(model: nn.Module, layout: Layout) -> None:
         install_experts(model)
     if layout.mlp_tile is not None:
         install_tiled_mlp(layers, layout)
+    if layout.attention_recompute:
+        install_forward([layer.get_submodule(layout.attention) for layer in layers], RecomputedForward)
 
 
 def ensure_installed(model: nn.Module, layout: Layout, tp: int) -> None:

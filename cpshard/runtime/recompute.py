@@ -11,6 +11,10 @@ The recompute also needs the call's parameters: cp_forward runs the model under
 recomputes, and a layer reads its weights from the module. So the module's parameters of the forward
 enter each checkpoint as inputs and are put back on the module for the recompute (without them a
 functional training loop would get the gradients of the stale weights the module holds).
+
+A layout's ``attention_recompute`` also checkpoints each layer's attention module on its own
+(:class:`RecomputedForward`), nested in the layer's checkpoint: the layer's backward then holds the
+attention's activations only while it runs the attention's backward, not through the MLP's.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from functools import partial
 
+import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.checkpoint import checkpoint
 
-from cpshard.call import CallPlan, running
+from cpshard.call import CallPlan, current_call, running
 
 _FUNC = "_gradient_checkpointing_func"
 
@@ -64,3 +70,39 @@ def recompute_in(call: CallPlan, model: nn.Module):
                 delattr(module, _FUNC)
             else:
                 setattr(module, _FUNC, own)
+
+
+class OwnForward:
+    """A module's instance ``forward`` that cpshard puts over the module's own (kept as ``own_forward``)."""
+
+    def __init__(self, module: nn.Module, own_forward):
+        self.module, self.own_forward = module, own_forward
+
+
+def install_forward(modules: list[nn.Module], kind: type[OwnForward]) -> None:
+    """Give each module the forward ``kind`` (replacing one cpshard installed before, never nesting it)."""
+    for module in modules:
+        installed = module.__dict__.get("forward")
+        own = installed.own_forward if isinstance(installed, OwnForward) else module.forward
+        module.forward = kind(module, own)
+
+
+def _keywords_last(fn, keys: tuple[str, ...], rest: dict, count: int, *inputs):
+    return fn(*inputs[:count], **dict(zip(keys, inputs[count:])), **rest)
+
+
+class RecomputedForward(OwnForward):
+    """An attention module's forward under a checkpoint of its own, inside a call whose layout sets
+    ``attention_recompute``; the module's own forward everywhere else. Its tensor keywords enter the
+    checkpoint as inputs: a checkpoint holds keywords as they are, so the layer's own checkpoint would
+    otherwise keep the attention's input of every layer alive from the forward to the backward."""
+
+    def __call__(self, *args, **kwargs):
+        call = current_call()
+        if call is None or not call.layout.attention_recompute or not torch.is_grad_enabled():
+            return self.own_forward(*args, **kwargs)
+        keys = tuple(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
+        rest = {key: value for key, value in kwargs.items() if key not in keys}
+        fn = partial(_keywords_last, self.own_forward, keys, rest, len(args))
+        inputs = (*args, *(kwargs[key] for key in keys))
+        return checkpoint_in_call(checkpoint, call, self.module, fn, *inputs, use_reentrant=False)

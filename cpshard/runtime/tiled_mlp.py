@@ -22,15 +22,12 @@ from torch.utils.checkpoint import checkpoint
 
 from cpshard.call import current_call
 from cpshard.layouts.layout import Layout, LayoutError
-from cpshard.runtime.recompute import checkpoint_in_call
+from cpshard.runtime.recompute import OwnForward, checkpoint_in_call, install_forward
 
 
-class TiledForward:
+class TiledForward(OwnForward):
     """An MLP module's forward: blocks of ``mlp_tile`` tokens under checkpointing inside a call that asks
     for it, the module's own forward otherwise."""
-
-    def __init__(self, module: nn.Module, own_forward):
-        self.module, self.own_forward = module, own_forward
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
         call = current_call()
@@ -42,16 +39,11 @@ class TiledForward:
                 f"{call.name_of(self.module)}: mlp_tile runs an MLP called with the hidden states alone; "
                 f"this one got {len(args)} more arguments and {sorted(kwargs)}; use mlp_tile=None"
             )
+        # split, not slices: the input's gradient is one cat of the blocks' gradients, where each slice's
+        # backward would make a zero tensor of the whole input's size
         blocks = [
-            checkpoint_in_call(
-                checkpoint,
-                call,
-                self.module,
-                self.own_forward,
-                hidden_states[:, start : start + tile],
-                use_reentrant=False,
-            )
-            for start in range(0, hidden_states.shape[1], tile)
+            checkpoint_in_call(checkpoint, call, self.module, self.own_forward, block, use_reentrant=False)
+            for block in hidden_states.split(tile, dim=1)
         ]
         return torch.cat(blocks, dim=1)
 
@@ -63,7 +55,4 @@ def mlp_modules(layers: nn.ModuleList, layout: Layout) -> list[nn.Module]:
 
 def install_tiled_mlp(layers: nn.ModuleList, layout: Layout) -> None:
     """Give each layer's MLP the tiled forward (replacing one installed before, never nesting it)."""
-    for module in mlp_modules(layers, layout):
-        installed = module.__dict__.get("forward")
-        own = installed.own_forward if isinstance(installed, TiledForward) else module.forward
-        module.forward = TiledForward(module, own)
+    install_forward(mlp_modules(layers, layout), TiledForward)

@@ -30,13 +30,14 @@ from cpshard.attention.choice import choose_implementation
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import optimum_for
 from cpshard.debug.table import grouped, table
+from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
 from cpshard.runtime.forward import make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
 from cpshard.tools.alst import alst_step
 from cpshard.tools.baselines import CollectiveCounter, barrier, missing, peer_step, plain_step
-from cpshard.tools.memory import current_rss, peak_rss, reset_peak_rss
+from cpshard.tools.memory import LiveTensors, current_rss, peak_rss, reset_peak_rss
 from cpshard.tools.tiny import tiny_batch, tiny_model
 from cpshard.tools.usage import UsageError, llama_sizes
 
@@ -47,9 +48,16 @@ CPSHARD = {
     "hybrid": dict(implementation="hybrid"),
     "ulysses-nologits": dict(implementation="ulysses", logits=False),
     "ulysses-checkpointed": dict(implementation="ulysses", logits=False),
+    "ulysses-lean": dict(implementation="ulysses"),
+    "ulysses-lean-nologits": dict(implementation="ulysses", logits=False),
 }
 #: variants whose model recomputes each decoder layer in the backward (transformers' activation checkpointing)
-CHECKPOINTED = ("ulysses-checkpointed",)
+CHECKPOINTED = ("ulysses-checkpointed", "ulysses-lean", "ulysses-lean-nologits")
+#: variants that also run the MLP in blocks of as many tokens as the hidden size (the layout's ``mlp_tile``;
+#: ALST's TiledMLP example cuts as many) and recompute the attention apart: the memory-lean configuration
+TILED = ("ulysses-lean", "ulysses-lean-nologits")
+#: the variants whose memory the targets judge
+JUDGED = ("ulysses", "ulysses-nologits", "ulysses-checkpointed", *TILED)
 #: the Ulysses implementations cpshard is timed against ("peers"), and one process without cp
 PEERS = ("dtensor", "deepspeed", "yunchang", "alst")
 #: on one process each: the plain model, and cpshard's cp_forward at cp=1 (its overhead over the plain model)
@@ -171,7 +179,7 @@ def _steps(model_of, variants: tuple[str, ...], idle_single: bool) -> tuple[dict
             steps[name] = _idle if idle_single else step
         elif name in CPSHARD:
             owner = _checkpointed(model_of()) if name in CHECKPOINTED else model
-            steps[name] = value_and_grad(make_cp_forward(owner, **CPSHARD[name]))
+            steps[name] = value_and_grad(make_cp_forward(owner, **CPSHARD[name], **_tiled(name, owner)))
         elif (note := missing(name)) is not None:
             notes.append(note)
         elif name == "alst":
@@ -184,6 +192,15 @@ def _steps(model_of, variants: tuple[str, ...], idle_single: bool) -> tuple[dict
 def _checkpointed(model):
     model.activation_checkpointing_enable()
     return model.train()
+
+
+def _tiled(variant: str, model) -> dict:
+    """The layout option of a variant in :data:`TILED`: the model's own with ``mlp_tile`` and
+    ``attention_recompute`` set."""
+    if variant not in TILED:
+        return {}
+    tile = model.config.hidden_size
+    return dict(layout=resolve_layout(model).with_rows(mlp_tile=tile, attention_recompute=True))
 
 
 def _release_memory() -> None:
@@ -217,19 +234,27 @@ def rank_job(config: BenchConfig, seq: int, variants: tuple[str, ...]) -> dict:
     steps, notes = _steps(model_of, variants, config.single_rank0_only and dist.get_rank() != 0)
     params, batch = params_of(model_of()), tiny_batch(config.vocab, 1, seq, seed=config.seed)
     times, cpus, growths = ({name: [] for name in steps} for _ in range(3))
-    counted, recorded = {}, {}
+    counted, recorded, live = {}, {}, {}
     for name, step in steps.items():  # warm-up round, discarded: it counts the bytes instead
         barrier()
         with CollectiveCounter() as counter, recording() as log:
             step(params, batch, mesh)
         counted[name], recorded[name] = counter.summary(), log.bytes_by("op")
+    for name, step in steps.items():  # an untimed round counts the peak of live tensors
+        _release_memory()
+        barrier()
+        with LiveTensors() as tensors:
+            step(params, batch, mesh)
+        live[name] = tensors.peak
     for _ in range(config.repeats):
         for name, step in steps.items():
             seconds, cpu, growth = _timed(step, params, batch, mesh)
             times[name].append(seconds)
             cpus[name].append(cpu)
             growths[name].append(growth)
-    return dict(times=times, cpus=cpus, growths=growths, counted=counted, recorded=recorded, notes=notes)
+    return dict(
+        times=times, cpus=cpus, growths=growths, live=live, counted=counted, recorded=recorded, notes=notes
+    )
 
 
 # ---------------------------------------------------------------- what the parent makes of it
@@ -245,6 +270,7 @@ class Row:
     seconds: float
     #: the busiest rank's CPU seconds (all its threads): what the step costs, whatever else runs
     cpu_seconds: float
+    #: the peak of the tensors the step allocates (as torch.cuda.max_memory_allocated counts on a GPU)
     peak_mib: float
     #: bytes this rank passes into collectives per step (input sizes), and what it receives
     bytes_sent: int
@@ -258,6 +284,8 @@ class Row:
     #: per round (repeat): the slowest rank's wall seconds and the busiest rank's CPU seconds
     step_seconds: list = field(default_factory=list)
     step_cpu_seconds: list = field(default_factory=list)
+    #: the peak resident memory the step adds (median over the rounds), glibc's kept heap included
+    rss_mib: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -276,6 +304,7 @@ def _rows(results: list[dict], config: BenchConfig, seq: int) -> list[Row]:
         slowest = [max(r["times"][name][i] for r in results) for i in range(config.repeats)]
         busiest = [max(r["cpus"][name][i] for r in results) for i in range(config.repeats)]
         growth = max(statistics.median(r["growths"][name]) for r in results)
+        live = max(r["live"][name] for r in results)
         sent, received, by_op = first["counted"][name]
         if name in CPSHARD:  # cpshard's own record of its collectives (the counter agrees; see the json)
             by_op = {**first["recorded"][name], "counted": sent}
@@ -289,13 +318,14 @@ def _rows(results: list[dict], config: BenchConfig, seq: int) -> list[Row]:
                 seq,
                 seconds,
                 statistics.median(busiest),
-                growth / MIB,
+                live / MIB,
                 sent,
                 received,
                 by_op,
                 optimum,
                 step_seconds=slowest,
                 step_cpu_seconds=busiest,
+                rss_mib=growth / MIB,
             )
         )
     return rows
@@ -376,6 +406,7 @@ def format_table(rows: list[Row]) -> str:
         "vs peer",
         "peak MiB/rank",
         "vs 1 proc",
+        "RSS MiB",
         "bytes/rank",
         "optimum",
         "recv/rank",
@@ -393,6 +424,7 @@ def format_table(rows: list[Row]) -> str:
             _ratio(r.cpu_ratio),
             f"{r.peak_mib:.0f}",
             _ratio(r.memory_ratio),
+            "-" if r.rss_mib is None else f"{r.rss_mib:.0f}",
             grouped(r.bytes_sent),
             grouped(r.optimum) if r.optimum else "-",
             grouped(r.bytes_received),
@@ -400,7 +432,7 @@ def format_table(rows: list[Row]) -> str:
         )
         for r in sorted(rows, key=lambda r: (r.seq, r.cp, VARIANTS.index(r.variant)))
     ]
-    return table(cells, header, right=frozenset(range(1, 13)))
+    return table(cells, header, right=frozenset(range(1, 14)))
 
 
 def _verdict(ratio: float, want: float) -> str:
@@ -430,7 +462,7 @@ def targets(rows: list[Row]) -> list[str]:
                     f"{_verdict(row.cpu_ratio, want)}; wall {row.seconds * 1e3:.0f} ms = "
                     f"{row.time_ratio:.3f} x the fastest peer's (noisy on a shared machine)"
                 )
-        for variant in ("ulysses", "ulysses-nologits", "ulysses-checkpointed"):
+        for variant in JUDGED:
             row = by.get((variant, cp, seqs[-1]))
             if row is not None and row.memory_ratio is not None:
                 lines.append(
@@ -486,7 +518,7 @@ def against_alst(rows: list[Row], budget_mib: float) -> list[str]:
         alst = by.get(("alst", cp, seqs[-1]))
         if alst is None:
             continue
-        for variant in ("ulysses", "ulysses-nologits", "ulysses-checkpointed"):
+        for variant in JUDGED:
             row = by.get((variant, cp, seqs[-1]))
             if row is None:
                 continue
