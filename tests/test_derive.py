@@ -75,7 +75,7 @@ def test_kv_heads_fall_back_to_heads():
         ("mamba", ["backbone.layers (MambaBlock) has an attention module"]),
         ("hy_v4", ["model.layers.0 receives a residual stream of shape [1, 13, 4, 64]"]),
         ("dory", ["model.layers.0 runs 2 times in one forward (looped layers)"]),
-        ("xglm", ["model.layers.0.self_attn (XGLMAttention)", "attention registry"]),
+        ("openai-gpt", ["transformer.h.0.attn (Attention)", "attention registry"]),
         ("musicgen", ["does not run on token ids and labels alone", "RuntimeError"]),  # ids per codebook
     ],
 )
