@@ -160,3 +160,12 @@ def test_set_overrides_reach_the_model_on_every_rank(ranks2):
     layers = {row.split(".")[2] for row in parities[0].diffs if row.startswith("grad model.layers.")}
     assert layers == {"0", "1", "2"}
     assert failing_rows(parities) == []
+
+
+def test_a_refusal_inside_the_ranks_is_one_line(capsys):
+    """A model cp refuses where only running it shows why (MusicGen's decoder takes ids per codebook): the
+    ranks' LayoutError in one line, no traceback."""
+    assert main(["check", "musicgen", "--cp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "raised LayoutError: cpshard cannot serve model type 'musicgen_decoder'" in err
+    assert "Traceback" not in err and err.count("\n") == 1, err

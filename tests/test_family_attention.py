@@ -9,6 +9,7 @@ with a clear error on every rank.
 import copy
 
 import pytest
+import torch
 
 import cpshard
 from cpshard.layouts.family_attention import rewrite, rewritten
@@ -75,6 +76,7 @@ def refusal(model_type: str, implementation: str, overrides: dict) -> str:
 def test_ring_refuses_alibi_and_windows_on_every_rank(ranks2, model_type):
     messages = ranks2.run(refusal, model_type, "eager", {})
     assert all("implementation='ulysses'" in message for message in messages), messages
+    assert not any("Some module mixes tokens" in message for message in messages)  # the refusal as it is
 
 
 def test_multi_query_alibi_under_sdpa_is_refused_up_front():
@@ -98,10 +100,13 @@ def test_a_rewritten_model_outside_cp_gives_its_own_results():
         if rewritten(module):
             rewrite(module, other.config)
     batch = tiny_batch(own.config.vocab_size, 2, 11, pad="left")
-    expected, got = own(**batch), other(**batch)
+    expected, got = own(**batch, output_attentions=True), other(**batch, output_attentions=True)
     expected.loss.backward()
     got.loss.backward()
     assert (expected.logits - got.logits).abs().max() < 1e-5
+    assert len(got.attentions) == len(expected.attentions)
+    for want, have in zip(expected.attentions, got.attentions):
+        assert (want - have).abs().max() < 1e-6
     for (name, a), b in zip(own.named_parameters(), other.parameters()):
         assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name
 
@@ -128,3 +133,42 @@ def test_rotary_falcon_generates_as_its_own_code(ranks2):
 def test_generation_refuses_score_biases_on_every_rank(ranks2, model_type, bias):
     messages = ranks2.run(generated, model_type, {})
     assert all(f"adds {bias} to its attention scores" in str(message) for message in messages), messages
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "gpt_neo", "mpt", "xglm"])
+def test_rewritten_attention_is_as_precise_as_its_own_in_bf16(model_type):
+    """MPT adds a float32 ALiBi to its scores and GPT-Neo takes float32 scores: a bf16 bias (up to -500 at
+    MPT's 2048 positions) or bf16 scores would be 12x further from the float32 model."""
+    reference = tiny_model(model_type, attn_implementation="eager")
+    own = tiny_model(model_type, attn_implementation="eager", dtype=torch.bfloat16)
+    rewritten_model = copy.deepcopy(own)
+    for module in rewritten_model.modules():
+        if rewritten(module):
+            rewrite(module, rewritten_model.config)
+    batch = tiny_batch(own.config.vocab_size, 2, 200, pad="left")
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = reference(**batch).logits[real]
+        errors = [(m(**batch).logits.float()[real] - expected).abs().mean() for m in (own, rewritten_model)]
+    assert errors[1] <= 1.1 * errors[0], errors
+
+
+def ring_outcome(pad: str | None):
+    try:
+        return failing_rows([check_parity(*_ring_xglm(pad))])
+    except ValueError as error:
+        return str(error)
+
+
+def _ring_xglm(pad):
+    own = tiny_model("xglm", attn_implementation="eager")
+    prepared = tiny_model("xglm", attn_implementation="eager")
+    batch = tiny_batch(own.config.vocab_size, 2, 11, pad=pad)
+    return own, batch, cpshard.make_mesh(cp=2), cpshard.make_cp_forward(prepared, implementation="ring")
+
+
+def test_ring_serves_xglm_and_refuses_rows_that_see_no_key(ranks2):
+    """XGLM clamps hidden scores (half a gradient on the tie); the ring adds the mask instead, which differs
+    only in a row that sees no key: exact without one, refused on every rank with one."""
+    assert ranks2.run(ring_outcome, None) == [[], []]
+    assert all("sees no key (left padding)" in str(m) for m in ranks2.run(ring_outcome, "left"))

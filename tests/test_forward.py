@@ -225,6 +225,7 @@ def bad_call(kind: str):
     forward_options = {
         "heads": dict(implementation="ulysses"),
         "hybrid-degree": dict(implementation="hybrid"),
+        "ulysses-order": dict(implementation="ulysses", sequence_order="head_tail"),
     }
     cpshard.make_cp_forward(model, **forward_options.get(kind, {}))(cpshard.params_of(model), batch, mesh)
 
@@ -251,6 +252,7 @@ BAD_INPUTS = {
     "world": ("ValueError", "world size 2 != dp_replicate=1 * fsdp=1 * cp=3 * tp=1"),
     "unserved": ("LayoutError", "model type 'mamba'"),
     "implementation": ("ValueError", "implementation='magic'"),
+    "ulysses-order": ("ValueError", "sequence_order='head_tail' balances ring's causal work; Ulysses"),
 }
 
 

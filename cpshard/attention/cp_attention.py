@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cpshard.attention.blocks import call_blocks
+from cpshard.attention.blocks import call_blocks, rows_without_keys
 from cpshard.attention.decode import decode_attention
 from cpshard.attention.ring import RingAttention
 from cpshard.attention.traced_ring import traced_ring
@@ -29,7 +29,7 @@ from cpshard.call import TRACED_KEY, active_call, active_decode, current_call
 from cpshard.comm.channel import TracedGroup
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
-from cpshard.layouts.family_attention import FORWARDS, eager_for
+from cpshard.layouts.family_attention import FORWARDS, eager_for, hides_scores
 from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import row_blocks
@@ -201,6 +201,15 @@ def _ulysses_attention(inner: str, function, module, query, key, value, attentio
     return _sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights
 
 
+def _sees_no_key(call, mask) -> bool:
+    """Whether some row of the whole mask sees no real key (every rank holds the whole mask: all agree)."""
+    if mask is None:
+        return False
+    return call.shared(
+        ("rows without keys", id(mask)), lambda: bool(rows_without_keys(mask, call.length).any())
+    )
+
+
 def _ring_attention(inner: str, module, query, key, value, attention_mask, call, **kwargs):
     """Ring (and hybrid: Ulysses inside each group of ``call.ulysses`` ranks, ring across groups)."""
     if kwargs.get("dropout"):
@@ -218,6 +227,12 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
             f"{call.name_of(module)}: the ring's merge has no place for the per-head parameters "
             f"{call.layout.per_head_params} (attention sinks), so ring and hybrid would ignore them; "
             "use implementation='ulysses' (cp must divide the heads)"
+        )
+    if hides_scores(type(module)) and _sees_no_key(call, attention_mask):
+        raise ValueError(
+            f"{call.name_of(module)} ({type(module).__name__}) gives a hidden score its own gradient, and "
+            "some row of this batch sees no key (left padding): ring and hybrid would give that row "
+            "another gradient; use implementation='ulysses'"
         )
     mesh, degree, path = call.split_mesh, call.ulysses, call.name_of(module)
     if degree > 1:

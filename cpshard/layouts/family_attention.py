@@ -72,8 +72,12 @@ def _clamped(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.max(scores, torch.full((), _hidden_value(scores.dtype), device=scores.device))
 
 
-#: the eager attention of the families whose own code treats hidden scores otherwise than by adding the mask
-_EAGER = {"MptAttention": _eager_then(_filled), "XGLMAttention": _eager_then(_clamped)}
+#: the families whose own code treats hidden scores otherwise than by adding the mask
+_HIDING = {"MptAttention": _filled, "XGLMAttention": _clamped}
+#: the eager attention of those, and of GPT-Neo (float32 scores, its weights cast to the values' dtype)
+_EAGER = {name: _eager_then(hide) for name, hide in _HIDING.items()} | {
+    "GPTNeoSelfAttention": _eager_then(lambda scores, mask: scores)
+}
 
 
 def eager_for(module_class: type):
@@ -81,15 +85,21 @@ def eager_for(module_class: type):
     return _EAGER.get(module_class.__name__, eager_attention_forward)
 
 
-def _attend(module, config, query, key, value, mask, scaling: float, dropout: float) -> torch.Tensor:
+def hides_scores(module_class: type) -> bool:
+    """Whether the family gives a hidden score its own value and gradient (MPT's fill, XGLM's clamp): in a
+    row that sees no key that gradient differs from the ring's, which adds the mask."""
+    return module_class.__name__ in _HIDING
+
+
+def _attend(module, config, query, key, value, mask, scaling: float, dropout: float):
     """The function the model's implementation names (eager: :func:`eager_for`) over ``[B, H, S, D]`` q, k, v
-    and ``mask``; the output ``[B, S, H * D]``."""
+    and ``mask``: the output ``[B, S, H * D]`` and the attention weights where it gives them (eager)."""
     name = config._attn_implementation
     function = eager_for(type(module)) if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
-    output, _ = function(
+    output, weights = function(
         module, query, key, value, mask, scaling=scaling, dropout=dropout if module.training else 0.0
     )
-    return output.reshape(*output.shape[:2], -1)
+    return output.reshape(*output.shape[:2], -1), weights
 
 
 def _per_key(alibi: torch.Tensor, batch: int, heads: int, mask: torch.Tensor) -> torch.Tensor:
@@ -104,11 +114,11 @@ def _bloom(module, config, hidden_states, residual, alibi, attention_mask, layer
         key, value = layer_past.update(key, value, module.layer_idx)
     mask = _additive(_whole(attention_mask, "Bloom"), query.dtype)
     bias = _per_key(alibi, query.shape[0], module.num_heads, mask) * module.beta
-    output = _attend(
+    output, weights = _attend(
         module, config, query, key, value, mask + bias, module.inv_norm_factor, module.attention_dropout.p
     )
     output = nn.functional.dropout(module.dense(output), module.hidden_dropout, module.training)
-    return residual + output, None
+    return residual + output, weights
 
 
 def _falcon(
@@ -129,8 +139,8 @@ def _falcon(
         if not config._attn_implementation.endswith("sdpa"):
             mask = _additive(_whole(mask, "Falcon"), query.dtype)
             mask = mask + _per_key(alibi, batch, module.num_heads, mask) * module.inv_norm_factor
-    output = _attend(module, config, query, key, value, mask, module.inv_norm_factor, dropout)
-    return module.dense(output), None
+    output, weights = _attend(module, config, query, key, value, mask, module.inv_norm_factor, dropout)
+    return module.dense(output), weights
 
 
 def _gpt_neo(module, config, hidden_states, attention_mask=None, layer_past=None, **kwargs):
@@ -140,13 +150,14 @@ def _gpt_neo(module, config, hidden_states, attention_mask=None, layer_past=None
     )
     if layer_past is not None:
         key, value = layer_past.update(key, value, module.layer_id)
-    mask = _additive(_whole(attention_mask, "GPT-Neo"), query.dtype)
+    query, key = query.float(), key.float()  # GPT-Neo's scores are float32 whatever the model's dtype
+    mask = _additive(_whole(attention_mask, "GPT-Neo"), query.dtype).float()
     queries, keys = mask.shape[-2:]  # a compiled cp layer's mask holds the real keys only: fewer than queries
     start = max(keys - queries, 0)
     window = module.bias[:, :, start : start + queries, :keys].to(mask.device)
     mask = torch.zeros_like(window, dtype=mask.dtype).masked_fill(~window, _hidden_value(mask.dtype)) + mask
-    output = _attend(module, config, query, key, value, mask, 1.0, module.attn_dropout.p)
-    return module.resid_dropout(module.out_proj(output)), None
+    output, weights = _attend(module, config, query, key, value, mask, 1.0, module.attn_dropout.p)
+    return module.resid_dropout(module.out_proj(output)), weights
 
 
 def _mpt(module, config, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
@@ -162,10 +173,13 @@ def _mpt(module, config, hidden_states, position_bias, cache=None, attention_mas
         key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
     hidden = _whole(attention_mask, "MPT")  # True where hidden, as MPT reads it
     keys = hidden.shape[-1]
-    bias = position_bias[:, :, max(0, position_bias.shape[-1] - keys) :].unsqueeze(0).to(query.dtype)
-    mask = torch.where(hidden, _hidden_value(query.dtype), bias)
-    output = _attend(module, config, query, key, value, mask, module.softmax_scale, module.attn_dropout_p)
-    return module.out_proj(output), None
+    # MPT adds its float32 bias to the scores (so they are float32): a bf16 bias would round it (to 2 at 500)
+    bias = position_bias[:, :, max(0, position_bias.shape[-1] - keys) :].unsqueeze(0).float()
+    mask = torch.where(hidden, _hidden_value(bias.dtype), bias)
+    output, weights = _attend(
+        module, config, query, key, value, mask, module.softmax_scale, module.attn_dropout_p
+    )
+    return module.out_proj(output), weights
 
 
 def _xglm(module, config, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
@@ -180,7 +194,8 @@ def _xglm(module, config, hidden_states, key_value_states=None, cache=None, atte
     if cache is not None:
         key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
     mask = _additive(_whole(attention_mask, "XGLM"), query.dtype)
-    return module.out_proj(_attend(module, config, query, key, value, mask, 1.0, module.dropout)), None
+    output, weights = _attend(module, config, query, key, value, mask, 1.0, module.dropout)
+    return module.out_proj(output), weights
 
 
 #: each family's attention class, by name, and its forward through the registry

@@ -142,6 +142,13 @@ class CPForward:
         """The sequence order: the one asked for, else contiguous for Ulysses (its attention sees whole
         sequences), striped for ring and hybrid on packed documents, head-tail on whole ones."""
         if self.sequence_order != "auto":
+            if implementation == "ulysses" and self.sequence_order != "contiguous":
+                raise ValueError(
+                    f"sequence_order={self.sequence_order!r} balances ring's causal work; Ulysses gathers "
+                    "whole sequences in the order the ranks hold them and attends under the model's mask "
+                    "in natural order, so it runs contiguous: pass sequence_order='auto' (or 'contiguous'), "
+                    "or implementation='ring' or 'hybrid'"
+                )
             return self.sequence_order
         if implementation == "ulysses":
             return "contiguous"

@@ -12,6 +12,8 @@ of the gradients), once per model, layout and implementation, and one all-reduce
 
 from __future__ import annotations
 
+import os
+import traceback
 import weakref
 from contextlib import contextmanager
 
@@ -30,6 +32,10 @@ from cpshard.spec.sequence import chunk_positions, positions
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: a layer's output passes when it is this close, relative to its scale (fp32; half types get 1e-2)
 RTOL = 1e-4
+
+
+#: cpshard's own source folder: an error raised there is one of its refusals
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -135,6 +141,13 @@ def _first_gradient_difference(cp_forward, params: dict, ids: torch.Tensor, mesh
     return None
 
 
+def _refused_by_cpshard(error: BaseException | None) -> bool:
+    """Whether ``error`` is one of cpshard's own refusals (a ValueError raised in its code), which says what
+    to change better than the probe can."""
+    frames = traceback.extract_tb(error.__traceback__) if isinstance(error, ValueError) else []
+    return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
+
+
 def verify_once(cp_forward, params: dict, mesh) -> None:
     """Probe a layout that is not a registered file, once per model; a LayoutError on every rank if cp
     differs from one process, or if the probe's cp run fails."""
@@ -162,6 +175,8 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
     dist.all_reduce(failed, group=mesh.get_group("cp"))
     if failed.item():
         verified.discard(key)
+        if _refused_by_cpshard(error):  # a clear refusal (ring and ALiBi, a hybrid degree): as it is
+            raise error
         detail = f" ({type(error).__name__}: {error})" if error is not None else ""
         where = what or "another cp rank's part of the probe"
         raise LayoutError(

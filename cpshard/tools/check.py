@@ -279,6 +279,18 @@ def exit_status(config: CheckConfig, parities: list[Parity]) -> int:
     return 1 if failing_rows(parities, config.rtol) else 0
 
 
+#: what cpshard raises to refuse a model or an input: its message says it all, without the rank's traceback
+REFUSALS = ("LayoutError", "BatchError", "ValueError")
+
+
+def _reported(error: RankError) -> str:
+    """The ranks' failure in one line where every rank refused with cpshard's own error, else with the
+    blamed rank's traceback (a crash)."""
+    if all(failure.kind in REFUSALS for failure in error.failures.values()):
+        return str(error).split("\n", 1)[0]
+    return str(error)
+
+
 def run_check(config: CheckConfig, out=say, layout: Layout | str = "auto") -> int:
     """Check on fresh local ranks and print the report; the exit status (0 pass, 1 fail).
 
@@ -293,7 +305,7 @@ def run_check(config: CheckConfig, out=say, layout: Layout | str = "auto") -> in
             start = time.perf_counter()
             parities = ranks.run(check_job, config, layout)
         except RankError as error:
-            print(f"cpshard check: {error}", file=sys.stderr, flush=True)
+            print(f"cpshard check: {_reported(error)}", file=sys.stderr, flush=True)
             return 1
     out(f"  ran in {time.perf_counter() - start:.1f} s\n")
     out(format_report(config, parities))
