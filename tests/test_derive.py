@@ -37,6 +37,11 @@ from cpshard.tools.tiny import tiny_model
         ("llama", dict(restores_length=False, labels_shifted=False)),
         ("llama4_text", dict(decoder="model", decoder_layers="model.layers")),  # get_decoder() is the model
         ("modernbert-decoder", dict(decoder="model")),  # get_decoder() is its head
+        ("dbrx", dict(attention="norm_attn_norm.attn")),  # one level below the layer
+        (
+            "gemma3",
+            dict(decoder="model.language_model"),
+        ),  # a multimodal model's decoder, sized in its text part
     ],
 )
 def test_rows_read_off_the_model(model_type, rows):

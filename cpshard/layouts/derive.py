@@ -32,6 +32,7 @@ from cpshard.layouts.layout import (
     LayoutError,
     calls_attention_registry,
     specs,
+    submodule,
     text_config,
 )
 
@@ -76,15 +77,28 @@ def _decoder_layers(decoder: nn.Module, count: int | None) -> tuple[str, nn.Modu
     return min(lists, key=lambda item: (item[0].count("."), -len(item[1])))
 
 
-def _attention_name(layers: nn.ModuleList, layers_path: str) -> str:
-    """The name of every layer's attention module (one that calls transformers' attention registry)."""
-    first = [
-        name
-        for name, child in layers[0].named_children()
-        if _ATTENTION_NAME.search(type(child).__name__) and not type(child).__name__.lower().endswith("norm")
+def _is_attention(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return bool(_ATTENTION_NAME.search(name)) and not name.lower().endswith("norm")
+
+
+def _attention_candidates(layer: nn.Module) -> list[str]:
+    """The layer's children that look like attention, else its grandchildren (DBRX's
+    ``norm_attn_norm.attn``)."""
+    children = [name for name, child in layer.named_children() if _is_attention(child)]
+    return children or [
+        f"{name}.{inner}"
+        for name, child in layer.named_children()
+        for inner, grandchild in child.named_children()
+        if _is_attention(grandchild)
     ]
+
+
+def _attention_name(layers: nn.ModuleList, layers_path: str) -> str:
+    """The path in every layer of its attention module (one that calls transformers' attention registry)."""
+    first = _attention_candidates(layers[0])
     for name in first:
-        modules = [getattr(layer, name, None) for layer in layers]
+        modules = [submodule(layer, name) for layer in layers]
         if all(isinstance(m, nn.Module) for m in modules):
             odd = [i for i, m in enumerate(modules) if not calls_attention_registry(m)]
             if odd:
@@ -264,7 +278,7 @@ def _tensor_parallel(layer: nn.Module, attention: str, head_dim: int | None) -> 
     present = {name for name, _ in layer.named_modules()}
     plan = {path: style for path, style in DECODER.tensor_parallel.items() if path in present}
     for norm in ("q_norm", "k_norm"):
-        module = getattr(getattr(layer, attention), norm, None)
+        module = getattr(layer.get_submodule(attention), norm, None)
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and head_dim is not None and weight.shape[-1] == head_dim:
             plan[f"{attention}.{norm}"] = "per_head"
@@ -332,7 +346,7 @@ def derive_layout(model: nn.Module) -> Layout:
         tensor_parallel_inputs=tuple(p for p in DECODER.tensor_parallel_inputs if hasattr(layers[0], p))
         if plan
         else (),
-        per_head_params=_per_head_params([getattr(layer, attention) for layer in layers], heads),
+        per_head_params=_per_head_params([layer.get_submodule(attention) for layer in layers], heads),
         labels_shifted=recording.labels_shifted,
         restores_length=restores,
     )

@@ -173,7 +173,7 @@ def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
     if layout.layer_inputs and not taken and not any(p.kind == p.VAR_KEYWORD for p in signature.values()):
         names = ", ".join(key for key, _, _ in layout.layer_inputs)
         problems.append(f"its decoder layers ({type(layers[0]).__name__}) take none of {names}")
-    attentions = [getattr(layer, layout.attention, None) for layer in layers]
+    attentions = [submodule(layer, layout.attention) for layer in layers]
     if not all(isinstance(module, nn.Module) for module in attentions):
         problems.append(f"not every decoder layer has an attention module {layout.attention!r}")
     elif not all(calls_attention_registry(module) for module in attentions):

@@ -65,7 +65,7 @@ def _cut_layer_inputs(first: bool, names: tuple[str, ...], module, args, kwargs)
 def _for_compiled_layer(layer, args, kwargs, call: CallPlan) -> None:
     """What a compiled layer's attention needs, resolved out here (see :mod:`cpshard.comm.channel`); the
     sequence dims marked dynamic, so that the first compile serves every length."""
-    kwargs[TRACED_KEY] = call.traced_for(getattr(layer, call.layout.attention))
+    kwargs[TRACED_KEY] = call.traced_for(layer.get_submodule(call.layout.attention))
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor):
         if call.implementation == "ulysses":  # the keys past the length are cp padding

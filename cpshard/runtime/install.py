@@ -34,7 +34,7 @@ from cpshard.runtime.tiled_mlp import install_tiled_mlp
 
 def attention_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
     layers = model.get_submodule(layout.decoder_layers)
-    return [getattr(layer, layout.attention) for layer in layers]
+    return [layer.get_submodule(layout.attention) for layer in layers]
 
 
 def install_attention(model: nn.Module, layout: Layout) -> None:

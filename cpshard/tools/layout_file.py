@@ -69,6 +69,6 @@ def layout_for(source: str) -> str:
     layout = resolve_layout(model)
     kind = "the registered file" if layout in REGISTERED.values() else "derived"
     layers = model.get_submodule(layout.decoder_layers)
-    inner = [module for layer in layers for module in getattr(layer, layout.attention).modules()]
+    inner = [module for layer in layers for module in layer.get_submodule(layout.attention).modules()]
     names = tuple(dict.fromkeys(type(module).__name__ for module in inner if rewritten(module)))
     return layout_source(layout, f"{model.config.model_type} ({kind})", names)

@@ -110,7 +110,7 @@ PER_TYPE = {
     "xlnet": dict(max_position_embeddings=None, d_head=SMALL["head_dim"]),  # no position limit to set
     "dbrx": dict(
         d_model=SMALL["hidden_size"],  # its feed-forward's width is copied from d_model, not hidden_size
-        attn_config=dict(kv_n_heads=2, rope_theta=10000.0),  # its attention reads rope_theta here
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # as released; rope_theta read here
         ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
     ),
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32),
