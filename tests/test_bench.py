@@ -2,13 +2,12 @@
 usage errors."""
 
 import dataclasses
-import json
 import sys
 
 import pytest
 
 from cpshard.debug.optimum import optimum_of
-from cpshard.tools import bench, bench_compile
+from cpshard.tools import bench, bench_compile, bench_report, bench_variants
 from cpshard.tools.cli import build_parser, main
 from cpshard.tools.tiny import tiny_model
 
@@ -21,7 +20,7 @@ CONFIG = bench.BenchConfig(
     kv_heads=2,
     vocab=64,
     repeats=1,
-    variants=bench.VARIANTS,
+    variants=bench_variants.VARIANTS,
 )
 OPTIONAL = ("deepspeed", "yunchang", "alst")
 
@@ -48,7 +47,7 @@ def test_rows_times_bytes_and_optimum(ranks2):
     for row in rows:
         assert row.seconds > 0 and row.cpu_seconds > 0 and row.tokens_per_second > 0 and row.peak_mib > 0
         assert row.rss_mib is not None  # beside the live tensors' peak, the resident size
-        assert (row.bytes_sent > 0) == (row.variant not in bench.ONE_PROCESS), row
+        assert (row.bytes_sent > 0) == (row.variant not in bench_variants.ONE_PROCESS), row
     optimum = optimum_of(tiny_model("llama", **CONFIG.model_sizes()), 1, 64, 2)
     ulysses = by_name["ulysses"]
     assert ulysses.bytes_by_op["all_to_all"] == optimum.all_to_all
@@ -58,22 +57,22 @@ def test_rows_times_bytes_and_optimum(ranks2):
         ulysses.bytes_by_op["counted"] == ulysses.bytes_sent
     )  # what torch dispatched is what cpshard recorded
     assert by_name["ring"].bytes_by_op["send"] > 0
-    for peer in set(bench.PEERS) - absent - {"alst"}:  # one all-reduce: the gradients and the loss
+    for peer in set(bench_variants.PEERS) - absent - {"alst"}:  # one all-reduce: the gradients and the loss
         assert by_name[peer].bytes_by_op["all_reduce"] == optimum.all_reduce
     if "alst" not in absent:  # its exchanges, and its own loss and tiling collectives besides
         assert by_name["alst"].bytes_by_op["all_to_all"] > 0 and by_name["alst"].bytes_by_op["all_gather"] > 0
 
-    bench.add_ratios(rows)
+    bench_report.add_ratios(rows)
     assert by_name["single"].memory_ratio == 1.0 and by_name["single"].time_ratio is None
     assert by_name["cp1"].cp == 1 and by_name["cp1"].time_ratio > 0  # cp=1 against the plain model
-    peers = [by_name[p] for p in set(bench.PEERS) - absent]
+    peers = [by_name[p] for p in set(bench_variants.PEERS) - absent]
     assert (
         min(peers, key=lambda r: r.seconds).time_ratio == 1.0
         and min(peers, key=lambda r: r.cpu_seconds).cpu_ratio == 1.0
     )
-    table = bench.format_table(rows)
+    table = bench_report.format_table(rows)
     assert all(name in table for name in by_name) and "tokens/s" in table
-    assert any(line.startswith("  time, cp=2, L=64") for line in bench.targets(rows))
+    assert any(line.startswith("  time, cp=2, L=64") for line in bench_report.targets(rows))
 
 
 def test_compiled_rows_against_eager(ranks2):
@@ -110,23 +109,6 @@ def test_absent_baselines_give_notes(ranks2):
     assert all("skipped" in note and "\n" not in note for note in notes)
     rows = bench._rows(results, CONFIG, 32)
     assert [row.variant for row in rows] == ["ulysses"]
-
-
-def test_paired_ratio_takes_each_round_against_its_own():
-    ours, theirs = (
-        [0.9, 1.8, 1.8],
-        [1.0, 2.0, 1.0],
-    )  # rounds' ratios 0.9, 0.9, 1.8; the medians' ratio would be 1.8
-    assert bench.paired_ratio(ours, theirs) == pytest.approx(0.9)
-    assert bench.paired_ratio([0.9, 2.7], [1.0, 3.0]) == pytest.approx(0.9)
-
-
-def test_json_file(tmp_path):
-    row = bench.Row("ulysses", 2, 64, 0.5, 0.6, 10.0, 100, 100, {"all_to_all": 100}, optimum=100)
-    assert "ulysses" in bench.format_table([row])  # a row without a resident size reads "-" there
-    bench.write_json([row], CONFIG, tmp_path / "rows.json")
-    written = json.loads((tmp_path / "rows.json").read_text())
-    assert written["rows"][0]["tokens_per_second"] == 128 and written["config"]["seqs"] == [64]
 
 
 @pytest.mark.parametrize(

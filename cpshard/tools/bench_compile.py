@@ -1,7 +1,8 @@
 """``cpshard bench --compile``: each cpshard variant's training step compiled against the same step eager.
 
-On local CPU ranks, per variant (``make_cp_forward`` options of :data:`cpshard.tools.bench.CPSHARD`), two
-copies of one model with the same weights: one eager, one whose decoder layers are compiled
+On local CPU ranks, per variant (``make_cp_forward`` options of
+:data:`cpshard.tools.bench_variants.CPSHARD`), two copies of one model with the same weights: one eager,
+one whose decoder layers are compiled
 (``make_cp_forward(model, compile=backend)``; a copy of its own, since compiling changes the model's
 layers in place, and an "eager" step over them would run them compiled). Per length, the first compiled
 call (tracing and code generation, or a recompile) is timed apart; then ``repeats`` rounds alternate one
@@ -24,7 +25,9 @@ from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
 from cpshard.runtime.forward import make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
-from cpshard.tools.bench import CHECKPOINTED, CPSHARD, BenchConfig, fits, paired_ratio
+from cpshard.tools.bench import BenchConfig, fits
+from cpshard.tools.bench_report import paired_ratio
+from cpshard.tools.bench_variants import CHECKPOINTED, CPSHARD
 from cpshard.tools.tiny import tiny_batch, tiny_model
 from cpshard.tools.usage import UsageError
 

@@ -11,8 +11,10 @@ import sys
 from functools import partial
 
 from cpshard.attention.choice import IMPLEMENTATIONS
-from cpshard.tools.bench import MODELS, VARIANTS, BenchConfig, plot, run_bench, write_json
+from cpshard.tools.bench import MODELS, BenchConfig, run_bench
 from cpshard.tools.bench_compile import check_backend, run_compiled_bench
+from cpshard.tools.bench_report import plot, write_json
+from cpshard.tools.bench_variants import VARIANTS
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
