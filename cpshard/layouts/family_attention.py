@@ -155,7 +155,7 @@ def _gpt_neo(module, config, hidden_states, attention_mask=None, layer_past=None
     queries, keys = mask.shape[-2:]  # a compiled cp layer's mask holds the real keys only: fewer than queries
     start = max(keys - queries, 0)
     window = module.bias[:, :, start : start + queries, :keys].to(mask.device)
-    mask = torch.zeros_like(window, dtype=mask.dtype).masked_fill(~window, _hidden_value(mask.dtype)) + mask
+    mask = _additive(window, mask.dtype) + mask
     output, weights = _attend(module, config, query, key, value, mask, 1.0, module.attn_dropout.p)
     return module.resid_dropout(module.out_proj(output)), weights
 
