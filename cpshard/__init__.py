@@ -5,7 +5,8 @@ private: its names may move between releases.
 """
 
 from cpshard import debug
-from cpshard.layouts.layout import Layout, LayoutError
+from cpshard.layouts.errors import LayoutError
+from cpshard.layouts.layout import Layout
 from cpshard.parallel.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_pretrained
 from cpshard.parallel.fsdp import parallelize
 from cpshard.parallel.mesh import make_mesh

@@ -3,7 +3,8 @@
 import pytest
 
 from cpshard.layouts.derive import derive_layout
-from cpshard.layouts.layout import LayoutError, structure_problems
+from cpshard.layouts.errors import LayoutError
+from cpshard.layouts.layout import structure_problems
 from cpshard.tools.tiny import tiny_model
 
 
@@ -80,6 +81,8 @@ def test_kv_heads_fall_back_to_heads():
         ("mamba", ["backbone.layers (MambaBlock) has an attention module"]),
         ("hy_v4", ["model.layers.0 receives a residual stream of shape [1, 13, 4, 64]"]),
         ("dory", ["model.layers.0 runs 2 times in one forward (looped layers)"]),
+        ("kolibri1_1", ["model.layers.1.self_attn.indexer (Kolibri1_1Indexer)", "sparse attention"]),
+        ("deepseek_v32", ["self_attn.indexer (DeepseekV32Indexer)", "a short probe cannot vouch"]),
         ("openai-gpt", ["transformer.h.0.attn (Attention)", "attention registry"]),
         ("musicgen", ["does not run on token ids and labels alone", "RuntimeError"]),  # ids per codebook
     ],

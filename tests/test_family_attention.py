@@ -1,9 +1,10 @@
-"""Bloom, Falcon, GPT-Neo, MPT and XGLM: their attention, rewritten to go through transformers' registry,
-is exact under cp against the family's own code run in one process (a second model on the same weights that
-cpshard never touched): loss, logits and every gradient, on plain and left-padded batches. ALiBi (Bloom,
-MPT, Falcon-RW), GPT-Neo's local window, Falcon's multi-query, grouped (new architecture) and multi-head
-k/v, MPT's masked_fill and XGLM's clamp; ring serves the rotary Falcon and refuses ALiBi and the window
-with a clear error on every rank.
+"""Bloom, GPT-Neo, MPT and XGLM: their attention, rewritten to go through transformers' registry, is exact
+under cp against the family's own code run in one process (a second model on the same weights that cpshard
+never touched): loss, logits and every gradient, on plain and left-padded batches; so is Falcon, whose own
+code calls the registry since transformers 5.25, its ALiBi folded into the mask. ALiBi (Bloom, MPT,
+Falcon-RW and multi-query Falcon), GPT-Neo's local window, Falcon's multi-query, grouped (new architecture)
+and multi-head k/v, MPT's masked_fill and XGLM's clamp; ring serves the rotary Falcon and refuses ALiBi and
+the window with a clear error on every rank.
 """
 
 import copy
@@ -25,6 +26,7 @@ VARIANTS = [
     ("falcon", "eager", {}),
     ("falcon", "sdpa", {"alibi": True, "multi_query": False}),  # Falcon-RW
     ("falcon", "eager", {"alibi": True}),
+    ("falcon", "sdpa", {"alibi": True}),  # multi-query with ALiBi: refused before 5.25, exact since
     ("falcon", "sdpa", {"new_decoder_architecture": True, "num_kv_heads": 2}),
     ("gpt_neo", "eager", {}),  # a global and a local layer, window 4
     ("xglm", "eager", {}),
@@ -72,17 +74,14 @@ def refusal(model_type: str, implementation: str, overrides: dict) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("model_type", ["bloom", "gpt_neo"])
-def test_ring_refuses_alibi_and_windows_on_every_rank(ranks2, model_type):
-    messages = ranks2.run(refusal, model_type, "eager", {})
+RING_REFUSED = [("bloom", {}), ("gpt_neo", {}), ("falcon", {"alibi": True})]  # Falcon: ALiBi in its mask
+
+
+@pytest.mark.parametrize("model_type, overrides", RING_REFUSED)
+def test_ring_refuses_alibi_and_windows_on_every_rank(ranks2, model_type, overrides):
+    messages = ranks2.run(refusal, model_type, "eager", overrides)
     assert all("implementation='ulysses'" in message for message in messages), messages
     assert not any("Some module mixes tokens" in message for message in messages)  # the refusal as it is
-
-
-def test_multi_query_alibi_under_sdpa_is_refused_up_front():
-    model = tiny_model("falcon", attn_implementation="sdpa", alibi=True)
-    with pytest.raises(ValueError, match="attn_implementation='eager'"):
-        cpshard.make_cp_forward(model)
 
 
 def test_the_rewrite_follows_a_deep_copy():

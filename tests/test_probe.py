@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import cpshard
+from cpshard.call import active_call
 from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.tools.parity import check_parity, failing_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -34,6 +35,30 @@ def test_a_layout_cp_cannot_vouch_for_fails_on_every_rank(ranks2, kind):
     assert sorted(failures) == [0, 1]
     for failure in failures.values():
         assert failure.kind == "LayoutError" and CASES[kind] in failure.message, failure.message
+
+
+def failing_under_cp(module, args):
+    if active_call() is not None:
+        raise TypeError("forward() missing 1 required positional argument: 'alibi'")
+
+
+def probe_of_code_that_fails_under_cp() -> str:
+    """A model whose code raises under cp alone (as Falcon's rewrite did on transformers 5.25)."""
+    model = tiny_model("llama", attn_implementation="auto")
+    model.model.layers[1].register_forward_pre_hook(failing_under_cp)
+    forward = cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed"))
+    try:
+        forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 9), cpshard.make_mesh(cp=2))
+    except cpshard.LayoutError as error:
+        return str(error)
+    return "no error"
+
+
+def test_an_error_in_the_probes_cp_run_is_named_not_blamed_on_token_mixing(ranks2):
+    for message in ranks2.run(probe_of_code_that_fails_under_cp):
+        assert "its cp run raised TypeError: forward() missing 1 required" in message, message
+        assert "test_probe.py" in message and "failing_under_cp" in message, message
+        assert "installed transformers" in message and "mixes tokens" not in message, message
 
 
 def test_a_right_layout_passes_the_probe_and_stays_exact(ranks2):

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.layouts.layout import LayoutError
+from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.registry import resolve_layout
 from cpshard.tools.memory import LiveTensors
 from cpshard.tools.parity import reference

@@ -26,8 +26,8 @@ from cpshard.tools.tiny import tiny_batch, tiny_model
 ZOO = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 #: types whose tiny config cannot be built here
 UNBUILDABLE = {"gemma3n": "needs pillow and timm (its vision tower)"}
-#: the classic GPT families that must be exact (bloom, falcon, gpt_neo and mpt through their rewritten
-#: attention, :mod:`cpshard.layouts.family_attention`)
+#: the classic GPT families that must be exact (bloom, gpt_neo and mpt through their rewritten attention,
+#: :mod:`cpshard.layouts.family_attention`)
 CLASSIC = (
     *("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "codegen", "opt", "bloom", "falcon", "gpt_neo", "mpt"),
     *("llama", "mistral", "qwen2", "phi"),
@@ -35,7 +35,7 @@ CLASSIC = (
 #: multimodal causal LMs that must be exact driven with text alone (their sizes in the text part)
 MULTIMODAL = ("gemma3", "gemma4", "llama4", "mllama")
 #: the exact types today
-MIN_EXACT = 131
+MIN_EXACT = 134
 #: address space per rank
 _MEMORY_LIMIT = 6 << 30
 _CPSHARD = os.path.dirname(cpshard.__file__)

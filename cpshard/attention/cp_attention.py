@@ -29,8 +29,8 @@ from cpshard.call import TRACED_KEY, active_call, active_decode, current_call
 from cpshard.comm.channel import TracedGroup
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
+from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import FORWARDS, eager_for, hides_scores
-from cpshard.layouts.layout import LayoutError
 from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import row_blocks
 

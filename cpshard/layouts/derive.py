@@ -9,9 +9,10 @@ input's length (GPT-2). The behaviour is read off two forwards on a short sequen
 
 What is refused, naming the module and why: token mixing along the sequence outside the attention
 function (convolutions, state-space and linear-attention layers, attention modules that do not call
-transformers' attention registry), a residual stream not shaped ``[b, s, d]`` and layers entered
-more than once per forward. A derived layout is not a tested file: cp_forward verifies it once per
-model on a probe sequence before trusting it (:mod:`cpshard.runtime.probe`).
+transformers' attention registry), a residual stream not shaped ``[b, s, d]``, layers entered more than
+once per forward and attention that selects its keys with an indexer (sparse attention). A derived layout
+is not a tested file: cp_forward verifies it once per model on a probe sequence before trusting it
+(:mod:`cpshard.runtime.probe`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpshard.layouts.decoder import LAYOUT as DECODER
+from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import PER_KEY_INPUTS
 from cpshard.layouts.layout import (
     HEAD_TRANSFORMS,
     Layout,
-    LayoutError,
     calls_attention_registry,
     specs,
     submodule,
@@ -126,6 +127,18 @@ def _token_mixers(layers: nn.ModuleList, layers_path: str) -> list[str]:
             elif any(isinstance(module._parameters.get(p), nn.Parameter) for p in _STATE_PARAMETERS[:2]):
                 found.append(f"{path} ({type(module).__name__}: a state-space layer carries state along it)")
     return found
+
+
+def _key_selectors(layers: nn.ModuleList, layers_path: str) -> list[str]:
+    """The indexers inside the layers: sparse attention that selects keys per query (DeepSeek-V3.2's, GLM-5's,
+    Kolibri 1.1's, MiniMax-M3's sparse layers). Found by module, not by config: a config may declare an
+    indexer that no layer builds."""
+    return [
+        f"{_join(layers_path, str(index), name)} ({type(module).__name__})"
+        for index, layer in enumerate(layers)
+        for name, module in layer.named_modules()
+        if name.rpartition(".")[2] == "indexer" or type(module).__name__.endswith("Indexer")
+    ]
 
 
 def _final_norm(decoder: nn.Module, top: str, ran: tuple[str, ...]) -> str | None:
@@ -327,6 +340,14 @@ def derive_layout(model: nn.Module) -> Layout:
         recording = _Recording(DECODER.layer_inputs, (), False)
     else:
         recording = _record(model, decoder, layers, layers_path, top)
+    indexers = _key_selectors(layers, layers_path)
+    if indexers:
+        raise LayoutError(
+            f"{indexers[0]}: an indexer selects keys per query (sparse attention) inside the attention "
+            "module, where each cp rank would score its own slice; on a sequence no longer than its "
+            "selection it takes every key, so a short probe cannot vouch for it. cp does not serve sparse "
+            "attention yet: run this model without cp"
+        )
     norm = _final_norm(decoder, top, recording.children)
     final = _join(decoder_path, norm) if norm else _join(layers_path, str(len(layers) - 1))
     restores = bool(recording.children) and _restores_length(model, model.get_submodule(final))

@@ -1,11 +1,13 @@
-"""Attention of the families that compute it in their own code (Bloom, Falcon, GPT-Neo, MPT, XGLM),
-rewritten to call it through transformers' attention registry, as its newer models do, so that cp's
-attention serves it.
+"""Attention of the families that compute it in their own code (Bloom, GPT-Neo, MPT, XGLM), rewritten to
+call it through transformers' attention registry, as its newer models do, so that cp's attention serves it
+(Falcon's own code calls the registry since transformers 5.25, its ALiBi folded into the mask).
 
-Each forward is the family's own: its projections, rotary, output projection and dropout, read from the
-pinned transformers. What the family adds to the scores becomes part of one additive mask, built from the
-model's own whole-sequence inputs, so it holds for any cut of the queries: ALiBi (Bloom, MPT, Falcon with
-``alibi``) per head and key, GPT-Neo's local window per query and key. The scores are then the same sum
+Each forward is the family's own: its projections, output projection and dropout, read from the pinned
+transformers, and each rewrite is checked against the code it was written for before it goes in
+(:data:`WRITTEN_AGAINST`, :mod:`cpshard.layouts.fingerprint`): another release's code is refused, not run
+through a rewrite made for this one. What the family adds to the scores becomes part of one additive mask,
+built from the model's own whole-sequence inputs, so it holds for any cut of the queries: ALiBi (Bloom, MPT)
+per head and key, GPT-Neo's local window per query and key. The scores are then the same sum
 one process computes, in another order (equal to rounding); where a family hides scores otherwise than by
 adding the mask (MPT's ``masked_fill``, XGLM's clamp), its eager function does the same, so that even a
 row that sees no key gets the family's gradient. Cost: a mask with ALiBi is ``[batch, heads, L, L]``
@@ -21,8 +23,9 @@ from functools import partial
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
+
+from cpshard.layouts.fingerprint import check_written_for
 
 #: layer inputs with one value per key of the whole sequence (ALiBi): the cut leaves them whole
 PER_KEY_INPUTS = ("alibi", "position_bias")
@@ -121,28 +124,6 @@ def _bloom(module, config, hidden_states, residual, alibi, attention_mask, layer
     return residual + output, weights
 
 
-def _falcon(
-    module, config, hidden_states, alibi, attention_mask, layer_past=None, position_embeddings=None, **kwargs
-):
-    query, key, value = module._split_heads(module.query_key_value(hidden_states))
-    batch, length = query.shape[:2]
-    kv_heads = module.num_heads if module.new_decoder_architecture else module.num_kv_heads
-    query = query.transpose(1, 2).reshape(batch, module.num_heads, length, module.head_dim)
-    key, value = (x.transpose(1, 2).reshape(batch, kv_heads, length, module.head_dim) for x in (key, value))
-    if alibi is None:
-        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
-    if layer_past is not None:
-        key, value = layer_past.update(key, value, module.layer_idx)
-    mask, dropout = attention_mask, 0.0
-    if alibi is not None:  # the model put alibi / sqrt(d) into the mask; its eager path adds it once more
-        dropout = module.attention_dropout.p
-        if not config._attn_implementation.endswith("sdpa"):
-            mask = _additive(_whole(mask, "Falcon"), query.dtype)
-            mask = mask + _per_key(alibi, batch, module.num_heads, mask) * module.inv_norm_factor
-    output, weights = _attend(module, config, query, key, value, mask, module.inv_norm_factor, dropout)
-    return module.dense(output), weights
-
-
 def _gpt_neo(module, config, hidden_states, attention_mask=None, layer_past=None, **kwargs):
     query, key, value = (
         module._split_heads(projection(hidden_states), module.num_heads, module.head_dim)
@@ -201,10 +182,49 @@ def _xglm(module, config, hidden_states, key_value_states=None, cache=None, atte
 #: each family's attention class, by name, and its forward through the registry
 FORWARDS = {
     "BloomAttention": _bloom,
-    "FalconAttention": _falcon,
     "GPTNeoSelfAttention": _gpt_neo,
     "MptAttention": _mpt,
     "XGLMAttention": _xglm,
+}
+#: what each rewrite was written against: its family's modeling module, and there the attention class, the
+#: layer that calls it (the arguments it is given), the model's forward (its mask and ALiBi) and the ALiBi
+#: builder, each with the fingerprint of its code in transformers 5.24.0 and 5.25.0 (the same in both)
+WRITTEN_AGAINST = {
+    "BloomAttention": (
+        "transformers.models.bloom.modeling_bloom",
+        {
+            "BloomAttention": "50a670d32f73a7f6",
+            "BloomBlock": "2198e125f35f79a0",
+            "BloomModel.forward": "203780fe8c5965aa",
+            "build_alibi_tensor": "732279cc0182f227",
+        },
+    ),
+    "GPTNeoSelfAttention": (
+        "transformers.models.gpt_neo.modeling_gpt_neo",
+        {
+            "GPTNeoSelfAttention": "9b94331c78b7ed95",
+            "GPTNeoAttention": "bec0024856d6c39d",
+            "GPTNeoBlock": "009430d42b6afab4",
+            "GPTNeoModel.forward": "06adc5a9f6acc2e4",
+        },
+    ),
+    "MptAttention": (
+        "transformers.models.mpt.modeling_mpt",
+        {
+            "MptAttention": "b4879d34d2ff30b9",
+            "MptBlock": "b72fa418ea13fc47",
+            "MptModel.forward": "e3bdc3b62247fe4f",
+            "build_mpt_alibi_tensor": "5673cafed323e6d9",
+        },
+    ),
+    "XGLMAttention": (
+        "transformers.models.xglm.modeling_xglm",
+        {
+            "XGLMAttention": "a85ae1f06007e574",
+            "XGLMDecoderLayer": "b33411c7ca9cb5ea",
+            "XGLMModel.forward": "aac31ef6192f82c1",
+        },
+    ),
 }
 
 
@@ -214,8 +234,9 @@ def rewritten(module: nn.Module) -> bool:
 
 
 def score_bias(module: nn.Module, config) -> str | None:
-    """What ``module`` (rewritten here) adds to its scores beyond the model's mask, None for anything else:
-    cp generation's decode merges scores over a split cache without it."""
+    """What ``module`` adds to its scores beyond a mask of allowed and hidden keys (a rewritten family's, or
+    Falcon's ALiBi in its mask), None for anything else: cp generation's decode merges scores over a split
+    cache without it."""
     name = type(module).__name__
     if name in ("BloomAttention", "MptAttention") or (name == "FalconAttention" and config.alibi):
         return "ALiBi"
@@ -224,29 +245,21 @@ def score_bias(module: nn.Module, config) -> str | None:
     return None
 
 
-def kv_groups(module: nn.Module) -> int:
-    """q heads per k/v head as the registry's functions read them (Falcon's multi-query has one k/v head)."""
-    kv_heads = getattr(module, "num_kv_heads", None)
-    if getattr(module, "new_decoder_architecture", False) or not kv_heads:
-        return 1
-    return module.num_heads // kv_heads
+def check_unchanged(model: nn.Module) -> None:
+    """A :class:`~cpshard.layouts.errors.LayoutError` where ``model`` holds a family whose code in the
+    installed transformers is not the code its rewrite was written for (before anything runs it)."""
+    for family in dict.fromkeys(type(module) for module in model.modules() if rewritten(module)):
+        module_name, pieces = WRITTEN_AGAINST[family.__name__]
+        check_written_for(f"{family.__name__} (its attention, rewritten by cpshard)", module_name, pieces)
 
 
 def rewrite(module: nn.Module, config) -> None:
-    """``module`` (one of :data:`FORWARDS`' classes) attends through the registry from now on (again, after
-    a ``copy.deepcopy``: the forward is set anew each time)."""
-    if type(module).__name__ == "FalconAttention" and config.alibi and kv_groups(module) > 1:
-        if config._attn_implementation.endswith("sdpa"):
-            raise ValueError(
-                "Falcon with alibi=True and multi_query=True under sdpa: torch computes a row that sees no "
-                "key (left padding) with another kernel for its one shared k/v head than for the heads the "
-                "rewritten attention gives each q head, so the gradients would differ from the model's own; "
-                "load it with attn_implementation='eager'"
-            )
+    """``module`` (one of :data:`FORWARDS`' classes, checked by :func:`check_unchanged`) attends through the
+    registry from now on (again, after a ``copy.deepcopy``: the forward is set anew each time)."""
     if getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False):
         raise ValueError(
             f"{type(module).__name__}: slow_but_exact with pretraining_tp > 1 splits the output projection "
             "as no registry function does; set config.slow_but_exact=False"
         )
-    module.num_key_value_groups = kv_groups(module)
+    module.num_key_value_groups = 1  # every rewritten family has a k/v head per q head
     module.forward = partial(FORWARDS[type(module).__name__], module, config)

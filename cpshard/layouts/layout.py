@@ -24,10 +24,6 @@ TP_STYLES = ("colwise", "rowwise", "per_head")
 HEAD_TRANSFORMS = ("logits_scaling", "final_logit_softcapping")
 
 
-class LayoutError(ValueError):
-    """A model that a layout cannot serve (or a layout that cannot be right), with what to do."""
-
-
 def specs(before: str, after: str) -> tuple[Spec, Spec]:
     """A (before, after) pair of specs from their notation."""
     return Spec(before), Spec(after)

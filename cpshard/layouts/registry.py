@@ -6,7 +6,9 @@ from torch import nn
 
 from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3, qwen3_moe
 from cpshard.layouts.derive import derive_layout
-from cpshard.layouts.layout import Layout, LayoutError, structure_problems
+from cpshard.layouts.errors import LayoutError
+from cpshard.layouts.family_attention import check_unchanged
+from cpshard.layouts.layout import Layout, structure_problems
 
 _FILES = (llama, mistral, qwen3, qwen3_moe, gemma3)
 REGISTERED: dict[str, Layout] = {
@@ -32,7 +34,9 @@ def _derived(model: nn.Module, model_type: str) -> Layout:
 
 
 def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
-    """The layout for ``model``: the one given, the one registered for its type, else one derived from it."""
+    """The layout for ``model``: the one given, the one registered for its type, else one derived from it
+    (a model whose code cpshard rewrites is checked first: it must be the code its rewrite was made for)."""
+    check_unchanged(model)
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     if model_type in FOUND_WRONG and model_type not in REGISTERED:
         raise LayoutError(

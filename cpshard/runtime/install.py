@@ -75,7 +75,7 @@ def install(model: nn.Module, layout: Layout) -> None:
     """Put cpshard's attention, cut, tensor- and expert-parallel pieces into ``model`` (idempotent)."""
     for attention in attention_modules(model, layout):
         for module in attention.modules():
-            if rewritten(module):  # Bloom, Falcon, GPT-Neo, MPT: through the registry from now on
+            if rewritten(module):  # Bloom, GPT-Neo, MPT, XGLM: through the registry from now on
                 rewrite(module, model.config)
     install_attention(model, layout)
     layers = model.get_submodule(layout.decoder_layers)

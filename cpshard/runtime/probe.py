@@ -19,10 +19,12 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.tensor import DTensor
 
 from cpshard.call import active_call
-from cpshard.layouts.layout import LayoutError, text_config
+from cpshard.layouts.errors import LayoutError
+from cpshard.layouts.layout import text_config
 from cpshard.layouts.registry import REGISTERED
 from cpshard.parallel.mesh import cp_size
 from cpshard.runtime.grad import value_and_grad
@@ -148,6 +150,27 @@ def _refused_by_cpshard(error: BaseException | None) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
+def _unvouched(subject: str, what: str | None, error: BaseException | None) -> str:
+    """Why cpshard cannot vouch for ``subject``: ``what`` differed between cp and one process, or the probe
+    raised ``error`` (named with the frame that raised it: a model's code that does not run on a cp slice,
+    often another transformers release, is not a module that mixes tokens)."""
+    if error is not None:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        return (
+            f"cpshard cannot vouch for {subject}: on a probe sequence its cp run raised "
+            f"{type(error).__name__}: {error} (in {os.path.basename(frame.filename)}:{frame.lineno}, "
+            f"{frame.name}). The model's code does not run on a cp slice as this layout expects (installed "
+            f"transformers {transformers.__version__}; cpshard's tested set is constraints.txt in its "
+            "repository): write a layout file for this architecture or run it without cp"
+        )
+    what = what or "another cp rank's part of the probe"
+    return (
+        f"cpshard cannot vouch for {subject}: on a probe sequence, {what} differs between cp and one "
+        "process. Some module mixes tokens along the sequence where cp cannot see it, or a per-position "
+        "input is not cut; write a layout file for this architecture or run it without cp"
+    )
+
+
 def verify_once(cp_forward, params: dict, mesh) -> None:
     """Probe a layout that is not a registered file, once per model; a LayoutError on every rank if cp
     differs from one process, or if the probe's cp run fails."""
@@ -177,12 +200,6 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
         verified.discard(key)
         if _refused_by_cpshard(error):  # a clear refusal (ring and ALiBi, a hybrid degree): as it is
             raise error
-        detail = f" ({type(error).__name__}: {error})" if error is not None else ""
-        where = what or "another cp rank's part of the probe"
         raise LayoutError(
-            f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: on a "
-            f"probe sequence, {where} differs between cp and one process{detail}. Some module mixes "
-            "tokens along the sequence where cp cannot see it, or a per-position input is not cut; "
-            "write a layout file "
-            "for this architecture or run it without cp"
+            _unvouched(f"layout {layout.name!r} on {type(model).__name__}", what, error)
         ) from error

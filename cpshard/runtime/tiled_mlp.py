@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cpshard.call import current_call
-from cpshard.layouts.layout import Layout, LayoutError
+from cpshard.layouts.errors import LayoutError
+from cpshard.layouts.layout import Layout
 from cpshard.runtime.recompute import OwnForward, checkpoint_in_call, install_forward
 
 

@@ -89,6 +89,17 @@ PER_TYPE = {
     "codegen": dict(rotary_dim=8),
     "gpt_neo": dict(**_ABSOLUTE, attention_types=[[["global", "local"], 1]], window_size=4),
     "falcon": dict(head_dim=None),
+    # its indexer scores keys with the q heads of k/v head 0 (two here); a sliding and an indexed layer, whose
+    # selection is small enough to choose among the keys of a short sequence
+    "kolibri1_1": dict(
+        index_num_heads=2,
+        layer_types=["sliding_attention", "indexed_attention"],
+        index_topk=2,
+        index_pool_size=4,
+        index_compression=2,
+        index_num_local_tokens=2,
+        index_num_sink_tokens=1,
+    ),
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size * expand = num_heads * head_dim
     **dict.fromkeys(_SEQ2SEQ_TYPES, _SEQ2SEQ),

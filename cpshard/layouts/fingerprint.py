@@ -1,0 +1,94 @@
+"""Fingerprints of the transformers code that cpshard rewrites, so that a release that changed it is a clear
+refusal at setup, never a ``TypeError`` deep in a run or, worse, a wrong number.
+
+Where cpshard replaces a piece of a model (a family's attention forward, a recurrent layer's kernel), it was
+written against that piece and the code around it (the layer that calls it, the model that builds its mask).
+Each such piece is named here by its place in the family's modeling module and fingerprinted as transformers
+shipped it: the syntax tree of its code, comments and docstrings aside (a class: each function it defines,
+as the class holds it now). A fingerprint that differs means the code differs, and cpshard refuses rather
+than trust a rewrite made for other code. Cost: parsing a few functions' source once per prepared model.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import inspect
+import textwrap
+from collections.abc import Mapping
+
+import transformers
+
+from cpshard.layouts.errors import LayoutError
+
+#: the transformers release the fingerprints of the tables that use this module were taken from
+WRITTEN_FOR = "5.25.0"
+#: a piece's fingerprint when its source cannot be read, or it is not there
+_ABSENT = "absent"
+
+
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def _code(function) -> str:
+    """The syntax tree of ``function``'s source, comments, docstrings and positions aside."""
+    return ast.dump(_without_docstrings(ast.parse(textwrap.dedent(inspect.getsource(function)))))
+
+
+def _functions(piece) -> list:
+    """The functions that make ``piece``: itself, or each function a class defines (as it holds them now,
+    so a method replaced on the class counts)."""
+    if not inspect.isclass(piece):
+        return [piece]
+    found = [inspect.unwrap(value) for _, value in sorted(vars(piece).items())]
+    return [value for value in found if inspect.isfunction(value)]
+
+
+def _resolve(module, dotted: str):
+    piece = module
+    for part in dotted.split("."):
+        piece = getattr(piece, part)
+    return piece
+
+
+def fingerprint(module_name: str, dotted: str) -> str:
+    """The fingerprint of the piece ``dotted`` (``"BloomModel.forward"``, ``"BloomAttention"``) of the module
+    ``module_name`` as installed now, or ``"absent"`` where it is not there or its source cannot be read."""
+    try:
+        functions = _functions(_resolve(importlib.import_module(module_name), dotted))
+        code = "\n".join(_code(function) for function in functions)
+    except (AttributeError, ImportError, OSError, TypeError, SyntaxError):
+        return _ABSENT
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
+def changed(module_name: str, expected: Mapping[str, str]) -> list[str]:
+    """The pieces of ``module_name`` whose code is not the code their fingerprints in ``expected`` were
+    taken from."""
+    return [dotted for dotted, want in expected.items() if fingerprint(module_name, dotted) != want]
+
+
+def check_written_for(what: str, module_name: str, expected: Mapping[str, str]) -> None:
+    """Raise a :class:`LayoutError` naming ``what`` cpshard rewrites, the installed transformers and the
+    way out, where any piece of ``expected`` differs from the code it was written for."""
+    differing = changed(module_name, expected)
+    if differing:
+        raise LayoutError(
+            f"{what}: cpshard rewrites this code of {module_name} as transformers {WRITTEN_FOR} has it, and "
+            f"the installed transformers {transformers.__version__} has other code in "
+            f"{', '.join(differing)}, so cp could not vouch for its results: install transformers=="
+            f"{WRITTEN_FOR} (the tested set: constraints.txt in cpshard's repository), or run this model "
+            "without cp"
+        )
