@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import cpshard
-from cpshard.runtime.optim import adamw_init, adamw_update
+from cpshard.optim import adamw_init, adamw_update
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 VOCAB = 130  # uneven shards over 4 ranks

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.runtime.sampling import Sampling, next_tokens
+from cpshard.generation.sampling import Sampling, next_tokens
 from cpshard.tools.tiny import tiny_model
 
 TOLERANCE = 1e-5

@@ -22,6 +22,8 @@ LEVELS = {
     "loss": 4,
     "parallel": 4,
     "runtime": 5,
+    "optim": 5,
+    "generation": 6,
     "debug": 6,
     "tools": 7,
     "integrations": 7,

@@ -3,7 +3,7 @@
 import optree
 import torch
 
-from cpshard.runtime.optim import AdamState, adamw_init, adamw_update
+from cpshard.optim import AdamState, adamw_init, adamw_update
 
 
 def test_adamw_matches_torch_and_changes_nothing_in_place():

@@ -14,9 +14,9 @@ from torch.distributed.tensor import DTensor
 import cpshard
 from cpshard.comm.record import recording
 from cpshard.layouts.registry import resolve_layout
+from cpshard.optim import adamw_init, adamw_update
 from cpshard.parallel.fsdp import block_shape, full_tensors, gather_axis
 from cpshard.parallel.placement import param_mesh
-from cpshard.runtime.optim import adamw_init, adamw_update
 from cpshard.tools.parity import reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 

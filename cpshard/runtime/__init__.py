@@ -1,2 +1,1 @@
-"""cp_forward and what it runs on: the batch, the cut, recompute under checkpointing, gradients,
-the optimizer."""
+"""cp_forward and what it runs on: the batch, the cut, recompute under checkpointing, gradients."""

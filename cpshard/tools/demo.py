@@ -6,7 +6,7 @@ pytree. It reports parity against one process, the bytes each rank puts into col
 against the analytic Ulysses optimum, and each rank's peak memory and step time.
 
 The pieces are small so that tests and later commands (``bench``) can reuse them:
-:mod:`cpshard.debug.optimum` has the byte formula, :mod:`cpshard.runtime.optim` the optimizer;
+:mod:`cpshard.debug.optimum` has the byte formula, :mod:`cpshard.optim` the optimizer;
 :func:`demo_job` is what each rank runs, :func:`format_report` what the parent prints.
 """
 
@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import CommOptimum, optimum_of
+from cpshard.optim import adamw_init, adamw_update
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import launch
 from cpshard.runtime.forward import make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
-from cpshard.runtime.optim import adamw_init, adamw_update
 from cpshard.tools.memory import current_rss, peak_rss, reset_peak_rss
 from cpshard.tools.parity import RTOL, Parity, check_parity, failing_rows, format_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model

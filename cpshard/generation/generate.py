@@ -12,11 +12,11 @@ import torch
 from transformers import GenerationConfig
 
 from cpshard.comm.collectives import all_gather_rows
+from cpshard.generation.decode import make_cp_decode
+from cpshard.generation.prefill import make_cp_prefill
+from cpshard.generation.sampling import Sampling, next_tokens
 from cpshard.layouts.layout import text_config
-from cpshard.runtime.decode import make_cp_decode
 from cpshard.runtime.forward import params_of
-from cpshard.runtime.prefill import make_cp_prefill
-from cpshard.runtime.sampling import Sampling, next_tokens
 
 _MODELS_OWN = object()
 SPECULATIVE = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")

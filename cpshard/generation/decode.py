@@ -18,9 +18,9 @@ from cpshard.attention.decode import DecodeStep
 from cpshard.attention.kv_cache import ShardedKVCache
 from cpshard.call import decoding
 from cpshard.comm.collectives import all_gather_rows
+from cpshard.generation.prefill import check_mesh_and_params, check_servable
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.install import attention_modules, ensure_installed, install
-from cpshard.runtime.prefill import check_mesh_and_params, check_servable
 
 
 def check_step(tokens, cache: ShardedKVCache, group) -> None:
