@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import cpshard
-from cpshard.parallel.mesh import MESH_DIMS, TOKEN_DIMS, cp_size, group_over, split_cp
+from cpshard.parallel.mesh import MESH_AXES, TOKEN_AXES, cp_size, group_over, split_cp
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ DIMS = [
     ("tp",),
     ("fsdp", "cp"),
     ("cp", "fsdp"),
-    TOKEN_DIMS,
+    TOKEN_AXES,
     ("dp_replicate", "tp"),
     (),
     ("ep",),
@@ -109,8 +109,8 @@ def _mesh_cases():
     cases = []
     for sizes in MESHES[world]:
         mesh = cpshard.make_mesh(**sizes)
-        full = {name: sizes.get(name, 1) for name in MESH_DIMS}
-        cases.append((f"{sizes} names", mesh.mesh_dim_names, MESH_DIMS))
+        full = {name: sizes.get(name, 1) for name in MESH_AXES}
+        cases.append((f"{sizes} names", mesh.mesh_dim_names, MESH_AXES))
         cases.append((f"{sizes} shape", tuple(mesh.shape), tuple(full.values())))
         grid = list(itertools.product(*map(range, full.values())))  # row-major
         cases.append((f"{sizes} coordinate", tuple(mesh.get_coordinate()), grid[rank]))

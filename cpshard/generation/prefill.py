@@ -21,6 +21,7 @@ from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.family_attention import score_bias
 from cpshard.layouts.registry import resolve_layout
+from cpshard.parallel.mesh import cp_rank
 from cpshard.runtime.batch import BatchError, validate
 from cpshard.runtime.forward import CPForward, ForwardOptions
 from cpshard.runtime.install import attention_modules
@@ -136,7 +137,7 @@ class CPPrefill(CPForward):
             raise error
         call = replace(call, kv_sink={})
         cp, group = call.cp_size, mesh.get_group("cp")
-        rank = mesh.get_local_rank("cp") if cp > 1 else 0
+        rank = cp_rank(mesh)
         held, last = chunk_positions(padded.length, cp, rank), last_real(mask)
         keep = (held[:, None] == last[None, :]).any(1).nonzero().flatten()
         inputs = {**padded.model_inputs, "use_cache": False}

@@ -32,20 +32,17 @@ except ImportError as error:
     ) from error
 
 from cpshard.parallel.checkpoint import save_pretrained
-from cpshard.parallel.mesh import mesh_size
+from cpshard.parallel.mesh import DATA_AXES, mesh_size
 from cpshard.runtime.count import count_label_tokens
 from cpshard.runtime.forward import make_cp_forward, params_of
-
-#: the mesh dimensions whose ranks hold other data, in the order their coordinates number the dp groups
-DATA_DIMS = ("dp_replicate", "fsdp")
 
 
 def dp_group_of(mesh) -> tuple[int, int]:
     """``(index, count)``: which of the mesh's dp groups this rank belongs to, and how many there are."""
     index, count = 0, 1
-    for dim in DATA_DIMS:
-        size = mesh_size(mesh, dim)
-        index, count = index * size + (mesh.get_local_rank(dim) if size > 1 else 0), count * size
+    for axis in DATA_AXES:
+        size = mesh_size(mesh, axis)
+        index, count = index * size + (mesh.get_local_rank(axis) if size > 1 else 0), count * size
     return index, count
 
 

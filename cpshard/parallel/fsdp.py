@@ -19,7 +19,7 @@ from cpshard.comm.collectives import all_gather_shards, sum_grads_over_group
 from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.experts import check_expert_parallel
-from cpshard.parallel.mesh import MESH_DIMS, expert_degree, mesh_size
+from cpshard.parallel.mesh import MESH_AXES, expert_degree, mesh_size
 from cpshard.parallel.placement import Placed, placed, placement_problem, style_of
 from cpshard.parallel.tensor import check_tensor_parallel
 
@@ -27,7 +27,7 @@ from cpshard.parallel.tensor import check_tensor_parallel
 def check_mesh(mesh: DeviceMesh) -> None:
     """A root mesh of :func:`cpshard.make_mesh`, which :func:`parallelize` can serve."""
     names = mesh.mesh_dim_names or ()
-    missing = [name for name in MESH_DIMS if name not in names]
+    missing = [name for name in MESH_AXES if name not in names]
     if missing:
         raise ValueError(
             f"parallelize needs the root mesh of cpshard.make_mesh; this mesh has dimensions "

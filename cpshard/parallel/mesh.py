@@ -1,4 +1,5 @@
-"""Meshes: the root mesh with named dimensions, and the groups the forward reduces over."""
+"""Meshes: the root mesh with named axes, the axes' groups named once, and the groups the forward reduces
+over. (A mesh *axis* is a dimension of the mesh; a *dim* is a tensor's.)"""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp_replicate", "fsdp", "cp", "tp")
-#: the dimensions whose ranks hold different tokens: losses, token counts and gradients sum over them
-TOKEN_DIMS = ("dp_replicate", "fsdp", "cp")
+#: the root mesh's axes, outermost first
+MESH_AXES = ("dp_replicate", "fsdp", "cp", "tp")
+#: the axes whose ranks hold different tokens: losses, token counts and gradients sum over them
+TOKEN_AXES = ("dp_replicate", "fsdp", "cp")
+#: the axes whose ranks hold other batches, in the order their coordinates number the dp groups
+DATA_AXES = ("dp_replicate", "fsdp")
+#: the axes whose ranks take the same batch: a dp group is one ``cp x tp`` sub-mesh
+SAME_BATCH_AXES = ("cp", "tp")
+#: parameters are split over ``fsdp x cp``, flattened, and replicated over these (their ranks: other batches)
+REPLICA_AXES = ("dp_replicate",)
 
 
 def _init_default_group(device_type: str) -> None:
@@ -73,7 +81,7 @@ def _root_mesh(device_type: str, shape: tuple[int, ...], ep: int, world) -> Devi
     """One mesh per shape, expert degree and default group: every mesh creates a process group per
     dimension (each with its own threads), so a training loop or test suite calling make_mesh
     again must get the same mesh back, not a new set of groups."""
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     _EXPERT_DEGREE[id(mesh)] = ep
     return mesh
 
@@ -84,7 +92,7 @@ def expert_degree(mesh: DeviceMesh) -> int:
 
 
 def mesh_size(mesh: DeviceMesh, name: str) -> int:
-    """The size of the mesh dimension ``name``; 1 when the mesh has no such dimension."""
+    """The size of the mesh axis ``name``; 1 when the mesh has no such axis."""
     names = mesh.mesh_dim_names or ()
     return mesh.size(names.index(name)) if name in names else 1
 
@@ -100,11 +108,16 @@ def cp_size(mesh: DeviceMesh) -> int:
     return mesh.size(names.index("cp"))
 
 
-def group_over(mesh: DeviceMesh, dims: tuple[str, ...]):
-    """The process group of the ranks that differ only along ``dims`` (None when that is this rank alone)."""
+def cp_rank(mesh: DeviceMesh) -> int:
+    """This rank's coordinate on the cp axis (0 where cp is 1)."""
+    return mesh.get_local_rank("cp") if cp_size(mesh) > 1 else 0
+
+
+def group_over(mesh: DeviceMesh, axes: tuple[str, ...]):
+    """The process group of the ranks that differ only along ``axes`` (None when that is this rank alone)."""
     names = mesh.mesh_dim_names or ()
     wide = tuple(
-        d for d in names if d in dims and mesh.size(names.index(d)) > 1
+        a for a in names if a in axes and mesh.size(names.index(a)) > 1
     )  # in mesh order, as slicing wants
     if not wide:
         return None

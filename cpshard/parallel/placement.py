@@ -29,9 +29,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from cpshard.layouts.layout import Layout
 from cpshard.parallel.mesh import expert_degree, mesh_size
 
-#: parameters are split over fsdp x cp, flattened, and replicated over these, whose ranks hold other batches
-REPLICA_DIMS = ("dp_replicate",)
-
 
 @cache
 def _regroup(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.loss.cross_entropy import IGNORE_INDEX
+from cpshard.parallel.mesh import SAME_BATCH_AXES
 from cpshard.spec.sequence import padded_length_for, positions
 
 INPUT_KEYS = ("input_ids", "inputs_embeds")
@@ -219,14 +220,10 @@ def _differs_message(differing: list[int], first: int) -> str:
     )
 
 
-#: the mesh dimensions whose ranks take the same batch (a dp group is one ``cp x tp`` sub-mesh)
-SAME_BATCH_DIMS = ("cp", "tp")
-
-
 def _dp_groups(mesh) -> list[list[int]]:
     """The global ranks of each dp group: those that differ only along cp and tp, in mesh order."""
     names = mesh.mesh_dim_names or ()
-    same = [i for i, name in enumerate(names) if name in SAME_BATCH_DIMS]
+    same = [i for i, name in enumerate(names) if name in SAME_BATCH_AXES]
     other = [i for i in range(len(names)) if i not in same]
     width = math.prod(mesh.mesh.shape[i] for i in same)
     return mesh.mesh.permute(*other, *same).reshape(-1, width).tolist()

@@ -12,11 +12,8 @@ import torch
 
 from cpshard.comm.collectives import sum_over_group
 from cpshard.loss.cross_entropy import IGNORE_INDEX
-from cpshard.parallel.mesh import TOKEN_DIMS, group_over
+from cpshard.parallel.mesh import DATA_AXES, group_over
 from cpshard.runtime.batch import BatchError, shifted_labels, validate
-
-#: the dimensions whose ranks hold other batches (a dp group takes one batch over cp and tp)
-BATCH_DIMS = tuple(d for d in TOKEN_DIMS if d != "cp")
 
 
 def label_count(shift_labels: torch.Tensor) -> torch.Tensor:
@@ -36,7 +33,7 @@ def count_label_tokens(micro_batches, mesh) -> torch.Tensor:
         if labels is None:
             raise BatchError("count_label_tokens: a micro-batch has neither labels nor shift_labels")
         total += label_count(labels)
-    group = group_over(mesh, BATCH_DIMS)
+    group = group_over(mesh, DATA_AXES)
     return total if group is None else sum_over_group(total, group, name="token count")
 
 
@@ -48,7 +45,7 @@ def loss_normaliser(shift_labels: torch.Tensor, num_items, mesh) -> tuple[torch.
     if num_items is not None:
         items = int(num_items)
         counts = torch.tensor([int(counts), items, items * items], dtype=torch.int64)
-    group = group_over(mesh, BATCH_DIMS)
+    group = group_over(mesh, DATA_AXES)
     if group is not None:
         counts = sum_over_group(counts, group, name="token count")
     num_tokens = counts[0]

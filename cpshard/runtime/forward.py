@@ -32,8 +32,9 @@ from cpshard.parallel.experts import (
 )
 from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import (
-    TOKEN_DIMS,
+    TOKEN_AXES,
     cp_mesh,
+    cp_rank,
     cp_size,
     expert_degree,
     group_over,
@@ -231,7 +232,7 @@ class CPForward:
         cp = call.cp_size
         with self._running(call):
             local, router_logits = self._local_outputs(params, padded.model_inputs)
-        held = chunk_positions(padded.length, cp, mesh.get_local_rank("cp") if cp > 1 else 0)
+        held = chunk_positions(padded.length, cp, cp_rank(mesh))
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
         loss, num_tokens, logprobs = self._loss(local, params, padded, mesh, held, reduced)
         if loss is not None and router_logits:
@@ -277,10 +278,10 @@ class CPForward:
 
     def _router_loss(self, router_logits: tuple, padded: PaddedBatch, call: CallPlan) -> torch.Tensor:
         """The config's coefficient times the load-balancing loss over the whole batch."""
-        rank = call.mesh.get_local_rank("cp") if call.cp_size > 1 else 0
+        rank = cp_rank(call.mesh)
         mask = local_token_mask(padded, call.order, call.cp_size, rank)
         aux = load_balancing_loss(
-            router_logits, *expert_counts(text_config(self.model)), mask, group_over(call.mesh, TOKEN_DIMS)
+            router_logits, *expert_counts(text_config(self.model)), mask, group_over(call.mesh, TOKEN_AXES)
         )
         return text_config(self.model).router_aux_loss_coef * aux
 
@@ -314,7 +315,7 @@ class CPForward:
         logprobs = self._token_logprobs(local, params, local_labels) if self.keep_token_logprobs else None
         loss_sum = -logprobs.sum() if logprobs is not None else self._loss_sum(local, params, local_labels)
         loss = loss_sum / divisor
-        token_group = group_over(mesh, TOKEN_DIMS)
+        token_group = group_over(mesh, TOKEN_AXES)
         if token_group is not None and reduced:
             loss = sum_over_group(loss, token_group, name="loss")
         return loss, num_tokens, logprobs

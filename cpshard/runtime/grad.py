@@ -14,8 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from cpshard.comm.collectives import sum_many_grads_over_group, sum_now_over_group
-from cpshard.parallel.mesh import TOKEN_DIMS, group_over
-from cpshard.parallel.placement import REPLICA_DIMS
+from cpshard.parallel.mesh import REPLICA_AXES, TOKEN_AXES, group_over
 
 
 def summed_in_backward(params: dict, mesh) -> dict:
@@ -25,9 +24,9 @@ def summed_in_backward(params: dict, mesh) -> dict:
     over ``fsdp x cp`` by the reduce-scatter of their gather (:func:`cpshard.parallel.fsdp.gather_params`),
     so their local shards sum over ``dp_replicate`` here."""
     result = dict(params)
-    for sharded, dims in ((False, TOKEN_DIMS), (True, REPLICA_DIMS)):
+    for sharded, axes in ((False, TOKEN_AXES), (True, REPLICA_AXES)):
         names = [n for n, v in params.items() if isinstance(v, DTensor) == sharded and v.requires_grad]
-        group = group_over(mesh, dims) if names else None
+        group = group_over(mesh, axes) if names else None
         if group is None:
             continue
         values = [params[n].to_local() if sharded else params[n] for n in names]
@@ -64,7 +63,7 @@ def value_and_grad(cp_forward):
             output = cp_forward(leaves, batch, mesh)
             return output, dict(zip(leaves, _grads_of(output, leaves)))
         output = cp_forward.unreduced(leaves, batch, mesh)
-        grads, group = _grads_of(output, leaves), group_over(mesh, TOKEN_DIMS)
+        grads, group = _grads_of(output, leaves), group_over(mesh, TOKEN_AXES)
         if group is not None:
             *grads, loss = sum_now_over_group([*grads, output.loss.detach()], group, name="gradients")
             output = replace(output, loss=loss)

@@ -26,7 +26,7 @@ from cpshard.call import active_call
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.layout import text_config
 from cpshard.layouts.registry import REGISTERED
-from cpshard.parallel.mesh import cp_size
+from cpshard.parallel.mesh import cp_rank, cp_size
 from cpshard.runtime.grad import value_and_grad
 from cpshard.spec.sequence import chunk_positions, positions
 
@@ -62,10 +62,10 @@ def _layer_outputs(layers, final, run) -> list[tuple[torch.Tensor, torch.Tensor 
     def keep(module, args, output):
         hidden, call, held = _first(output), active_call(), None
         if call is not None and module is final:
-            held = chunk_positions(call.length, call.cp_size, call.mesh.get_local_rank("cp"))
+            held = chunk_positions(call.length, call.cp_size, cp_rank(call.mesh))
             hidden = hidden[:, : len(held)]
         elif call is not None:
-            held = positions(call.order, call.padded_length, call.cp_size, call.mesh.get_local_rank("cp"))
+            held = positions(call.order, call.padded_length, call.cp_size, cp_rank(call.mesh))
             real = held < call.length
             hidden, held = hidden[:, real], held[real]
         outputs.append((hidden.detach(), held))

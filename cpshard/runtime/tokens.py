@@ -11,7 +11,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from cpshard.parallel.mesh import cp_mesh, cp_size
+from cpshard.parallel.mesh import cp_mesh, cp_rank, cp_size
 from cpshard.spec.sequence import chunk_positions
 
 
@@ -31,5 +31,5 @@ def shard_like_logits(tensor: torch.Tensor, mesh) -> DTensor:
             f"shard_like_logits takes a per-token tensor [B, L, ...]; got shape {list(tensor.shape)}"
         )
     cp = cp_size(mesh)
-    held = chunk_positions(tensor.shape[1], cp, mesh.get_local_rank("cp") if cp > 1 else 0)
+    held = chunk_positions(tensor.shape[1], cp, cp_rank(mesh))
     return sequence_sharded(tensor.index_select(1, held.to(tensor.device)), tensor.shape[1], cp_mesh(mesh))

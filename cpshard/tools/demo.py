@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import CommOptimum, optimum_of
 from cpshard.optim import adamw_init, adamw_update
-from cpshard.parallel.mesh import make_mesh
+from cpshard.parallel.mesh import cp_rank, make_mesh
 from cpshard.parallel.processes import launch
 from cpshard.runtime.forward import make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
@@ -133,7 +133,7 @@ def train(
 def demo_job(config: DemoConfig) -> RankReport:
     """One rank's demo: build, check parity on the first step, train, measure."""
     mesh = make_mesh(cp=config.nprocs)
-    rank = mesh.get_local_rank("cp")
+    rank = cp_rank(mesh)
     say = _speaker(rank)
     model = tiny_model("llama", seed=config.seed, **config.model_sizes())
     params = params_of(model)
