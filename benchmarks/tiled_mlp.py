@@ -1,4 +1,4 @@
-"""What the tiled MLP (the layout's ``mlp_tile``) does to a rank's peak memory and step time under cp.
+"""What the tiled MLP (``make_cp_forward(mlp_tile=N)``) does to a rank's peak memory and step time under cp.
 
     python benchmarks/tiled_mlp.py --seqs 8192 16384 --tile 1024 --repeats 2
 
@@ -18,7 +18,6 @@ import time
 import torch.distributed as dist
 
 import cpshard
-from cpshard.layouts.registry import resolve_layout
 from cpshard.tools.memory import LiveTensors
 from cpshard.tools.tiny import tiny_batch, tiny_model
 from cpshard.tools.usage import llama_sizes
@@ -31,8 +30,8 @@ def _variant(checkpointing: bool, tile: int | None):
     model = tiny_model("llama", **SIZES).train()
     if checkpointing:
         model.activation_checkpointing_enable()
-    layout = resolve_layout(model).with_rows(mlp_tile=tile)
-    return cpshard.value_and_grad(cpshard.make_cp_forward(model, layout=layout, logits=False))
+    tiling = {} if tile is None else dict(mlp_tile=tile)
+    return cpshard.value_and_grad(cpshard.make_cp_forward(model, logits=False, **tiling))
 
 
 def _measured(step, params, batch, mesh) -> tuple[float, float]:

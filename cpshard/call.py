@@ -62,6 +62,10 @@ class CallPlan:
     kv_sink: dict | None = field(default=None, compare=False, repr=False)
     #: whether the decoder layers are compiled: their attention then gets a :class:`TracedCall` (see there)
     traced: bool = False
+    #: the memory modes of ``make_cp_forward``: the MLP a block of this many tokens at a time (None: whole),
+    #: and each attention module under a checkpoint of its own
+    mlp_tile: int | None = None
+    attention_recompute: bool = False
     #: what every layer derives alike from the call's inputs, derived once (see :meth:`shared`)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 

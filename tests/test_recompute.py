@@ -1,11 +1,11 @@
 """cp_forward under transformers' activation checkpointing: the recompute re-runs the collectives, exactly;
-a layout's attention_recompute checkpoints each attention on its own, with or without the layers'."""
+make_cp_forward(attention_recompute=True) checkpoints each attention on its own, with or without the
+layers'."""
 
 import pytest
 import torch.distributed as dist
 
 import cpshard
-from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.recompute import checkpointing_modules
 from cpshard.tools.parity import check_parity, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -62,20 +62,18 @@ def test_the_recompute_uses_the_calls_parameters(ranks2):
 def attention_recomputed(implementation: str, checkpointing: bool) -> tuple[float, int]:
     """The largest relative difference of loss, logits and gradients from one process, and how many times
     each layer's attention ran in one step. The parameters are not the module's own (an optimizer's
-    output), except under layer checkpointing (the layout's probe recomputes with the module's own)."""
+    output)."""
     model, twin = tiny_model("llama", num_hidden_layers=2).train(), tiny_model("llama", num_hidden_layers=2)
     if checkpointing:
         model.activation_checkpointing_enable()
-    layout = resolve_layout(model).with_rows(attention_recompute=True)
-    scale = 1 if checkpointing else 1.1
-    params = {name: p.detach() * scale for name, p in cpshard.params_of(model).items()}
+    params = {name: p.detach() * 1.1 for name, p in cpshard.params_of(model).items()}
     batch = tiny_batch(model.config.vocab_size, 2, 15, pad="right")
     want_loss, want_logits, want = reference(twin, params, batch)
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
     step = cpshard.value_and_grad(
-        cpshard.make_cp_forward(model, layout=layout, implementation=implementation)
+        cpshard.make_cp_forward(model, implementation=implementation, attention_recompute=True)
     )
-    step(params, batch, mesh)  # the first call probes the layout
+    step(params, batch, mesh)
     runs = []
     model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *_: runs.append(1))
     out, grads = step(params, batch, mesh)

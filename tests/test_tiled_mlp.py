@@ -1,5 +1,5 @@
 """The MLP a block of tokens at a time under cp: exact against one process, blocks really run (and are
-recomputed), and layouts that cannot tile are refused."""
+recomputed), and tiles that cannot serve (no positive count, experts in the MLP) are refused."""
 
 import pytest
 import torch
@@ -7,7 +7,6 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.layouts.errors import LayoutError
-from cpshard.layouts.registry import resolve_layout
 from cpshard.tools.memory import LiveTensors
 from cpshard.tools.parity import reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -18,21 +17,16 @@ TOLERANCE = 1e-5
 def tiled_against_one_process(tile: int, forward: dict, batch_options: dict, checkpointing: bool):
     """Largest relative difference of loss, logits and every gradient from one process, and how many times
     the layers' MLP projections ran in the step. The parameters are not the module's own (an optimizer's
-    output), except under checkpointing: there the first call's probe of the layout (not a registered
-    file) runs its one-process reference with the model's checkpointing, which recomputes with the
-    module's own weights."""
+    output)."""
     model, twin = tiny_model("llama", num_hidden_layers=2).train(), tiny_model("llama", num_hidden_layers=2)
     if checkpointing:
         model.activation_checkpointing_enable()
-    layout = resolve_layout(model).with_rows(mlp_tile=tile)
-    params = {
-        name: p.detach() * (1 if checkpointing else 1.1) for name, p in cpshard.params_of(model).items()
-    }
+    params = {name: p.detach() * 1.1 for name, p in cpshard.params_of(model).items()}
     batch = tiny_batch(model.config.vocab_size, 2, 15, **batch_options)
     want_loss, want_logits, want = reference(twin, params, batch)
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
-    step = cpshard.value_and_grad(cpshard.make_cp_forward(model, layout=layout, **forward))
-    step(params, batch, mesh)  # the first call probes the layout
+    step = cpshard.value_and_grad(cpshard.make_cp_forward(model, mlp_tile=tile, **forward))
+    step(params, batch, mesh)
     runs = []  # the tokens each call of an MLP's first projection took
     for layer in model.model.layers:
         layer.mlp.gate_proj.register_forward_hook(lambda _, args, __: runs.append(args[0].shape[1]))
@@ -66,18 +60,19 @@ def test_tiled_mlp_is_exact(ranks2, name):
 def refused(model_type: str, tile) -> str:
     model = tiny_model(model_type)
     with pytest.raises(LayoutError) as caught:
-        cpshard.make_cp_forward(model, layout=resolve_layout(model).with_rows(mlp_tile=tile))
+        cpshard.make_cp_forward(model, mlp_tile=tile)
     return str(caught.value)
 
 
-def test_layouts_that_cannot_tile_are_refused():
+def test_tiles_that_cannot_serve_are_refused():
     assert "mlp_tile=0 is not a positive number of tokens" in refused("llama", 0)
+    assert "mlp_tile=True is not a positive number of tokens" in refused("llama", True)
     assert "mlp_tile tiles dense MLPs; 'mlp' holds the experts ['mlp.experts']" in refused("qwen3_moe", 4)
 
 
 def test_outside_a_call_the_mlp_is_its_own():
     model, twin = tiny_model("llama"), tiny_model("llama")
-    cpshard.make_cp_forward(model, layout=resolve_layout(model).with_rows(mlp_tile=2))
+    cpshard.make_cp_forward(model, mlp_tile=2)
     batch = tiny_batch(model.config.vocab_size, 1, 9)
     assert torch.equal(model(**batch).logits, twin(**batch).logits)
 
@@ -95,9 +90,9 @@ def step_peaks(tile: int, seq: int) -> dict:
             model = tiny_model("llama", **sizes).train()
             if checkpointing:
                 model.activation_checkpointing_enable()
-            layout = resolve_layout(model).with_rows(mlp_tile=tile if tiled else None)
-            step = cpshard.value_and_grad(cpshard.make_cp_forward(model, layout=layout, logits=False))
-            step(params, batch, mesh)  # the first call probes the layout
+            tiling = dict(mlp_tile=tile) if tiled else {}
+            step = cpshard.value_and_grad(cpshard.make_cp_forward(model, logits=False, **tiling))
+            step(params, batch, mesh)  # the first call sets up
             with LiveTensors() as live:
                 step(params, batch, mesh)
             peaks[checkpointing, tiled] = live.peak

@@ -75,17 +75,9 @@ class Layout:
     #: the decoder reshapes its final hidden states to the input's length (GPT-2's ``view(output_shape)``):
     #: each rank's rows are given in a tensor of that length, and taken out again at the LM head
     restores_length: bool = False
-    #: each decoder layer's MLP module (dense: token by token), and how many tokens it takes at a time:
-    #: ``mlp_tile`` runs it a block of that many tokens at a time under activation checkpointing, so that
-    #: one block's intermediate activations live instead of the whole sequence's (ALST's TiledMLP;
-    #: :mod:`cpshard.runtime.tiled_mlp`); None runs it whole
+    #: each decoder layer's MLP module (dense: token by token), which ``make_cp_forward(mlp_tile=N)`` runs
+    #: a block of tokens at a time (:mod:`cpshard.runtime.tiled_mlp`)
     mlp: str | None = None
-    mlp_tile: int | None = None
-    #: run each layer's attention module (``attention``) under activation checkpointing of its own, inside
-    #: the layer's: its activations (the exchanged q, k, v, its output) are recomputed when the backward
-    #: reaches it, so the layer's MLP backward does not hold them (:mod:`cpshard.runtime.recompute`); one
-    #: more attention forward and its exchanges per layer
-    attention_recompute: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
@@ -178,23 +170,7 @@ def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
     for attr in (layout.heads, layout.kv_heads):
         if attr is not None and not isinstance(getattr(config, attr, None), int):
             problems.append(f"its config has no {attr}")
-    problems += _mlp_tiling_problems(layers, layout)
     odd = [name for name in layout.head_transforms if name not in HEAD_TRANSFORMS]
     if odd:
         problems.append(f"unknown head transforms {odd}; cpshard knows {HEAD_TRANSFORMS}")
     return problems
-
-
-def _mlp_tiling_problems(layers: nn.ModuleList, layout: Layout) -> list[str]:
-    """Where a layout that tiles the MLP does not fit: a tile that is no positive count, no MLP module
-    in some layer, or experts inside it (routing by tokens is not a dense MLP's token-by-token work)."""
-    if layout.mlp_tile is None:
-        return []
-    if not isinstance(layout.mlp_tile, int) or layout.mlp_tile < 1:
-        return [f"mlp_tile={layout.mlp_tile!r} is not a positive number of tokens"]
-    if layout.mlp is None or not all(isinstance(submodule(layer, layout.mlp), nn.Module) for layer in layers):
-        return [f"mlp_tile needs every decoder layer's MLP module; not every layer has {layout.mlp!r}"]
-    experts = [path for path in layout.experts if path.startswith(f"{layout.mlp}.")]
-    if experts:
-        return [f"mlp_tile tiles dense MLPs; {layout.mlp!r} holds the experts {experts}"]
-    return []

@@ -42,6 +42,4 @@ LAYOUT = Layout(
     experts=(),
     per_head_params=(),
     mlp="mlp",
-    mlp_tile=None,
-    attention_recompute=False,
 )

@@ -58,6 +58,7 @@ from cpshard.runtime.grad import summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
 from cpshard.runtime.probe import verify_once
 from cpshard.runtime.recompute import recompute_in
+from cpshard.runtime.tiled_mlp import check_mlp_tile
 from cpshard.runtime.tokens import sequence_sharded
 from cpshard.spec.sequence import check_order, chunk_positions
 
@@ -89,6 +90,9 @@ class ForwardOptions:
     expert_plan: str = "auto"
     #: False, True (inductor) or a torch.compile backend's name: each decoder layer's forward compiled
     compile: bool | str = False
+    #: memory modes: the MLP a block of this many tokens at a time; each attention checkpointed on its own
+    mlp_tile: int | None = None
+    attention_recompute: bool = False
 
 
 class CPForward:
@@ -102,9 +106,11 @@ class CPForward:
         self.keep_token_logprobs = options.token_logprobs
         self.ulysses_degree, self.sequence_order = options.ulysses_degree, options.sequence_order
         self.expert_plan, self.compile = options.expert_plan, bool(options.compile)
+        self.mlp_tile, self.attention_recompute = options.mlp_tile, options.attention_recompute
         self.module_names = {id(module): name for name, module in model.named_modules()}
         self.decoder_prefix = layout.decoder
-        install(model, layout)
+        check_mlp_tile(model.get_submodule(layout.decoder_layers), layout, options.mlp_tile)
+        install(model, layout, options.mlp_tile is not None, options.attention_recompute)
         if options.compile:
             compile_layers(model.get_submodule(layout.decoder_layers), compile_options(options.compile))
 
@@ -176,6 +182,8 @@ class CPForward:
             expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
             expert_plan=choose_expert_plan(self.expert_plan, tp, ep),
             traced=self.compile,
+            mlp_tile=self.mlp_tile,
+            attention_recompute=self.attention_recompute,
         )
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
@@ -333,6 +341,8 @@ def make_cp_forward(
     token_logprobs=False,
     expert_plan="auto",
     compile=False,
+    mlp_tile=None,
+    attention_recompute=False,
 ) -> CPForward:
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
 
@@ -350,11 +360,20 @@ def make_cp_forward(
     large-scale training does; a backend (``"aot_eager"``, or a callable) compiles with that backend.
     The cut and the checks stay eager around the layers; inside a layer nothing breaks the graph, and
     one graph serves every layer (lengths that change make it dynamic after one recompile). cp and data
-    parallelism only (tp and ep read the running call, which compiled code cannot)."""
+    parallelism only (tp and ep read the running call, which compiled code cannot).
+    ``mlp_tile``: a number of tokens: each decoder layer's MLP (the layout's ``mlp``, dense) runs a block of
+    that many tokens at a time under activation checkpointing, so one block's intermediate activations
+    live instead of the whole slice's (ALST's TiledMLP); exact, since a dense MLP works token by token.
+    ``attention_recompute``: each layer's attention module runs under a checkpoint of its own, inside the
+    layer's: its activations (the exchanged q, k, v, its output) are recomputed when the backward reaches
+    it, so the MLP's backward does not hold them; one more attention forward and its exchanges per layer.
+    Both are memory modes of a call, not facts of an architecture: a layout says where the MLP is."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if sequence_order != "auto":
         check_order(sequence_order)
     check_expert_plan(expert_plan)
-    options = ForwardOptions(ulysses_degree, sequence_order, token_logprobs, expert_plan, compile)
+    options = ForwardOptions(
+        ulysses_degree, sequence_order, token_logprobs, expert_plan, compile, mlp_tile, attention_recompute
+    )
     return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)

@@ -2,8 +2,9 @@
 
 ``install(model, layout)`` registers cpshard's attention function around the model's own, the cut
 (forward pre-hooks on the decoder layers, hooks on the final norm and the LM head), for a mixture of
-experts the expert-parallel experts function, where the layout tiles the MLP, the MLP modules' tiled
-forward, and where it asks, the attention modules' recomputed forward (the tensor-parallel hooks go in
+experts the expert-parallel experts function, for ``make_cp_forward``'s ``mlp_tile`` the MLP modules'
+tiled forward, and for its ``attention_recompute`` the attention modules' recomputed forward (each acts
+as the running call's options say; the tensor-parallel hooks go in
 at the first call with tp > 1). Each acts only inside a cp_forward call (see :mod:`cpshard.call`);
 outside one the model gives its ordinary results.
 
@@ -71,8 +72,9 @@ def _set_implementation(model: nn.Module, name: str, layout: Layout) -> None:
         )
 
 
-def install(model: nn.Module, layout: Layout) -> None:
-    """Put cpshard's attention, cut, tensor- and expert-parallel pieces into ``model`` (idempotent)."""
+def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recomputes_attention: bool = False):
+    """Put cpshard's attention, cut, tensor- and expert-parallel pieces into ``model`` (idempotent), and the
+    forwards of the memory modes a cp forward asks for."""
     for attention in attention_modules(model, layout):
         for module in attention.modules():
             if rewritten(module):  # Bloom, GPT-Neo, MPT, XGLM: through the registry from now on
@@ -82,9 +84,9 @@ def install(model: nn.Module, layout: Layout) -> None:
     install_hooks(cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings()))
     if layout.experts:
         install_experts(model)
-    if layout.mlp_tile is not None:
+    if tiles_mlp:
         install_tiled_mlp(layers, layout)
-    if layout.attention_recompute:
+    if recomputes_attention:
         install_forward([layer.get_submodule(layout.attention) for layer in layers], RecomputedForward)
 
 

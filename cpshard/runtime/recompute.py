@@ -12,7 +12,7 @@ recomputes, and a layer reads its weights from the module. So the module's param
 enter each checkpoint as inputs and are put back on the module for the recompute (without them a
 functional training loop would get the gradients of the stale weights the module holds).
 
-A layout's ``attention_recompute`` also checkpoints each layer's attention module on its own
+``make_cp_forward(attention_recompute=True)`` also checkpoints each layer's attention module on its own
 (:class:`RecomputedForward`), nested in the layer's checkpoint: the layer's backward then holds the
 attention's activations only while it runs the attention's backward, not through the MLP's.
 """
@@ -92,14 +92,14 @@ def _keywords_last(fn, keys: tuple[str, ...], rest: dict, count: int, *inputs):
 
 
 class RecomputedForward(OwnForward):
-    """An attention module's forward under a checkpoint of its own, inside a call whose layout sets
-    ``attention_recompute``; the module's own forward everywhere else. Its tensor keywords enter the
+    """An attention module's forward under a checkpoint of its own, inside a call of a cp forward made with
+    ``attention_recompute=True``; the module's own forward everywhere else. Its tensor keywords enter the
     checkpoint as inputs: a checkpoint holds keywords as they are, so the layer's own checkpoint would
     otherwise keep the attention's input of every layer alive from the forward to the backward."""
 
     def __call__(self, *args, **kwargs):
         call = current_call()
-        if call is None or not call.layout.attention_recompute or not torch.is_grad_enabled():
+        if call is None or not call.attention_recompute or not torch.is_grad_enabled():
             return self.own_forward(*args, **kwargs)
         keys = tuple(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
         rest = {key: value for key, value in kwargs.items() if key not in keys}

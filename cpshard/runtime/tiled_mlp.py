@@ -1,6 +1,6 @@
 """The MLP a block of tokens at a time (ALST's TiledMLP): only one block's intermediate activations live.
 
-A dense MLP works token by token, so running it over blocks of ``layout.mlp_tile`` tokens gives every
+A dense MLP works token by token, so running it over blocks of ``mlp_tile`` tokens gives every
 token's output exactly. Each block runs under activation checkpointing: the forward keeps only the
 block's input (a view of the layer's), and the backward recomputes one block's gate, up and activation
 at a time, where the whole MLP keeps several ``[tokens, intermediate]`` tensors per layer until the
@@ -9,8 +9,8 @@ backward. The recompute runs inside the call with the call's parameters
 forward, and the weights are ``cp_forward``'s ``params``, not whatever the module holds by then.
 
 Installed once per model as each MLP module's instance ``forward`` (marked, so that installing again
-replaces it); it tiles only inside a call whose layout sets ``mlp_tile`` and is the module's own forward
-everywhere else. A decoder layer recomputed under transformers' checkpointing re-enters the call
+replaces it); it tiles only inside a call of a cp forward made with ``mlp_tile`` and is the module's own
+forward everywhere else. A decoder layer recomputed under transformers' checkpointing re-enters the call
 (:mod:`cpshard.runtime.recompute`), so its MLP tiles there too.
 """
 
@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cpshard.call import current_call
 from cpshard.layouts.errors import LayoutError
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, submodule
 from cpshard.runtime.recompute import OwnForward, checkpoint_in_call, install_forward
 
 
@@ -32,7 +32,7 @@ class TiledForward(OwnForward):
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
         call = current_call()
-        tile = None if call is None else call.layout.mlp_tile
+        tile = None if call is None else call.mlp_tile
         if tile is None or not torch.is_grad_enabled():
             return self.own_forward(hidden_states, *args, **kwargs)
         if args or kwargs:
@@ -47,6 +47,23 @@ class TiledForward(OwnForward):
             for block in hidden_states.split(tile, dim=1)
         ]
         return torch.cat(blocks, dim=1)
+
+
+def check_mlp_tile(layers: nn.ModuleList, layout: Layout, tile: int | None) -> None:
+    """A :class:`LayoutError` where ``mlp_tile=tile`` cannot serve the layers: a tile that is no positive
+    count, no MLP module in some layer, or experts inside it (routing by tokens is not a dense MLP's
+    token-by-token work)."""
+    if tile is None:
+        return
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise LayoutError(f"mlp_tile={tile!r} is not a positive number of tokens")
+    if layout.mlp is None or not all(isinstance(submodule(layer, layout.mlp), nn.Module) for layer in layers):
+        raise LayoutError(
+            f"mlp_tile needs every decoder layer's MLP module; not every layer has {layout.mlp!r}"
+        )
+    experts = [path for path in layout.experts if path.startswith(f"{layout.mlp}.")]
+    if experts:
+        raise LayoutError(f"mlp_tile tiles dense MLPs; {layout.mlp!r} holds the experts {experts}")
 
 
 def mlp_modules(layers: nn.ModuleList, layout: Layout) -> list[nn.Module]:

@@ -28,7 +28,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard.attention.choice import choose_implementation
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import optimum_for
-from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
 from cpshard.runtime.forward import make_cp_forward, params_of
@@ -179,12 +178,12 @@ def _checkpointed(model):
 
 
 def _tiled(variant: str, model) -> dict:
-    """The layout option of a variant in :data:`TILED`: the model's own with ``mlp_tile`` and
-    ``attention_recompute`` set."""
+    """The memory modes of a variant in :data:`TILED`: ``mlp_tile`` (the hidden size) and
+    ``attention_recompute``."""
     if variant not in TILED:
         return {}
     tile = model.config.hidden_size
-    return dict(layout=resolve_layout(model).with_rows(mlp_tile=tile, attention_recompute=True))
+    return dict(mlp_tile=tile, attention_recompute=True)
 
 
 def _release_memory() -> None:

@@ -14,7 +14,7 @@ CPSHARD = {
 }
 #: variants whose model recomputes each decoder layer in the backward (transformers' activation checkpointing)
 CHECKPOINTED = ("ulysses-checkpointed", "ulysses-lean", "ulysses-lean-nologits")
-#: variants that also run the MLP in blocks of as many tokens as the hidden size (the layout's ``mlp_tile``;
+#: variants that also run the MLP in blocks of as many tokens as the hidden size (``mlp_tile``;
 #: ALST's TiledMLP example cuts as many) and recompute the attention apart: the memory-lean configuration
 TILED = ("ulysses-lean", "ulysses-lean-nologits")
 #: the variants whose memory the targets judge
