@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import cpshard
-from cpshard.tools.tiny import tiny_model
+from cpshard import tiny_model
 
 
 def total(x: torch.Tensor) -> torch.Tensor:

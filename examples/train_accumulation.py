@@ -17,7 +17,7 @@ import os
 import torch
 
 import cpshard
-from cpshard.tools.tiny import tiny_model
+from cpshard import tiny_model
 
 
 def micro_batches(vocab: int, seq: int, count: int, step: int) -> list[dict]:

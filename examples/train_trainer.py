@@ -17,8 +17,8 @@ import torch
 from transformers import TrainingArguments
 
 import cpshard
+from cpshard import tiny_model
 from cpshard.integrations.transformers import CPTrainer
-from cpshard.tools.tiny import tiny_model
 
 
 class RandomText(torch.utils.data.Dataset):

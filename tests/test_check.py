@@ -137,6 +137,7 @@ def test_bad_usage_exits_2_with_one_line(capsys, tmp_path, argv, says):
     assert says.format(**fill) in err and err.count("\n") == 1, err
 
 
+@pytest.mark.ranks
 def test_command_line_prints_progress_and_a_passing_table():
     result = subprocess.run(
         [sys.executable, "-m", "cpshard", "check", "llama", "--cp", "2", "--seq", "16"],

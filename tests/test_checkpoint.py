@@ -226,6 +226,7 @@ def _die_part_way(path: str):
     return mesh.size()
 
 
+@pytest.mark.ranks
 def test_a_save_cut_short_leaves_no_checkpoint(tmp_path):
     path = str(tmp_path / "dcp")
     with pytest.raises(cpshard.RankError, match="rank 1 exited with code 7"):

@@ -9,6 +9,7 @@ import pytest
 from cpshard.tools.cli import main
 
 
+@pytest.mark.ranks
 def test_python_m_cpshard_demo_runs_and_reports_parity():
     result = subprocess.run(
         [sys.executable, "-m", "cpshard", "demo", "--seq", "64", "--steps", "1"],

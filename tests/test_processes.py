@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from cpshard import LocalRanks, RankError, launch
 
+pytestmark = pytest.mark.ranks  # every test here starts processes
+
 
 def _identify(tag, scale=None):
     rank = dist.get_rank()

@@ -3,6 +3,24 @@
 Outside: parameters, whole batches and global results. Inside: each rank's slice and explicit
 collectives. Setup (the attention function, the cut hooks) happens once per model; each call
 is pure: its result depends on ``(params, batch, mesh)`` alone and nothing is left changed.
+
+The stops a batch makes, most of them inside the model's own forward, where no call chain shows them:
+
+1. pad (:mod:`cpshard.runtime.batch`): checked the same on every rank, padded to a multiple of cp,
+   labels shifted, positions for every token;
+2. plan (:meth:`CPForward._plan`): the implementation, the sequence order and the groups, as a
+   :class:`~cpshard.call.CallPlan` that the hooks below read (:func:`cpshard.call.running`);
+3. the model's own embeddings, rotary and mask, for the whole sequence;
+4. the cut pre-hook on each decoder layer (:mod:`cpshard.runtime.cut`): the hidden states and the
+   per-position inputs sliced to this rank's positions;
+5. the attention wrapper (:mod:`cpshard.attention.cp_attention`, registered in transformers' attention
+   registry): Ulysses' all-to-alls or the ring around the model's own attention function;
+6. the final-norm hook (:mod:`cpshard.runtime.cut`): the rows back to contiguous chunks (from head-tail
+   or striped order), so the logits are a plain ``Shard(1)``;
+7. the head hook: the LM head takes this rank's rows only (where the decoder restored the input's
+   length, as GPT-2's does); with ``logits=False`` the loss runs the head itself, a block at a time;
+8. the loss (:mod:`cpshard.loss`): a local token-loss sum, summed over the token axes, over the global
+   count of real tokens.
 """
 
 from __future__ import annotations
@@ -346,6 +364,12 @@ def make_cp_forward(
 ) -> CPForward:
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
 
+    ``layout``: "auto" (the file registered for the model's type, else one derived from the model and
+    probed once against one process), a registered name, or a :class:`~cpshard.layouts.layout.Layout`.
+    ``implementation``: "ulysses", "ring", "hybrid" or "auto" (Ulysses where the heads allow it).
+    ``logits``: False computes the loss a block of tokens at a time, never holding a rank's whole
+    ``[L/cp, vocab]`` logits (``CPOutput.logits`` is then None).
+    ``strict``: True raises on any implicit DTensor redistribution inside the call.
     ``ulysses_degree``: for hybrid, the Ulysses group size (default: the largest that fits).
     ``sequence_order``: "contiguous", "head_tail" (causal load balance) or "striped" (the causal load
     balance of packed documents: stripes of up to 128 tokens dealt round-robin); "auto" takes contiguous
