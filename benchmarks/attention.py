@@ -7,7 +7,7 @@ For each rank count and length: the median training-step time of every implement
 fits (alternated in one run, so a noisy machine slows all alike; read the ratios), the bytes
 each rank sends per step against the analytic optimum, and, for ring, the attention compute of
 each rank alone (max/min over ranks) with contiguous and with head-tail order. ``--packed ROWS``: on rows
-packing documents instead (:mod:`cpshard.tools.packed_bench`, also ``cpshard bench --packed ROWS``).
+packing documents instead (:mod:`cpshard.bench.packed`, also ``cpshard bench --packed ROWS``).
 """
 
 import argparse
@@ -17,9 +17,9 @@ import time
 import torch
 
 import cpshard
+from cpshard.bench.packed import packed_report, ring_compute_per_rank
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import optimum_for
-from cpshard.tools.packed_bench import packed_report, ring_compute_per_rank
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 MODEL = dict(

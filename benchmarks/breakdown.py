@@ -14,11 +14,12 @@ from collections import defaultdict
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from cpshard.bench.config import BenchConfig
+from cpshard.bench.measure import _steps
+from cpshard.bench.variants import VARIANTS
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
 from cpshard.runtime.forward import params_of
-from cpshard.tools.bench import BenchConfig, _steps
-from cpshard.tools.bench_variants import VARIANTS
 from cpshard.tools.memory import LiveTensors
 from cpshard.tools.tiny import tiny_batch, tiny_model
 

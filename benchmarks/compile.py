@@ -1,13 +1,13 @@
 """Compiled against eager cp training steps, compile time apart, as ratios in one run: the rows of
-``cpshard bench --compile`` alone (see :mod:`cpshard.tools.bench_compile`), on issue 18's small model.
+``cpshard bench --compile`` alone (see :mod:`cpshard.bench.compiled`), on issue 18's small model.
 
     python benchmarks/compile.py --seqs 1024 4096 --repeats 3 --variants ulysses ring --backend inductor
 """
 
 import argparse
 
-from cpshard.tools.bench import BenchConfig
-from cpshard.tools.bench_compile import check_backend, run_compiled_bench
+from cpshard.bench.compiled import check_backend, run_compiled_bench
+from cpshard.bench.config import BenchConfig
 
 
 def main() -> None:

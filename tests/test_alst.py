@@ -3,9 +3,9 @@
 import pytest
 import torch.distributed as dist
 
+from cpshard.bench import baselines
 from cpshard.parallel.mesh import make_mesh
 from cpshard.runtime.forward import params_of
-from cpshard.tools import baselines
 from cpshard.tools.parity import reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
@@ -14,7 +14,7 @@ SIZES = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_
 
 def worst_difference(length: int) -> tuple[float, float]:
     """On a rank: the largest relative difference of ALST's loss and gradients from one process's."""
-    from cpshard.tools.alst import alst_step
+    from cpshard.bench.alst import alst_step
 
     mesh = make_mesh(cp=dist.get_world_size())
     model, batch = tiny_model("llama", **SIZES), tiny_batch(64, 1, length)

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cpshard.bench import baselines
 from cpshard.parallel.mesh import make_mesh
 from cpshard.runtime.forward import params_of
-from cpshard.tools import baselines
 from cpshard.tools.parity import reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 

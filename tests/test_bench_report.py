@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from cpshard.tools import bench_report
-from cpshard.tools.bench import BenchConfig
+from cpshard.bench import report as bench_report
+from cpshard.bench.config import BenchConfig
 
 
 def test_paired_ratio_takes_each_round_against_its_own():

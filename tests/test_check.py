@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from cpshard.cli import main
 from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.parallel.processes import RankError
 from cpshard.spec.notation import Spec
@@ -20,7 +21,6 @@ from cpshard.tools.check import (
     plan,
     resolve_source,
 )
-from cpshard.tools.cli import main
 from cpshard.tools.parity import Parity, failing_rows
 from cpshard.tools.tiny import tiny_model
 

@@ -6,7 +6,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from cpshard.tools.cli import main
+from cpshard.cli import main
 
 
 @pytest.mark.ranks
@@ -24,7 +24,7 @@ def test_python_m_cpshard_demo_runs_and_reports_parity():
 
 def test_console_script_is_the_cli():
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "cpshard"]
-    assert script.value == "cpshard.tools.cli:main"
+    assert script.value == "cpshard.cli:main"
 
 
 @pytest.mark.parametrize(

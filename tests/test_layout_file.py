@@ -2,8 +2,8 @@
 
 import pytest
 
+from cpshard.cli import main
 from cpshard.layouts.registry import resolve_layout
-from cpshard.tools.cli import main
 from cpshard.tools.layout_file import layout_for
 from cpshard.tools.tiny import tiny_model
 

@@ -1,7 +1,7 @@
 """``cpshard bench --packed``: each order's ring tiles on packed rows counted, each rank's compute timed."""
 
-from cpshard.tools.cli import main
-from cpshard.tools.packed_bench import ORDERS, packed_report
+from cpshard.bench.packed import ORDERS, packed_report
+from cpshard.cli import main
 
 
 def test_striped_order_balances_the_issue_rows_and_every_order_is_timed():

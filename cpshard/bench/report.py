@@ -6,13 +6,10 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
+from cpshard.bench.config import BenchConfig
+from cpshard.bench.variants import JUDGED, PEERS, VARIANTS
 from cpshard.debug.table import grouped, table
-from cpshard.tools.bench_variants import JUDGED, PEERS, VARIANTS
-
-if TYPE_CHECKING:  # the measuring module imports this one
-    from cpshard.tools.bench import BenchConfig
 
 
 @dataclass

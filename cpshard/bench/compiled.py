@@ -1,7 +1,7 @@
 """``cpshard bench --compile``: each cpshard variant's training step compiled against the same step eager.
 
 On local CPU ranks, per variant (``make_cp_forward`` options of
-:data:`cpshard.tools.bench_variants.CPSHARD`), two copies of one model with the same weights: one eager,
+:data:`cpshard.bench.variants.CPSHARD`), two copies of one model with the same weights: one eager,
 one whose decoder layers are compiled
 (``make_cp_forward(model, compile=backend)``; a copy of its own, since compiling changes the model's
 layers in place, and an "eager" step over them would run them compiled). Per length, the first compiled
@@ -20,14 +20,15 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
+from cpshard.bench.config import BenchConfig
+from cpshard.bench.measure import fits
+from cpshard.bench.report import paired_ratio
+from cpshard.bench.variants import CHECKPOINTED, CPSHARD
 from cpshard.debug.table import table
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
 from cpshard.runtime.forward import make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
-from cpshard.tools.bench import BenchConfig, fits
-from cpshard.tools.bench_report import paired_ratio
-from cpshard.tools.bench_variants import CHECKPOINTED, CPSHARD
 from cpshard.tools.tiny import tiny_batch, tiny_model
 from cpshard.tools.usage import UsageError
 

@@ -5,7 +5,7 @@ training step (forward and backward, gradients summed) of every variant: cpshard
 ``ring``, ``hybrid`` (where cp >= 4 fits), ``ulysses-nologits`` (``logits=False``) and
 ``ulysses-checkpointed`` (that and the model's activation checkpointing), ``cp1`` (cp_forward on one
 rank, against the plain model), and the peers, run as their users run them: the Ulysses baselines of
-:mod:`cpshard.tools.baselines` and DeepSpeed's ALST stack (:mod:`cpshard.tools.alst`). Variants
+:mod:`cpshard.bench.baselines` and DeepSpeed's ALST stack (:mod:`cpshard.bench.alst`). Variants
 alternate round-robin inside each repeat, after a barrier, with a first round discarded (it counts
 the bytes instead), so a noisy machine slows all alike. Per step and rank: wall time, peak resident
 memory above the step's start, and the bytes put into collectives. The one-process baselines run on
@@ -19,22 +19,16 @@ import ctypes
 import gc
 import statistics
 import time
-from dataclasses import dataclass
 from functools import cache
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.attention.choice import choose_implementation
-from cpshard.comm.record import recording
-from cpshard.debug.optimum import optimum_for
-from cpshard.parallel.mesh import make_mesh
-from cpshard.parallel.processes import LocalRanks
-from cpshard.runtime.forward import make_cp_forward, params_of
-from cpshard.runtime.grad import value_and_grad
-from cpshard.tools.alst import alst_step
-from cpshard.tools.baselines import CollectiveCounter, barrier, missing, peer_step, plain_step
-from cpshard.tools.bench_report import (
+from cpshard.bench.alst import alst_step
+from cpshard.bench.baselines import CollectiveCounter, barrier, missing, peer_step, plain_step
+from cpshard.bench.config import BenchConfig
+from cpshard.bench.report import (
     Row,
     add_ratios,
     against_alst,
@@ -42,78 +36,15 @@ from cpshard.tools.bench_report import (
     longest_within_budget,
     targets,
 )
-from cpshard.tools.bench_variants import CHECKPOINTED, CPSHARD, MIB, ONE_PROCESS, TILED, VARIANTS
+from cpshard.bench.variants import CHECKPOINTED, CPSHARD, MIB, ONE_PROCESS, TILED
+from cpshard.comm.record import recording
+from cpshard.debug.optimum import optimum_for
+from cpshard.parallel.mesh import make_mesh
+from cpshard.parallel.processes import LocalRanks
+from cpshard.runtime.forward import make_cp_forward, params_of
+from cpshard.runtime.grad import value_and_grad
 from cpshard.tools.memory import LiveTensors, current_rss, peak_rss, reset_peak_rss
 from cpshard.tools.tiny import tiny_batch, tiny_model
-from cpshard.tools.usage import UsageError, llama_sizes
-
-#: the model sizes ``--model`` names: a vocabulary of 32,000, where the loss weighs most, and issue 18's
-#: small one (an MLP 688 wide), where the rest of the step and any fixed overhead show
-MODELS = {
-    "vocab32k": dict(layers=2, hidden=256, heads=8, kv_heads=4, intermediate=None, vocab=32000),
-    "vocab1k": dict(layers=2, hidden=256, heads=8, kv_heads=4, intermediate=688, vocab=1024),
-}
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What to measure: the model's sizes, the sequence lengths, the cp sizes and the variants."""
-
-    seqs: tuple[int, ...] = (2048, 8192)
-    cps: tuple[int, ...] = (2,)
-    layers: int = 2
-    hidden: int = 256
-    heads: int = 8
-    kv_heads: int = 4
-    vocab: int = 32000
-    #: the MLP's width (None: 4x the hidden size)
-    intermediate: int | None = None
-    repeats: int = 3
-    variants: tuple[str, ...] = VARIANTS
-    seed: int = 0
-    #: run the one-process baseline on rank 0 alone (the others wait): half its memory on the machine
-    single_rank0_only: bool = False
-    #: the per-rank step memory within which the longest L of each variant is fitted (MiB)
-    budget_mib: int = 4096
-
-    @classmethod
-    def of_model(cls, model: str, **options) -> BenchConfig:
-        """The sizes of :data:`MODELS` ``[model]``, with ``options`` over them."""
-        if model not in MODELS:
-            raise UsageError(f"--model {model}: choose from {', '.join(MODELS)}")
-        return cls(**{**MODELS[model], **options})
-
-    def __post_init__(self):
-        for name in ("layers", "hidden", "heads", "kv_heads", "repeats", "intermediate"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
-        if not self.seqs or min(self.seqs) < 1:
-            raise UsageError(f"--seqs {list(self.seqs)}: give one or more lengths of at least 1")
-        if not self.cps or min(self.cps) < 2:
-            raise UsageError(
-                f"--cp {list(self.cps)}: give one or more cp sizes of at least 2 (one process always runs)"
-            )
-        if self.vocab < 4:
-            raise UsageError(f"--vocab={self.vocab} must be at least 4 (ids 0, 1, 2 are the special tokens)")
-        for small, big in (("heads", "hidden"), ("kv_heads", "heads")):
-            if getattr(self, big) % getattr(self, small):
-                flag = small.replace("_", "-")
-                raise UsageError(f"--{flag}={getattr(self, small)} must divide --{big}={getattr(self, big)}")
-        unknown = sorted(set(self.variants) - set(VARIANTS))
-        if unknown or not self.variants:
-            raise UsageError(
-                f"--variants {', '.join(unknown) or '(none)'}: choose from {', '.join(VARIANTS)}"
-            )
-
-    def model_sizes(self) -> dict:
-        return llama_sizes(
-            vocab=self.vocab,
-            hidden=self.hidden,
-            layers=self.layers,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            intermediate=self.intermediate,
-        )
 
 
 def _implementation(variant: str) -> str:

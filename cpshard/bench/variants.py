@@ -1,6 +1,6 @@
 """The variants ``cpshard bench`` measures, by name: cpshard's (with their make_cp_forward options), the
-peers, and one process; the measuring (:mod:`cpshard.tools.bench`) and the judging
-(:mod:`cpshard.tools.bench_report`) both read them."""
+peers, and one process; the measuring (:mod:`cpshard.bench.measure`) and the judging
+(:mod:`cpshard.bench.report`) both read them."""
 
 #: cpshard's variants and their make_cp_forward options
 CPSHARD = {

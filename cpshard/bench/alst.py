@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from cpshard.bench.baselines import all_reduced, shard_batch
 from cpshard.loss.cross_entropy import IGNORE_INDEX
-from cpshard.tools.baselines import all_reduced, shard_batch
 
 #: the name the ALST attention is registered under (sdpa inside)
 ATTENTION = "cpshard_bench_alst"

@@ -11,14 +11,15 @@ import sys
 from functools import partial
 
 from cpshard.attention.choice import IMPLEMENTATIONS
-from cpshard.tools.bench import MODELS, BenchConfig, run_bench
-from cpshard.tools.bench_compile import check_backend, run_compiled_bench
-from cpshard.tools.bench_report import plot, write_json
-from cpshard.tools.bench_variants import VARIANTS
+from cpshard.bench.compiled import check_backend, run_compiled_bench
+from cpshard.bench.config import MODELS, BenchConfig
+from cpshard.bench.measure import run_bench
+from cpshard.bench.packed import packed_report
+from cpshard.bench.report import plot, write_json
+from cpshard.bench.variants import VARIANTS
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
-from cpshard.tools.packed_bench import packed_report
 from cpshard.tools.usage import UsageError
 
 USAGE_ERROR = 2
