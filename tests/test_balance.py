@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cpshard.attention.blocks import ring_blocks
-from cpshard.spec.balance import lognormal_documents, packed_mask, ring_work
+from cpshard.bench.balance import lognormal_documents, packed_mask, ring_work
 from cpshard.spec.sequence import chunk_width, padded_length_for, positions
 
 

@@ -1,7 +1,7 @@
 """Ring work on rows that pack documents (``cpshard bench --packed ROWS``): how evenly each sequence order
 spreads the causal tiles over the ranks, counted and timed.
 
-Counted: :func:`cpshard.spec.balance.ring_work` over ``rows`` packed rows (issue 18's: 131,072 tokens,
+Counted: :func:`cpshard.bench.balance.ring_work` over ``rows`` packed rows (issue 18's: 131,072 tokens,
 documents log-normal around 1K, sigma 1.2, cp=8, 128 x 128 tiles), the busiest rank's tiles over the mean
 and all ranks' tiles over one process's. Timed: each rank's ring attention arithmetic (forward and
 backward over every block it needs, as the ring runs it) alone, one thread, the ranks alternated in each
@@ -18,7 +18,7 @@ import torch
 
 from cpshard.attention.blocks import ring_blocks
 from cpshard.attention.ring import grouped, tiled_attention, tiled_grads
-from cpshard.spec.balance import lognormal_documents, packed_mask, ring_work
+from cpshard.bench.balance import lognormal_documents, packed_mask, ring_work
 from cpshard.spec.sequence import chunk_width, padded_length_for, positions
 
 #: issue 18's packed rows: documents log-normal around 1K tokens (sigma 1.2)
