@@ -9,7 +9,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cpshard
 from cpshard.attention import cp_attention as attention
-from cpshard.attention.cp_attention import additive_mask, kv_replication, ulysses_name, without_padding_keys
+from cpshard.attention.cp_attention import kv_replication, ulysses_name, without_padding_keys
+from cpshard.spec.masks import additive_mask
 from cpshard.tools.parity import check_parity
 from cpshard.tools.tiny import tiny_batch, tiny_model
 

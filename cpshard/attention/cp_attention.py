@@ -31,6 +31,7 @@ from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import FORWARDS, eager_for, hides_scores
+from cpshard.spec.masks import additive_mask
 from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import row_blocks
 
@@ -127,15 +128,6 @@ def _sequences_for_heads(output, layout, mesh, axis: str, path: str):
 #: above this many bytes, sdpa's float mask is built per block of queries, never whole (see _blocked_sdpa);
 #: below, one whole float mask per call serves every layer
 MASK_BLOCK_BYTES = 1 << 26
-
-
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as sdpa turns it into floats (0 where allowed, -inf elsewhere): bit for bit the same
-    attention. Given a boolean mask, sdpa saves its own float copy for the backward, one ``B x L x L``
-    per layer; given this one, it saves this one, which the layers of a call can share."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-        mask.logical_not(), float("-inf")
-    )
 
 
 def _sdpa_rows(function, module, query, key, value, mask, kwargs):

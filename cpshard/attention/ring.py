@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.comm.record import active_log, record
+from cpshard.spec.masks import additive_mask
 
 NEG_INF = float("-inf")
 
@@ -56,12 +57,6 @@ def _fused(softcap, uniform, device) -> bool:
     return softcap is None and uniform is None and device.type == "cpu"
 
 
-def _additive(allowed: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
-        ~allowed, NEG_INF
-    )
-
-
 def _flash_attention(qg, k, v, allowed, scale: float):
     """The fused kernel on one block; its lse of a row that sees nothing (which it reports as 0) set
     to -inf."""
@@ -72,7 +67,7 @@ def _flash_attention(qg, k, v, allowed, scale: float):
         v.float(),
         0.0,
         False,
-        attn_mask=_additive(allowed),
+        attn_mask=additive_mask(allowed, torch.float32),
         scale=scale,
     )
     lse = lse.reshape(batch, kv_heads, groups, rows).masked_fill(~allowed.any(-1).unsqueeze(2), NEG_INF)
@@ -91,7 +86,7 @@ def _flash_grads(qg, k, v, allowed, lse, out, grad_out, scale: float):
         safe(lse).reshape(ungrouped),
         0.0,
         False,
-        attn_mask=_additive(allowed),
+        attn_mask=additive_mask(allowed, torch.float32),
         scale=scale,
     )
     return grad_q.reshape(qg.shape), grad_k, grad_v

@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
 
 from cpshard.layouts.fingerprint import check_written_for
+from cpshard.spec.masks import additive_mask
 
 #: layer inputs with one value per key of the whole sequence (ALiBi): the cut leaves them whole
 PER_KEY_INPUTS = ("alibi", "position_bias")
@@ -36,10 +37,9 @@ def _hidden_value(dtype: torch.dtype) -> float:
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The model's mask as additive floats (0 where allowed, the dtype's minimum where hidden)."""
-    if mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, _hidden_value(dtype))
+    """The model's mask as additive floats (0 where allowed, the dtype's minimum where hidden, as
+    transformers builds them)."""
+    return additive_mask(mask, dtype, _hidden_value(dtype))
 
 
 def _whole(mask: torch.Tensor | None, family: str) -> torch.Tensor:
