@@ -1,4 +1,4 @@
-"""The one additive-mask helper: 0 where a key is allowed, the hidden value elsewhere, float masks as given."""
+"""The one additive-mask helper: 0 where a key is allowed, the hidden value elsewhere, floats as given."""
 
 import torch
 
