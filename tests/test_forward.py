@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import cpshard
+from cpshard.runtime.plan import choose_order
 from cpshard.tools.parity import check_parity
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
@@ -317,7 +318,8 @@ def run_packed(model_type: str, forward: dict, config: dict, pad: str | None):
     batch = packed_batch(model.config.vocab_size, pad)
     cp_forward = cpshard.make_cp_forward(model, **forward)
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
-    return check_parity(model, batch, mesh, cp_forward), cp_forward._order(forward["implementation"], batch)
+    order = choose_order(cp_forward.options.sequence_order, forward["implementation"], batch)
+    return check_parity(model, batch, mesh, cp_forward), order
 
 
 RING = dict(implementation="ring")

@@ -16,15 +16,16 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.family_attention import score_bias
 from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.mesh import cp_rank
 from cpshard.runtime.batch import BatchError, validate
-from cpshard.runtime.forward import CPForward, ForwardOptions
-from cpshard.runtime.install import attention_modules
+from cpshard.runtime.forward import CPForward, running_call
+from cpshard.runtime.install import attention_modules, ensure_installed
+from cpshard.runtime.plan import CPOptions, plan_call
+from cpshard.runtime.probe import verify_once
 from cpshard.spec.sequence import chunk_positions, positions
 
 #: the cache layers of transformers' DynamicCache that a split cache serves
@@ -108,23 +109,23 @@ def rows_at(logits: torch.Tensor, kept: torch.Tensor, last: torch.Tensor) -> tor
     return torch.where(match.any(1, keepdim=True), picked, 0.0)
 
 
-class CPPrefill(CPForward):
-    """A cp prefill for one model: ``cp_prefill(params, batch, mesh) -> (logits [B, V], cache)``."""
+class CPPrefill:
+    """A cp prefill for one model: ``cp_prefill(params, batch, mesh) -> (logits [B, V], cache)``. It plans
+    each call as the training forward does (:func:`cpshard.runtime.plan.plan_call`) and runs the model
+    under that plan without gradients, keeping each attention's keys and values."""
 
-    def __init__(self, model, layout, implementation: str):
+    def __init__(self, model, layout, options: CPOptions):
         check_servable(model, layout)
-        super().__init__(model, layout, implementation, True, False, ForwardOptions())
+        self.model, self.layout = model, layout
+        #: the training forward of the same model, layout and implementation: it installs cpshard's pieces,
+        #: and the probe verifies a derived layout through it (losses, logits and gradients, which a prefill
+        #: does not give; a layout it verified stays verified)
+        self.training_forward = CPForward(model, layout, options)
         self.attention = attention_modules(model, layout)
-        self.training_forward = CPForward(model, layout, implementation, True, False, ForwardOptions())
         # a decoder that reads logits_to_keep itself (Gemma4 slices its inputs with it) would read this
         # rank's indices as the whole sequence's: such a model gets its local logits whole, then the rows
         decoder = model.get_submodule(layout.decoder)
         self.head_keeps_rows = "logits_to_keep" not in inspect.signature(decoder.forward).parameters
-
-    def probed(self) -> CPForward:
-        """The training forward of the same model, layout and implementation: the probe compares losses,
-        logits and gradients, which a prefill does not give (and a layout it verified stays verified)."""
-        return self.training_forward
 
     def __call__(self, params: dict, batch: dict, mesh) -> tuple[torch.Tensor, ShardedKVCache]:
         check_mesh_and_params(mesh, params)
@@ -132,7 +133,11 @@ class CPPrefill(CPForward):
             (prompt, mask), error = prompt_inputs(batch), None
         except BatchError as raised:
             prompt, mask, error = batch, None, raised
-        call, padded, params = self._prepare(params, prompt, mesh)
+        verify_once(self.training_forward, params, mesh)
+        names = self.training_forward.module_names
+        options = self.training_forward.options
+        call, padded = plan_call(self.model, self.layout, options, names, params, prompt, mesh)
+        ensure_installed(self.model, self.layout, tp=1)
         if error is not None:
             raise error
         call = replace(call, kv_sink={})
@@ -143,11 +148,11 @@ class CPPrefill(CPForward):
         inputs = {**padded.model_inputs, "use_cache": False}
         if self.head_keeps_rows:
             inputs["logits_to_keep"] = keep
-        with torch.no_grad(), self._running(call):
+        with torch.no_grad(), running_call(self.model, call):
             local = torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True)
             kept = local.logits if self.head_keeps_rows else local.logits[:, keep]
             logits = sum_over_group(rows_at(kept, held[keep], last), group, name="last logits")
-        missing = [self.module_names[id(m)] for m in self.attention if id(m) not in call.kv_sink]
+        missing = [names[id(m)] for m in self.attention if id(m) not in call.kv_sink]
         if missing:
             raise ValueError(f"the prefill saw no keys and values at {missing}: cpshard cannot cache them")
         cache = prefill_cache(
@@ -156,7 +161,7 @@ class CPPrefill(CPForward):
             mask,
             prompt["position_ids"],
             group,
-            [self.module_names[id(m)] for m in self.attention],
+            [names[id(m)] for m in self.attention],
         )
         return logits, cache
 
@@ -166,6 +171,5 @@ def make_cp_prefill(model, *, layout="auto", implementation="auto") -> CPPrefill
     logits ``[B, V]`` of each row's last real token, the same on every rank, and the
     :class:`~cpshard.attention.kv_cache.ShardedKVCache` split over the cp ranks. ``batch``: ``input_ids``
     and optionally a 2-D ``attention_mask`` (left or right padding). Inference: nothing is differentiated."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-    return CPPrefill(model, resolve_layout(model, layout), implementation)
+    options = CPOptions(implementation=implementation)  # checked before the layout is resolved
+    return CPPrefill(model, resolve_layout(model, layout), options)

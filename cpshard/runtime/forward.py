@@ -6,10 +6,10 @@ is pure: its result depends on ``(params, batch, mesh)`` alone and nothing is le
 
 The stops a batch makes, most of them inside the model's own forward, where no call chain shows them:
 
-1. pad (:mod:`cpshard.runtime.batch`): checked the same on every rank, padded to a multiple of cp,
-   labels shifted, positions for every token;
-2. plan (:meth:`CPForward._plan`): the implementation, the sequence order and the groups, as a
-   :class:`~cpshard.call.CallPlan` that the hooks below read (:func:`cpshard.call.running`);
+1. plan (:func:`cpshard.runtime.plan.plan_call`): the strategy checked against the mesh, the batch
+   checked the same on every rank (:mod:`cpshard.runtime.batch`), labels shifted, padded to a multiple
+   of cp with positions for every token, and a :class:`~cpshard.call.CallPlan` that the hooks below read;
+2. run: the plan made ambient (:func:`running_call`), the model's own forward called with ``params``;
 3. the model's own embeddings, rotary and mask, for the whole sequence;
 4. the cut pre-hook on each decoder layer (:mod:`cpshard.runtime.cut`): the hidden states and the
    per-position inputs sliced to this rank's positions;
@@ -33,7 +33,6 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
-from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
 from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.layout import Layout, text_config
@@ -43,42 +42,30 @@ from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
 from cpshard.loss.router import load_balancing_loss
 from cpshard.parallel.experts import (
-    check_expert_parallel,
-    check_expert_plan,
-    choose_expert_plan,
     expert_counts,
 )
 from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import (
     TOKEN_AXES,
-    cp_mesh,
     cp_rank,
-    cp_size,
-    expert_degree,
     group_over,
     mesh_size,
-    split_cp,
 )
-from cpshard.parallel.placement import expert_mesh
-from cpshard.parallel.tensor import check_tensor_parallel
 from cpshard.runtime.batch import (
     PaddedBatch,
-    check_batch,
-    labels_read_as_shifted,
     local_token_mask,
-    packed_documents,
-    pad_batch,
 )
-from cpshard.runtime.compiled import check_compiled_parallelism, compile_layers, compile_options
+from cpshard.runtime.compiled import compile_layers, compile_options
 from cpshard.runtime.count import loss_normaliser
 from cpshard.runtime.cut import held_rows_only
 from cpshard.runtime.grad import summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
+from cpshard.runtime.plan import CPOptions, plan_call
 from cpshard.runtime.probe import verify_once
 from cpshard.runtime.recompute import recompute_in
 from cpshard.runtime.tiled_mlp import check_mlp_tile
 from cpshard.runtime.tokens import sequence_sharded
-from cpshard.spec.sequence import check_order, chunk_positions
+from cpshard.spec.sequence import chunk_positions
 
 
 @dataclass(frozen=True)
@@ -98,118 +85,33 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
 
-@dataclass(frozen=True)
-class ForwardOptions:
-    """make_cp_forward's options beyond the layout, the implementation and the outputs (see there)."""
-
-    ulysses_degree: int | None = None
-    sequence_order: str = "auto"
-    token_logprobs: bool = False
-    expert_plan: str = "auto"
-    #: False, True (inductor) or a torch.compile backend's name: each decoder layer's forward compiled
-    compile: bool | str = False
-    #: memory modes: the MLP a block of this many tokens at a time; each attention checkpointed on its own
-    mlp_tile: int | None = None
-    attention_recompute: bool = False
+@contextmanager
+def running_call(model, call: CallPlan, strict: bool = False):
+    """The model's own forward runs inside this: the call is ambient for the installed pieces, a layer
+    recomputed under checkpointing re-enters it, and ``strict`` raises on implicit redistributions."""
+    with (
+        running(call),
+        recompute_in(call, model),
+        ExplicitRedistributionContext(enable=strict, strict=True),
+    ):
+        yield
 
 
 class CPForward:
-    """A cp forward for one model: call it as ``cp_forward(params, batch, mesh)``."""
+    """A cp forward for one model: call it as ``cp_forward(params, batch, mesh)``. Setup here (install,
+    compile); each call plans (:func:`cpshard.runtime.plan.plan_call`), then runs the plan."""
 
-    def __init__(
-        self, model, layout: Layout, implementation: str, logits: bool, strict: bool, options: ForwardOptions
-    ):
-        self.model, self.layout, self.implementation = model, layout, implementation
-        self.keep_logits, self.strict = logits, strict
-        self.keep_token_logprobs = options.token_logprobs
-        self.ulysses_degree, self.sequence_order = options.ulysses_degree, options.sequence_order
-        self.expert_plan, self.compile = options.expert_plan, bool(options.compile)
-        self.mlp_tile, self.attention_recompute = options.mlp_tile, options.attention_recompute
+    def __init__(self, model, layout: Layout, options: CPOptions):
+        self.model, self.layout, self.options = model, layout, options
+        self.implementation = options.implementation
         self.module_names = {id(module): name for name, module in model.named_modules()}
-        self.decoder_prefix = layout.decoder
         check_mlp_tile(model.get_submodule(layout.decoder_layers), layout, options.mlp_tile)
         install(model, layout, options.mlp_tile is not None, options.attention_recompute)
         if options.compile:
             compile_layers(model.get_submodule(layout.decoder_layers), compile_options(options.compile))
 
-    def _strategy(self, mesh, cp: int, params: dict) -> tuple[str, int]:
-        """``(implementation, Ulysses degree)`` for this mesh, after the checks of tp and ep."""
-        tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
-        check_tensor_parallel(text_config(self.model), self.layout, tp)
-        check_expert_parallel(text_config(self.model), self.layout, ep, tp)
-        if self.compile:
-            check_compiled_parallelism(tp, ep)
-        if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
-            raise ValueError(
-                f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
-                "cpshard.params_of(cpshard.parallelize(model, mesh)): each rank computes with its "
-                "own tp and ep blocks"
-            )
-        heads = self.layout.head_counts(text_config(self.model))[0] // tp  # the heads this tp rank holds
-        if tp > 1 and self.implementation == "ulysses" and heads % cp:
-            raise ValueError(
-                f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: "
-                "num_attention_heads="
-                f"{heads * tp} must divide by tp * cp = {tp * cp}; implementation='ring' or 'hybrid' "
-                "serve other sizes"
-            )
-        try:
-            implementation, degree = choose_implementation(
-                self.implementation, heads, cp, self.ulysses_degree
-            )
-        except ValueError as error:
-            if tp == 1:
-                raise
-            raise ValueError(f"{error} (under tp={tp}: the {heads} heads each tp rank holds)") from None
-        return implementation, degree
-
-    def _order(self, implementation: str, batch: dict) -> str:
-        """The sequence order: the one asked for, else contiguous for Ulysses (its attention sees whole
-        sequences), striped for ring and hybrid on packed documents, head-tail on whole ones."""
-        if self.sequence_order != "auto":
-            if implementation == "ulysses" and self.sequence_order != "contiguous":
-                raise ValueError(
-                    f"sequence_order={self.sequence_order!r} balances ring's causal work; Ulysses gathers "
-                    "whole sequences in the order the ranks hold them and attends under the model's mask "
-                    "in natural order, so it runs contiguous: pass sequence_order='auto' (or 'contiguous'), "
-                    "or implementation='ring' or 'hybrid'"
-                )
-            return self.sequence_order
-        if implementation == "ulysses":
-            return "contiguous"
-        return "striped" if packed_documents(batch) else "head_tail"
-
-    @torch._dynamo.disable  # derives sub-meshes and groups, which a compiled cp_forward cannot trace
-    def _plan(self, mesh, cp: int, strategy: tuple[str, int, str], padded: PaddedBatch) -> CallPlan:
-        """How this call splits the work: the strategy, the lengths, and the meshes and groups it runs on."""
-        implementation, degree, order = strategy
-        tp, ep = mesh_size(mesh, "tp"), expert_degree(mesh)
-        return CallPlan(
-            mesh=mesh,
-            cp_size=cp,
-            layout=self.layout,
-            module_names=self.module_names,
-            implementation=implementation,
-            ulysses=degree,
-            order=order,
-            length=padded.length,
-            padded_length=padded.padded_length,
-            split_mesh=split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None,
-            cp_mesh=cp_mesh(mesh),
-            tp_group=mesh.get_group("tp") if tp > 1 else None,
-            expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
-            expert_plan=choose_expert_plan(self.expert_plan, tp, ep),
-            traced=self.compile,
-            mlp_tile=self.mlp_tile,
-            attention_recompute=self.attention_recompute,
-        )
-
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         return self._run(params, batch, mesh, reduced=True)
-
-    def probed(self) -> CPForward:
-        """The cp forward whose outputs the layout probe compares with one process's: this one."""
-        return self
 
     def folds_reductions(self, params: dict) -> bool:
         """Whether :func:`cpshard.value_and_grad` may sum the loss with the gradients, in one all-reduce
@@ -225,45 +127,29 @@ class CPForward:
             raise ValueError("unreduced: parameters are DTensors or the router loss is on; call cp_forward")
         return self._run(params, batch, mesh, reduced=False)
 
-    def _prepare(self, params: dict, batch: dict, mesh, reduced: bool = True):
-        """Checks, padding and the plan of one call: ``(call, padded batch, parameters)``; ``reduced``:
-        the parameters' gradients summed over the ranks that hold other tokens, DTensors made whole."""
-        verify_once(self.probed(), params, mesh)  # a layout that is not a tested file: probed once per model
-        cp = cp_size(mesh)
-        implementation, degree = self._strategy(mesh, cp, params)
-        if self.layout.labels_shifted:
-            batch = labels_read_as_shifted(batch)
-        # valid and the same across each cp group, or every rank raises
-        check_batch(batch, mesh, getattr(text_config(self.model), "vocab_size", None))
-        strategy = (implementation, degree, self._order(implementation, batch))
+    def _prepare(self, params: dict, batch: dict, mesh, reduced: bool):
+        """The probe (once per model, for a layout that is not a tested file), the plan of this call, the
+        model's install checked again, and the parameters as the run takes them: ``reduced``, their
+        gradients summed over the ranks that hold other tokens and DTensors made whole."""
+        verify_once(self, params, mesh)
+        plan_inputs = (self.model, self.layout, self.options, self.module_names)
+        call, padded = plan_call(*plan_inputs, params, batch, mesh)
         ensure_installed(self.model, self.layout, mesh_size(mesh, "tp"))
-        padded = pad_batch(batch, cp, getattr(text_config(self.model), "pad_token_id", None), strategy[2])
-        call = self._plan(mesh, cp, strategy, padded)
         if reduced:
             params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
         return call, padded, params
 
-    @contextmanager
-    def _running(self, call: CallPlan):
-        """The model's own forward runs inside this: the call is ambient for the installed pieces."""
-        with (
-            running(call),
-            recompute_in(call, self.model),
-            ExplicitRedistributionContext(enable=self.strict, strict=True),
-        ):
-            yield
-
     def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
         call, padded, params = self._prepare(params, batch, mesh, reduced)
         cp = call.cp_size
-        with self._running(call):
+        with running_call(self.model, call, self.options.strict):
             local, router_logits = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, cp_rank(mesh))
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
         loss, num_tokens, logprobs = self._loss(local, params, padded, mesh, held, reduced)
         if loss is not None and router_logits:
             loss = loss + self._router_loss(router_logits, padded, call)
-        logits = sequence_sharded(local, padded.length, call.cp_mesh) if self.keep_logits else None
+        logits = sequence_sharded(local, padded.length, call.cp_mesh) if self.options.logits else None
         logprobs = None if logprobs is None else sequence_sharded(logprobs, padded.length, call.cp_mesh)
         return CPOutput(loss, logits, num_tokens, logprobs)
 
@@ -275,7 +161,7 @@ class CPForward:
         load-balancing loss of this rank's slice, against the mask of the whole sequence."""
         inputs = {**inputs, "use_cache": False}
         routed = bool(getattr(text_config(self.model), "output_router_logits", False))
-        if self.keep_logits and not routed:
+        if self.options.logits and not routed:
             return torch.func.functional_call(
                 self.model, params, (), inputs, strict=False, tie_weights=True
             ).logits, None
@@ -292,13 +178,13 @@ class CPForward:
                 f"itself {why}; "
                 f"{instead}, cp_forward uses the model's own head"
             )
-        prefix = self.decoder_prefix + "."
+        prefix = self.layout.decoder + "."
         trunk = {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
         output = torch.func.functional_call(
             self.model.get_submodule(self.layout.decoder), trunk, (), inputs, strict=False, tie_weights=True
         )
         local = held_rows_only(output.last_hidden_state)
-        if self.keep_logits:
+        if self.options.logits:
             local = own_logits(self.model, params, local, self.layout.head_transforms)
         return local, output.router_logits if routed else None
 
@@ -319,12 +205,12 @@ class CPForward:
         return *head_of(self.model, params), transform
 
     def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
-        if self.keep_logits:
+        if self.options.logits:
             return cross_entropy_sum(local, labels)
         return blocked_loss_sum(local, labels, *self._head(params))
 
     def _token_logprobs(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
-        if self.keep_logits:
+        if self.options.logits:
             return token_log_probs(local, labels)
         return blocked_token_log_probs(local, labels, *self._head(params))
 
@@ -333,12 +219,12 @@ class CPForward:
         sum over the normaliser when they are asked for (one pass over the head); not ``reduced``, this
         rank's share of it."""
         if padded.shift_labels is None:
-            if self.keep_token_logprobs:
+            if self.options.token_logprobs:
                 raise ValueError("token_logprobs=True needs labels: give the batch labels or shift_labels")
             return None, torch.zeros((), dtype=torch.int64), None
         local_labels = padded.shift_labels.index_select(1, held)
         num_tokens, divisor = loss_normaliser(padded.shift_labels, padded.num_items, mesh)
-        logprobs = self._token_logprobs(local, params, local_labels) if self.keep_token_logprobs else None
+        logprobs = self._token_logprobs(local, params, local_labels) if self.options.token_logprobs else None
         loss_sum = -logprobs.sum() if logprobs is not None else self._loss_sum(local, params, local_labels)
         loss = loss_sum / divisor
         token_group = group_over(mesh, TOKEN_AXES)
@@ -392,12 +278,16 @@ def make_cp_forward(
     layer's: its activations (the exchanged q, k, v, its output) are recomputed when the backward reaches
     it, so the MLP's backward does not hold them; one more attention forward and its exchanges per layer.
     Both are memory modes of a call, not facts of an architecture: a layout says where the MLP is."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-    if sequence_order != "auto":
-        check_order(sequence_order)
-    check_expert_plan(expert_plan)
-    options = ForwardOptions(
-        ulysses_degree, sequence_order, token_logprobs, expert_plan, compile, mlp_tile, attention_recompute
+    options = CPOptions(
+        implementation,
+        logits,
+        strict,
+        ulysses_degree,
+        sequence_order,
+        token_logprobs,
+        expert_plan,
+        compile,
+        mlp_tile,
+        attention_recompute,
     )
-    return CPForward(model, resolve_layout(model, layout), implementation, logits, strict, options)
+    return CPForward(model, resolve_layout(model, layout), options)

@@ -9,6 +9,7 @@ that hold other tokens (one bucketed all-reduce per dtype), so ``backward()`` or
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -47,19 +48,32 @@ def _grads_of(output, leaves: dict) -> list[torch.Tensor]:
     return [torch.zeros_like(p) if g is None else g for p, g in zip(leaves.values(), grads)]
 
 
+@runtime_checkable
+class FoldsReductions(Protocol):
+    """What a cp forward may offer :func:`value_and_grad` (cpshard's own does): its reductions folded into
+    the gradients' one all-reduce. ``folds_reductions(params)``: whether it can for these parameters;
+    ``unreduced(params, batch, mesh)``: its output with this rank's share of the loss, whose sum over the
+    ranks that hold other tokens is the call's loss (and so the shares' gradients sum to the call's). Any
+    other callable ``(params, batch, mesh) -> CPOutput`` is differentiated as it is."""
+
+    def folds_reductions(self, params: dict) -> bool: ...
+
+    def unreduced(self, params: dict, batch: dict, mesh): ...
+
+
 def value_and_grad(cp_forward):
     """``fn(params, batch, mesh) -> (CPOutput, grads)``, grads with the keys of ``params``: the gradients of
     ``output.loss`` that plain autograd gives, whatever the parameters' ``requires_grad`` says. DTensor
     parameters get DTensor gradients with their placements.
 
-    Where the cp forward can hand over its unreduced shares (plain parameters), each rank differentiates
-    its share of the loss and one all-reduce per dtype sums the gradients and the loss together, as a
-    data-parallel step does, instead of one for the loss in the forward and one for the gradients."""
+    Where the cp forward can hand over its unreduced shares (:class:`FoldsReductions`; cpshard's can for
+    plain parameters), each rank differentiates its share of the loss and one all-reduce per dtype sums the
+    gradients and the loss together, as a data-parallel step does, instead of one for the loss in the
+    forward and one for the gradients."""
 
     def run(params: dict, batch: dict, mesh):
         leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
-        folds = getattr(cp_forward, "folds_reductions", None)
-        if folds is None or not folds(leaves):
+        if not isinstance(cp_forward, FoldsReductions) or not cp_forward.folds_reductions(leaves):
             output = cp_forward(leaves, batch, mesh)
             return output, dict(zip(leaves, _grads_of(output, leaves)))
         output = cp_forward.unreduced(leaves, batch, mesh)

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
 from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError
-from cpshard.runtime.forward import IMPLEMENTATIONS, choose_implementation, make_cp_forward
+from cpshard.runtime.forward import make_cp_forward
 from cpshard.tools.parity import RTOL, Parity, check_parity, failing_rows, format_rows
 from cpshard.tools.tiny import causal_lm, tiny_batch, tiny_config, tiny_model
 from cpshard.tools.usage import UsageError, say

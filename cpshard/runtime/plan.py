@@ -1,0 +1,160 @@
+"""Plan one cp call: every decision of a call in one place, apart from running it.
+
+``plan_call`` turns (model, layout, options, params, batch, mesh) into the :class:`~cpshard.call.CallPlan`
+that the installed pieces read and the padded batch the model runs on: the checks of tp, ep and compile
+against the mesh, the implementation and its Ulysses degree, the batch checked the same on every rank of
+each dp group, the sequence order, the padding, the meshes and groups. Nothing is installed and nothing
+runs the model here (:mod:`cpshard.runtime.forward` does); the only collective is the batch check's one
+all-gather, so that a bad batch is an error on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
+from cpshard.call import CallPlan
+from cpshard.layouts.layout import Layout, text_config
+from cpshard.parallel.experts import check_expert_parallel, check_expert_plan, choose_expert_plan
+from cpshard.parallel.mesh import cp_mesh, cp_size, expert_degree, mesh_size, split_cp
+from cpshard.parallel.placement import expert_mesh
+from cpshard.parallel.tensor import check_tensor_parallel
+from cpshard.runtime.batch import (
+    PaddedBatch,
+    check_batch,
+    labels_read_as_shifted,
+    packed_documents,
+    pad_batch,
+)
+from cpshard.runtime.compiled import check_compiled_parallelism
+from cpshard.spec.sequence import check_order
+
+
+@dataclass(frozen=True)
+class CPOptions:
+    """Every option of ``make_cp_forward`` but the layout (each documented there), checked when made."""
+
+    implementation: str = "auto"
+    logits: bool = True
+    strict: bool = False
+    ulysses_degree: int | None = None
+    sequence_order: str = "auto"
+    token_logprobs: bool = False
+    expert_plan: str = "auto"
+    #: False, True (inductor) or a torch.compile backend: each decoder layer's forward compiled
+    compile: bool | str = False
+    #: memory modes: the MLP a block of this many tokens at a time; each attention checkpointed on its own
+    mlp_tile: int | None = None
+    attention_recompute: bool = False
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation={self.implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}"
+            )
+        if self.sequence_order != "auto":
+            check_order(self.sequence_order)
+        check_expert_plan(self.expert_plan)
+
+
+def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dict) -> tuple[str, int]:
+    """``(implementation, Ulysses degree)`` for this mesh, after the checks of tp, ep and compile."""
+    cp, tp, ep = cp_size(mesh), mesh_size(mesh, "tp"), expert_degree(mesh)
+    check_tensor_parallel(text_config(model), layout, tp)
+    check_expert_parallel(text_config(model), layout, ep, tp)
+    if options.compile:
+        check_compiled_parallelism(tp, ep)
+    if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
+        raise ValueError(
+            f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
+            "cpshard.params_of(cpshard.parallelize(model, mesh)): each rank computes with its "
+            "own tp and ep blocks"
+        )
+    heads = layout.head_counts(text_config(model))[0] // tp  # the heads this tp rank holds
+    if tp > 1 and options.implementation == "ulysses" and heads % cp:
+        raise ValueError(
+            f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: "
+            "num_attention_heads="
+            f"{heads * tp} must divide by tp * cp = {tp * cp}; implementation='ring' or 'hybrid' "
+            "serve other sizes"
+        )
+    try:
+        return choose_implementation(options.implementation, heads, cp, options.ulysses_degree)
+    except ValueError as error:
+        if tp == 1:
+            raise
+        raise ValueError(f"{error} (under tp={tp}: the {heads} heads each tp rank holds)") from None
+
+
+def choose_order(sequence_order: str, implementation: str, batch: dict) -> str:
+    """The sequence order: the one asked for, else contiguous for Ulysses (its attention sees whole
+    sequences), striped for ring and hybrid on packed documents, head-tail on whole ones."""
+    if sequence_order != "auto":
+        if implementation == "ulysses" and sequence_order != "contiguous":
+            raise ValueError(
+                f"sequence_order={sequence_order!r} balances ring's causal work; Ulysses gathers "
+                "whole sequences in the order the ranks hold them and attends under the model's mask "
+                "in natural order, so it runs contiguous: pass sequence_order='auto' (or 'contiguous'), "
+                "or implementation='ring' or 'hybrid'"
+            )
+        return sequence_order
+    if implementation == "ulysses":
+        return "contiguous"
+    return "striped" if packed_documents(batch) else "head_tail"
+
+
+@torch._dynamo.disable  # derives sub-meshes and groups, which a compiled cp_forward cannot trace
+def _call_plan(
+    layout: Layout,
+    options: CPOptions,
+    module_names: Mapping[int, str],
+    mesh,
+    strategy: tuple[str, int, str],
+    padded: PaddedBatch,
+) -> CallPlan:
+    implementation, degree, order = strategy
+    cp, tp, ep = cp_size(mesh), mesh_size(mesh, "tp"), expert_degree(mesh)
+    return CallPlan(
+        mesh=mesh,
+        cp_size=cp,
+        layout=layout,
+        module_names=module_names,
+        implementation=implementation,
+        ulysses=degree,
+        order=order,
+        length=padded.length,
+        padded_length=padded.padded_length,
+        split_mesh=split_cp(mesh, cp // degree, degree) if implementation != "ulysses" else None,
+        cp_mesh=cp_mesh(mesh),
+        tp_group=mesh.get_group("tp") if tp > 1 else None,
+        expert_group=expert_mesh(mesh).get_group("ep") if ep > 1 else None,
+        expert_plan=choose_expert_plan(options.expert_plan, tp, ep),
+        traced=bool(options.compile),
+        mlp_tile=options.mlp_tile,
+        attention_recompute=options.attention_recompute,
+    )
+
+
+def plan_call(
+    model,
+    layout: Layout,
+    options: CPOptions,
+    module_names: Mapping[int, str],
+    params: dict,
+    batch: dict,
+    mesh,
+) -> tuple[CallPlan, PaddedBatch]:
+    """How one call splits its work, and the batch padded for it: the strategy (checked against the mesh),
+    the batch (checked the same on every rank of each dp group, or every rank raises), the order, the
+    padding, the meshes and groups."""
+    implementation, degree = choose_strategy(model, layout, options, mesh, params)
+    if layout.labels_shifted:
+        batch = labels_read_as_shifted(batch)
+    check_batch(batch, mesh, getattr(text_config(model), "vocab_size", None))
+    order = choose_order(options.sequence_order, implementation, batch)
+    padded = pad_batch(batch, cp_size(mesh), getattr(text_config(model), "pad_token_id", None), order)
+    return _call_plan(layout, options, module_names, mesh, (implementation, degree, order), padded), padded
