@@ -133,8 +133,9 @@ class TracedCall:
 _ACTIVE: ContextVar[CallPlan | None] = ContextVar("cpshard_active_call", default=None)
 
 
-def active_call() -> CallPlan | None:
-    """The running cp call, or None outside ``cp_forward`` (or when cp is 1: nothing to split)."""
+def split_call() -> CallPlan | None:
+    """The running call where it splits the sequence (cp > 1), else None: what the cut, the attention and
+    the probe act on (at cp = 1 there is nothing to split)."""
     call = _ACTIVE.get()
     return call if call is not None and call.cp_size > 1 else None
 

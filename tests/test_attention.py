@@ -9,7 +9,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cpshard
 from cpshard.attention import cp_attention as attention
-from cpshard.attention.cp_attention import kv_replication, ulysses_name, without_padding_keys
+from cpshard.attention.cp_attention import cp_attention_name, kv_replication, without_padding_keys
 from cpshard.spec.masks import additive_mask
 from cpshard.tools.parity import check_parity
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -62,15 +62,15 @@ def test_without_padding_keys_keeps_the_real_sequence():
 
 @pytest.mark.parametrize("inner", ["sdpa", "eager"])
 def test_registered_for_attention_and_for_masks(inner):
-    name = ulysses_name(inner)
-    assert name == f"cpshard_{inner}" and ulysses_name(name) == name
+    name = cp_attention_name(inner)
+    assert name == f"cpshard_{inner}" and cp_attention_name(name) == name
     assert name in ALL_ATTENTION_FUNCTIONS and name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
     assert ALL_MASK_ATTENTION_FUNCTIONS[name] is ALL_MASK_ATTENTION_FUNCTIONS[inner]
 
 
 def test_an_implementation_without_a_mask_function_is_refused():
     with pytest.raises(ValueError, match="not in transformers' registry"):
-        ulysses_name("no_such_attention")
+        cp_attention_name("no_such_attention")
 
 
 @pytest.mark.parametrize("fully_masked_row", [False, True])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cpshard
-from cpshard.call import active_call
+from cpshard.call import split_call
 from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.tools.parity import check_parity, failing_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -38,7 +38,7 @@ def test_a_layout_cp_cannot_vouch_for_fails_on_every_rank(ranks2, kind):
 
 
 def failing_under_cp(module, args):
-    if active_call() is not None:
+    if split_call() is not None:
         raise TypeError("forward() missing 1 required positional argument: 'alibi'")
 
 

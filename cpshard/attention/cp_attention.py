@@ -25,7 +25,7 @@ from cpshard.attention.blocks import call_blocks, rows_without_keys
 from cpshard.attention.decode import decode_attention
 from cpshard.attention.ring import RingAttention
 from cpshard.attention.traced_ring import traced_ring
-from cpshard.call import TRACED_KEY, active_call, active_decode, current_call
+from cpshard.call import TRACED_KEY, active_decode, current_call, split_call
 from cpshard.comm.channel import TracedGroup
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs, register_once, register_wrapper
@@ -283,7 +283,7 @@ def _cp_attention(inner: str):
         prefill = current_call()
         if prefill is not None and prefill.kv_sink is not None:  # this rank's share of the prompt's k, v
             prefill.kv_sink[id(module)] = (key, value, kwargs.get("sliding_window"))
-        return split(module, query, key, value, attention_mask, active_call(), **kwargs)
+        return split(module, query, key, value, attention_mask, split_call(), **kwargs)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         traced = kwargs.pop(TRACED_KEY, None)  # put there by the cut hook before a compiled layer
@@ -295,7 +295,8 @@ def _cp_attention(inner: str):
     return attention
 
 
-def ulysses_name(inner: str) -> str:
-    """Register Ulysses around ``inner`` (idempotent) and return the registered implementation name."""
+def cp_attention_name(inner: str) -> str:
+    """Register cpshard's attention around ``inner`` (idempotent: Ulysses, ring, hybrid or the decode step,
+    as the running call says) and return the registered implementation name."""
     name = register_wrapper(ALL_ATTENTION_FUNCTIONS, PREFIX, inner, _cp_attention)
     return register_once(ALL_MASK_ATTENTION_FUNCTIONS, name, lambda: ALL_MASK_ATTENTION_FUNCTIONS[inner])

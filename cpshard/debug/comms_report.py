@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook
 
-from cpshard.call import CallPlan, active_call
+from cpshard.call import CallPlan, split_call
 from cpshard.comm.record import CommEvent, recording
 from cpshard.debug.analytic import attention_paths, head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
@@ -204,7 +204,7 @@ def trace_comms(fn, /, *args, **kwargs) -> CommsReport:
     modules: set[str] = set()
 
     def seen(module, module_args, module_kwargs, output):
-        call = active_call()
+        call = split_call()
         if call is not None and call.name_of(module) == "":  # the model itself, inside a cp call
             modules.update(call.module_names.values())
             run = _Run.of(call, module, module_kwargs)

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from cpshard.call import TRACED_KEY, CallPlan, active_call
+from cpshard.call import TRACED_KEY, CallPlan, split_call
 from cpshard.comm.redistribute import redistribute
 from cpshard.comm.reorder import to_chunks
 from cpshard.interfaces import Hook
@@ -42,7 +42,7 @@ def _fresh(cut: torch.Tensor, traced: bool) -> torch.Tensor:
 def _cut_layer_inputs(first: bool, names: tuple[str, ...], module, args, kwargs):
     """``names``: the layer's parameters in order, for inputs passed by position (Gemma4's per-layer
     input)."""
-    call = active_call()
+    call = split_call()
     if call is None:
         return None
     layout = call.layout
@@ -92,7 +92,7 @@ def _contiguous_again(module, args, output):
     are a plain ``Shard(1)``. Where the decoder reshapes its output to the input's length (GPT-2), the
     rows this rank holds come first in a tensor of that length, zeros after them; the head's
     hook (:func:`held_rows_only`) takes them out again."""
-    call = active_call()
+    call = split_call()
     if call is None or (call.order == "contiguous" and not call.layout.restores_length):
         return None
     hidden = output[0] if isinstance(output, tuple) else output
@@ -107,7 +107,7 @@ def _contiguous_again(module, args, output):
 def held_rows_only(hidden: torch.Tensor) -> torch.Tensor:
     """The rows this rank holds, where the decoder gave them in a tensor of the input's length
     (:func:`_contiguous_again`); any other tensor as it is."""
-    call = active_call()
+    call = split_call()
     if call is None or not call.layout.restores_length or hidden.shape[1] != call.padded_length:
         return hidden
     return hidden[:, : _held_rows(call)]

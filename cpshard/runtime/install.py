@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from cpshard.attention.cp_attention import PREFIX as ATTENTION_PREFIX
-from cpshard.attention.cp_attention import ulysses_name
+from cpshard.attention.cp_attention import cp_attention_name
 from cpshard.interfaces import install_hooks
 from cpshard.layouts.family_attention import rewrite, rewritten
 from cpshard.layouts.layout import Layout
@@ -53,7 +53,7 @@ def install_attention(model: nn.Module, layout: Layout) -> None:
             "wraps one attention implementation per model: set one with model.set_attn_implementation"
         )
     if unwrapped:
-        _set_implementation(model, ulysses_name(unwrapped[0]), layout)
+        _set_implementation(model, cp_attention_name(unwrapped[0]), layout)
 
 
 def _set_implementation(model: nn.Module, name: str, layout: Layout) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
-from cpshard.call import active_call
+from cpshard.call import split_call
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.layout import text_config
 from cpshard.layouts.registry import REGISTERED
@@ -60,7 +60,7 @@ def _layer_outputs(layers, final, run) -> list[tuple[torch.Tensor, torch.Tensor 
     outputs = []
 
     def keep(module, args, output):
-        hidden, call, held = _first(output), active_call(), None
+        hidden, call, held = _first(output), split_call(), None
         if call is not None and module is final:
             held = chunk_positions(call.length, call.cp_size, cp_rank(call.mesh))
             hidden = hidden[:, : len(held)]
