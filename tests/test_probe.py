@@ -3,6 +3,7 @@ on every rank naming the first layer that differs."""
 
 import pytest
 import torch
+import transformers
 
 import cpshard
 from cpshard.call import split_call
@@ -117,3 +118,30 @@ def probed_in_training_mode():
 
 def test_the_probe_runs_without_dropout_and_gives_the_modes_back(ranks2):
     assert ranks2.run(probed_in_training_mode) == [(True, True, False)] * 2
+
+
+def model_runs_in_first_call(version: str | None) -> int:
+    """How many times the first layer runs in a registered layout's first cp call, with the installed
+    transformers reporting ``version`` (None: as installed)."""
+    installed = transformers.__version__
+    transformers.__version__ = version or installed
+    try:
+        model = tiny_model("llama")
+        runs = []
+        model.model.layers[0].register_forward_hook(lambda *_: runs.append(1))
+        forward = cpshard.make_cp_forward(model)
+        cpshard.value_and_grad(forward)(
+            cpshard.params_of(model), tiny_batch(128, 2, 9), cpshard.make_mesh(cp=2)
+        )
+        return len(runs)
+    finally:
+        transformers.__version__ = installed
+
+
+def test_a_registered_layout_is_probed_on_a_transformers_it_was_not_tested_on(ranks2):
+    """Its model's code may have changed under it: the probe runs the model besides the call."""
+    tested, untested = (
+        ranks2.run(model_runs_in_first_call, None),
+        ranks2.run(model_runs_in_first_call, "9.0.0"),
+    )
+    assert tested == [1, 1] and all(runs > 1 for runs in untested), (tested, untested)

@@ -1,4 +1,6 @@
-"""Verify before trusting: a layout that is not a registered, tested file is checked once per model.
+"""Verify before trusting: a layout that is not a registered, tested file is checked once per model, and so
+is a registered one on a transformers release it was not tested on (the model's code may have changed under
+it: :data:`~cpshard.layouts.fingerprint.WRITTEN_FOR`).
 
 On its first call, cp_forward runs a short probe sequence (three tokens per rank and one more, the
 model's own weights) under cp and in one process, on every rank, and compares each
@@ -24,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from cpshard.call import split_call
 from cpshard.layouts.errors import LayoutError
+from cpshard.layouts.fingerprint import WRITTEN_FOR
 from cpshard.layouts.layout import text_config
 from cpshard.layouts.registry import REGISTERED
 from cpshard.parallel.mesh import cp_rank, cp_size
@@ -171,11 +174,17 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None) -> s
     )
 
 
+def _tested_file(layout) -> bool:
+    """A registered layout file on the transformers release its tests passed on: trusted as it is."""
+    registered = any(layout is file for file in REGISTERED.values())
+    return registered and transformers.__version__ == WRITTEN_FOR
+
+
 def verify_once(cp_forward, params: dict, mesh) -> None:
     """Probe a layout that is not a registered file, once per model; a LayoutError on every rank if cp
     differs from one process, or if the probe's cp run fails."""
     model, layout = cp_forward.model, cp_forward.layout
-    if any(layout is registered for registered in REGISTERED.values()) or cp_size(mesh) == 1:
+    if _tested_file(layout) or cp_size(mesh) == 1:
         return
     verified = _VERIFIED.setdefault(model, set())
     key = (layout.name, cp_forward.implementation)  # ring may differ where Ulysses agrees
@@ -184,7 +193,8 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
     if any(isinstance(value, DTensor) for value in params.values()):
         raise LayoutError(
             f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: it is not a "
-            "registered, tested file, and it is verified on the plain model's parameters only; call "
+            f"registered file tested on the installed transformers {transformers.__version__} (tested: "
+            f"{WRITTEN_FOR}), and it is verified on the plain model's parameters only; call "
             "cp_forward once with cpshard.params_of(model) before cpshard.parallelize(model, mesh), then "
             "call it with the parallel ones"
         )
