@@ -8,8 +8,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cpshard
-from cpshard.attention import cp_attention as attention
-from cpshard.attention.cp_attention import cp_attention_name, kv_replication, without_padding_keys
+from cpshard.attention import ulysses
+from cpshard.attention.cp_attention import cp_attention_name
+from cpshard.attention.ulysses import kv_replication, without_padding_keys
 from cpshard.spec.masks import additive_mask
 from cpshard.tools.parity import check_parity
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -87,7 +88,7 @@ def test_additive_mask_is_what_sdpa_computes_from_the_boolean_one(fully_masked_r
 def saved_masks(block_bytes: int) -> dict:
     """Under Ulysses with right padding: parity, and the float sequence x sequence tensors that autograd
     keeps (distinct storages), with sdpa's float mask built whole (shared) or per block of queries."""
-    attention.MASK_BLOCK_BYTES, before = block_bytes, attention.MASK_BLOCK_BYTES
+    ulysses.MASK_BLOCK_BYTES, before = block_bytes, ulysses.MASK_BLOCK_BYTES
     try:
         model = tiny_model("llama", num_hidden_layers=3)
         batch = tiny_batch(model.config.vocab_size, 2, 15, pad="right")
@@ -107,7 +108,7 @@ def saved_masks(block_bytes: int) -> dict:
         parity = check_parity(model, batch, mesh, cp_forward)
         return dict(storages=len(storages), layers=model.config.num_hidden_layers, worst=parity.worst)
     finally:
-        attention.MASK_BLOCK_BYTES = before
+        ulysses.MASK_BLOCK_BYTES = before
 
 
 @pytest.mark.parametrize("block_bytes, kept", [(1 << 26, 1), (2 * 3 * 15 * 4, 0)], ids=["shared", "blocked"])

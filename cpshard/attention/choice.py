@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cpshard.attention.cp_attention import check_heads_split
+from cpshard.attention.ulysses import check_heads_split
 
 IMPLEMENTATIONS = ("auto", "ulysses", "ring", "hybrid")
 

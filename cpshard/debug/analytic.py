@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpshard.attention.cp_attention import kv_replication
+from cpshard.attention.ulysses import kv_replication
 from cpshard.comm.redistribute import Move, plan
 from cpshard.layouts.layout import Layout
 from cpshard.spec.notation import Spec

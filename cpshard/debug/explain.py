@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpshard.attention.choice import choose_implementation
-from cpshard.attention.cp_attention import kv_replication
+from cpshard.attention.ulysses import kv_replication
 from cpshard.debug.analytic import Step, attention_paths, attention_steps, cut_steps, mesh_sizes
 from cpshard.debug.table import grouped, table
 from cpshard.debug.typeof import dtype_name

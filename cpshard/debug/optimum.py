@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.attention.choice import choose_implementation
-from cpshard.attention.cp_attention import kv_replication
+from cpshard.attention.ulysses import kv_replication
 from cpshard.comm.redistribute import plan
 from cpshard.layouts.layout import text_config
 from cpshard.layouts.registry import resolve_layout
