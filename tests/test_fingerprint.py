@@ -85,3 +85,20 @@ def test_a_change_around_the_attention_is_refused_too(monkeypatch, piece):
     monkeypatch.setattr(target, name, _changed_signature)
     with pytest.raises(cpshard.LayoutError, match=piece.replace(".", r"\.")):
         cpshard.make_cp_forward(tiny_model("bloom", attn_implementation="eager"))
+
+
+def _class_with(property_value: int, static_value: int) -> str:
+    return (
+        f"class A:\n    @property\n    def p(self):\n        return {property_value}\n\n"
+        f"    @staticmethod\n    def s():\n        return {static_value}\n"
+    )
+
+
+def test_static_class_and_property_methods_count(tmp_path):
+    kinds = {
+        "fp_kinds_a": _class_with(1, 1),
+        "fp_kinds_b": _class_with(2, 1),
+        "fp_kinds_c": _class_with(1, 2),
+    }
+    prints = {fingerprint(_module(tmp_path, name, source).__name__, "A") for name, source in kinds.items()}
+    assert len(prints) == 3

@@ -50,12 +50,18 @@ def _code(function) -> str:
 
 
 def _functions(piece) -> list:
-    """The functions that make ``piece``: itself, or each function a class defines (as it holds them now,
-    so a method replaced on the class counts)."""
+    """The functions that make ``piece``: itself, or each function a class defines, static, class and
+    property methods included (as it holds them now, so a method replaced on the class counts)."""
     if not inspect.isclass(piece):
         return [piece]
-    found = [inspect.unwrap(value) for _, value in sorted(vars(piece).items())]
-    return [value for value in found if inspect.isfunction(value)]
+    found = []
+    for _, value in sorted(vars(piece).items()):
+        if isinstance(value, property):
+            found += [part for part in (value.fget, value.fset, value.fdel) if part is not None]
+        else:
+            found.append(getattr(value, "__func__", value))  # staticmethod, classmethod
+    unwrapped = [inspect.unwrap(value) for value in found]
+    return [value for value in unwrapped if inspect.isfunction(value)]
 
 
 def _resolve(module, dotted: str):
