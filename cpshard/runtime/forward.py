@@ -103,7 +103,6 @@ class CPForward:
 
     def __init__(self, model, layout: Layout, options: CPOptions):
         self.model, self.layout, self.options = model, layout, options
-        self.implementation = options.implementation
         self.module_names = {id(module): name for name, module in model.named_modules()}
         check_mlp_tile(model.get_submodule(layout.decoder_layers), layout, options.mlp_tile)
         install(model, layout, options.mlp_tile is not None, options.attention_recompute)
