@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.comm.channel import Channel, TracedMesh
-from cpshard.comm.record import active_log
+from cpshard.comm.record import active_recorder
 from cpshard.layouts.layout import Layout
 
 #: the keyword under which a compiled decoder layer's attention receives its :class:`TracedCall`
@@ -87,7 +87,7 @@ class CallPlan:
         """This call as the compiled layer holding attention ``module`` sees it."""
         meshes = [mesh for mesh in (self.mesh, self.split_mesh) if mesh is not None]
         groups = {name: mesh.get_group(name) for mesh in meshes for name in _cp_axes(mesh)}
-        channel = Channel(groups, self.name_of(module), active_log(), self)
+        channel = Channel(groups, self.name_of(module), active_recorder(), self)
         traced = [
             TracedMesh(
                 channel,

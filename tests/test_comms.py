@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cpshard.comm.record import CommEvent, CommsLog, active_log, record, recording
+from cpshard.comm.record import CommEvent, active_log, active_recorder, record, recording, serving
 
 #: (op, name, phase, tensor, group size), as the collectives report them
 LAUNCHES = [
@@ -17,7 +17,7 @@ LAUNCHES = [
 
 def _launch(launches):
     for op, name, phase, tensor, size in launches:
-        record(active_log(), op, name, phase, tensor, size)
+        record(active_recorder(), op, name, phase, tensor, size)
 
 
 def _total(launches):
@@ -90,21 +90,30 @@ def test_recording_ends_on_error():
     assert active_log() is None
 
 
-def test_bytes_by_parallelism_sorts_by_the_names_collectives_are_given():
-    names = {
-        "parameters": "fsdp",
-        "gradients": "replicas",
-        "tp self_attn.o_proj": "tp",
-        "model.layers.1.mlp.experts dispatch": "ep",
-        "loss": "other",
-        "batch fingerprint": "other",
-        "model.layers.0.self_attn q": "cp",
-        "undo order": "cp",
-    }
-    log = CommsLog()
-    for index, name in enumerate(names):
-        record(log, "all_reduce", name, "forward", torch.zeros(index + 1), 2)
-    expected = dict.fromkeys(("cp", "fsdp", "replicas", "tp", "ep", "other"), 0)
-    for index, kind in enumerate(names.values()):
-        expected[kind] += 4 * (index + 1)
-    assert log.bytes_by_parallelism() == expected
+def test_each_collective_serves_the_parallelism_of_the_block_it_is_launched_in():
+    launched = {"cp": None, "fsdp": "fsdp", "replicas": "replicas", "tp": "tp", "ep": "ep", "other": "other"}
+    with recording() as log:
+        for index, parallelism in enumerate(launched.values()):
+            if parallelism is None:
+                record(active_recorder(), "all_to_all", "q", "forward", torch.zeros(index + 1), 2)
+                continue
+            with serving(parallelism):
+                recorder = active_recorder()
+            # a backward reports through the recorder its forward took, outside the block
+            record(recorder, "all_reduce", parallelism, "backward", torch.zeros(index + 1), 2)
+    assert [e.parallelism for e in log.events] == list(launched)
+    assert log.bytes_by_parallelism() == {kind: 4 * (i + 1) for i, kind in enumerate(launched)}
+
+
+def test_nested_serving_blocks_the_inner_one_counts():
+    with recording() as log, serving("tp"):
+        with serving("ep"):
+            record(active_recorder(), "all_to_all", "dispatch", "forward", torch.zeros(1), 2)
+        record(active_recorder(), "all_reduce", "tp sum", "forward", torch.zeros(1), 2)
+    assert [e.parallelism for e in log.events] == ["ep", "tp"]
+
+
+def test_serving_an_unknown_parallelism_is_an_error():
+    with pytest.raises(ValueError, match="serving\\('dp'\\): a parallelism is one of"):
+        with serving("dp"):
+            pass

@@ -16,7 +16,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 import cpshard
 from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import all_to_all_rows
-from cpshard.comm.record import parallelism_of, recording
+from cpshard.comm.record import recording
 from cpshard.debug.optimum import ep_bytes, tp_share_bytes
 from cpshard.layouts.decoder import LAYOUT
 from cpshard.parallel.experts import (
@@ -283,7 +283,7 @@ def _model_case() -> dict:
             zip(mine, torch.autograd.grad(loss_of(logits, ids[rank : rank + 1]), list(mine.values())))
         )
     checks = {"logits": (logits.detach(), whole[rank : rank + 1].detach())}
-    checks["counted as ep"] = ({parallelism_of(e) for e in log.events}, {"ep"})
+    checks["counted as ep"] = ({e.parallelism for e in log.events}, {"ep"})
     checks["collectives"] = (
         len(log.events),
         5,

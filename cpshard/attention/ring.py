@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cpshard.comm.record import active_log, record
+from cpshard.comm.record import active_recorder, record
 from cpshard.spec.masks import additive_mask
 
 NEG_INF = float("-inf")
@@ -186,7 +186,7 @@ def _exchange(
     """Post a send and/or a receive on the ring; returns (requests, receive buffer)."""
     ops, buffer = [], None
     if send is not None:
-        record(active_log(), "send", name, phase, send, dist.get_world_size(group))
+        record(active_recorder(), "send", name, phase, send, dist.get_world_size(group))
         ops.append(dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(group, to), group))
     if recv_like is not None:
         buffer = torch.empty_like(recv_like)
@@ -330,7 +330,7 @@ def _send_home(parked: dict, rank: int, size: int, needed, group, name, template
     ops, received = [], None
     for source, grads in parked.items():
         if source != rank:
-            record(active_log(), "send", name, "backward", grads, size)
+            record(active_recorder(), "send", name, "backward", grads, size)
             ops.append(dist.P2POp(dist.isend, grads.contiguous(), dist.get_global_rank(group, source), group))
     last = (rank + hops(needed, rank)) % size
     if last != rank:

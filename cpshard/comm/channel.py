@@ -21,8 +21,8 @@ class Channel(OpaqueBase):
     """Process groups by mesh axis, the record they report to, the module path that names their
     collectives and the running call (for the ops that derive their plan from it when they run)."""
 
-    def __init__(self, groups: Mapping, path: str, log, call=None):
-        self.groups, self.path, self.log, self.call = groups, path, log, call
+    def __init__(self, groups: Mapping, path: str, recorder, call=None):
+        self.groups, self.path, self.recorder, self.call = groups, path, recorder, call
 
 
 register_opaque_type(Channel, typ="reference")

@@ -14,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from cpshard.comm.channel import Channel, TracedGroup
-from cpshard.comm.record import active_log, record
+from cpshard.comm.record import active_recorder, record
 
 
 def _all_to_all_single(send: torch.Tensor, group) -> torch.Tensor:
@@ -30,12 +30,12 @@ def _all_to_all_single(send: torch.Tensor, group) -> torch.Tensor:
 
 
 def _exchange(
-    x: torch.Tensor, scatter_dim: int, gather_dim: int, group, log, name: str, phase: str
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group, recorder, name: str, phase: str
 ) -> torch.Tensor:
     """Send chunk ``i`` of ``scatter_dim`` to rank ``i``; concatenate what arrives along ``gather_dim``."""
     size, scatter_dim, gather_dim = dist.get_world_size(group), scatter_dim % x.dim(), gather_dim % x.dim()
     send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()  # a view when x allows
-    record(log, "all_to_all", name, phase, send, size)
+    record(recorder, "all_to_all", name, phase, send, size)
     received = _all_to_all_single(send, group)
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)  # copies only where it must
 
@@ -45,13 +45,19 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, exchange, there: tuple, back: tuple, group, name):
-        ctx.exchange, ctx.back, ctx.group, ctx.name, ctx.log = exchange, back, group, name, active_log()
-        return exchange(x, *there, group, ctx.log, name, "forward")
+        ctx.exchange, ctx.back, ctx.group, ctx.name, ctx.recorder = (
+            exchange,
+            back,
+            group,
+            name,
+            active_recorder(),
+        )
+        return exchange(x, *there, group, ctx.recorder, name, "forward")
 
     @staticmethod
     def backward(ctx, grad):
         return (
-            ctx.exchange(grad, *ctx.back, ctx.group, ctx.log, ctx.name, "backward"),
+            ctx.exchange(grad, *ctx.back, ctx.group, ctx.recorder, ctx.name, "backward"),
             None,
             None,
             None,
@@ -74,7 +80,7 @@ def _channel_exchange(
     """:func:`_exchange` as compiled code calls it: opaque to torch.compile, run on the channel's group,
     recorded under the channel's module path when it runs."""
     group, path = channel.groups[axis], channel.path
-    return _exchange(x, scatter_dim, gather_dim, group, channel.log, f"{path}{name}", phase).contiguous()
+    return _exchange(x, scatter_dim, gather_dim, group, channel.recorder, f"{path}{name}", phase).contiguous()
 
 
 @_channel_exchange.register_fake
@@ -113,9 +119,9 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: 
     return _Exchange.apply(x, _exchange, (scatter_dim, gather_dim), (gather_dim, scatter_dim), group, name)
 
 
-def _summed(x: torch.Tensor, group, log, name: str, phase: str) -> torch.Tensor:
+def _summed(x: torch.Tensor, group, recorder, name: str, phase: str) -> torch.Tensor:
     out = x.detach().clone().contiguous()
-    record(log, "all_reduce", name, phase, out, dist.get_world_size(group))
+    record(recorder, "all_reduce", name, phase, out, dist.get_world_size(group))
     dist.all_reduce(out, group=group)
     return out
 
@@ -125,7 +131,7 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, name):
-        return _summed(x, group, active_log(), name, "forward")
+        return _summed(x, group, active_recorder(), name, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -142,12 +148,12 @@ class _SumGradsOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, name):
-        ctx.group, ctx.name, ctx.log = group, name, active_log()
+        ctx.group, ctx.name, ctx.recorder = group, name, active_recorder()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _summed(grad, ctx.group, ctx.log, ctx.name, "backward"), None, None
+        return _summed(grad, ctx.group, ctx.recorder, ctx.name, "backward"), None, None
 
 
 def sum_grads_over_group(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
@@ -156,7 +162,7 @@ def sum_grads_over_group(x: torch.Tensor, group, name: str = "") -> torch.Tensor
     return _SumGradsOverGroup.apply(x, group, name)
 
 
-def _all_reduce_buckets(tensors: list[torch.Tensor], group, log, name: str) -> list[torch.Tensor]:
+def _all_reduce_buckets(tensors: list[torch.Tensor], group, recorder, name: str) -> list[torch.Tensor]:
     """Sum many tensors over the group in one collective per dtype (a bucket, not one per tensor)."""
     size = dist.get_world_size(group)
     result: list[torch.Tensor | None] = [None] * len(tensors)
@@ -165,7 +171,7 @@ def _all_reduce_buckets(tensors: list[torch.Tensor], group, log, name: str) -> l
         by_dtype.setdefault(tensor.dtype, []).append(index)
     for indices in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        record(log, "all_reduce", name, "backward", flat, size)
+        record(recorder, "all_reduce", name, "backward", flat, size)
         dist.all_reduce(flat, group=group)
         for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
             result[i] = piece.view_as(tensors[i])
@@ -177,14 +183,14 @@ class _SumManyGradsOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, group, name, *xs):
-        ctx.group, ctx.name, ctx.log = group, name, active_log()
+        ctx.group, ctx.name, ctx.recorder = group, name, active_recorder()
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
         summed = dict(
-            zip(wanted, _all_reduce_buckets([grads[i] for i in wanted], ctx.group, ctx.log, ctx.name))
+            zip(wanted, _all_reduce_buckets([grads[i] for i in wanted], ctx.group, ctx.recorder, ctx.name))
         )
         return (None, None, *(summed.get(i) for i in range(len(grads))))
 
@@ -198,14 +204,14 @@ def sum_many_grads_over_group(xs: list[torch.Tensor], group, name: str = "") -> 
 def sum_now_over_group(tensors: list[torch.Tensor], group, name: str = "") -> list[torch.Tensor]:
     """``tensors`` summed over the group now (not differentiable), one all-reduce per dtype: gradients
     reduced after the backward, as a data-parallel step reduces them."""
-    return _all_reduce_buckets(tensors, group, active_log(), name)
+    return _all_reduce_buckets(tensors, group, active_recorder(), name)
 
 
 def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
     """Every rank's ``x`` stacked along a new dim 0 (not differentiable; for checks)."""
     size = dist.get_world_size(group)
     out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
-    record(active_log(), "all_gather", name, "forward", x, size)
+    record(active_recorder(), "all_gather", name, "forward", x, size)
     dist.all_gather_single(out, x.contiguous().reshape(-1), group=group)
     return out.view(size, *x.shape)
 
@@ -235,10 +241,10 @@ class _GatherShards(torch.autograd.Function):
                     f"{name}: rank {rank} of {size} holds {shard.shape[0]} of {n} rows; a dim-0 shard cut as "
                     f"torch.chunk cuts holds {_rows_of(rank, n, chunk)}"
                 )
-        ctx.group, ctx.name, ctx.log, ctx.chunks = group, name, active_log(), chunks
+        ctx.group, ctx.name, ctx.recorder, ctx.chunks = group, name, active_recorder(), chunks
         ctx.local_rows = [shard.shape[0] for shard in shards]
         flat = torch.cat([_padded(shard, chunk).reshape(-1) for shard, chunk in zip(shards, chunks)])
-        record(ctx.log, "all_gather", name, "forward", flat, size)
+        record(ctx.recorder, "all_gather", name, "forward", flat, size)
         out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
         dist.all_gather_single(out, flat, group=group)
         pieces = out.view(size, -1).split([c * math.prod(s.shape[1:]) for c, s in zip(chunks, shards)], dim=1)
@@ -253,7 +259,7 @@ class _GatherShards(torch.autograd.Function):
         send = torch.cat(
             [_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)], dim=1
         ).contiguous()
-        record(ctx.log, "reduce_scatter", ctx.name, "backward", send, size)
+        record(ctx.recorder, "reduce_scatter", ctx.name, "backward", send, size)
         out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
         dist.reduce_scatter_single(out, send.view(-1), group=ctx.group)
         pieces = out.split([c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)])
@@ -281,12 +287,12 @@ def share_bounds(rows: int, size: int, rank: int) -> tuple[int, int]:
     return start, start + _rows_of(rank, rows, chunk)
 
 
-def _gather_shares(x: torch.Tensor, rows: int, group, log, name: str, phase: str) -> torch.Tensor:
+def _gather_shares(x: torch.Tensor, rows: int, group, recorder, name: str, phase: str) -> torch.Tensor:
     """Every rank's share (:func:`share_bounds`) of ``rows`` rows, back in rank order: one all-gather of
     the shares padded to the largest."""
     size, chunk = dist.get_world_size(group), -(-rows // dist.get_world_size(group))
     flat = _padded(x, chunk).contiguous()
-    record(log, "all_gather", name, phase, flat, size)
+    record(recorder, "all_gather", name, phase, flat, size)
     out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
     dist.all_gather_single(out, flat.reshape(-1), group=group)
     pieces = out.view(size, chunk, -1)
@@ -299,13 +305,13 @@ class _ShareRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, name):
-        ctx.rows, ctx.group, ctx.name, ctx.log = x.shape[0], group, name, active_log()
+        ctx.rows, ctx.group, ctx.name, ctx.recorder = x.shape[0], group, name, active_recorder()
         start, stop = share_bounds(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
         return x[start:stop].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_shares(grad, ctx.rows, ctx.group, ctx.log, ctx.name, "backward"), None, None
+        return _gather_shares(grad, ctx.rows, ctx.group, ctx.recorder, ctx.name, "backward"), None, None
 
 
 class _GatherShares(torch.autograd.Function):
@@ -315,7 +321,7 @@ class _GatherShares(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rows, group, name):
         ctx.bounds = share_bounds(rows, dist.get_world_size(group), dist.get_rank(group))
-        return _gather_shares(x, rows, group, active_log(), name, "forward")
+        return _gather_shares(x, rows, group, active_recorder(), name, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -337,12 +343,12 @@ def gather_shares(x: torch.Tensor, rows: int, group, name: str = "") -> torch.Te
 
 
 def _exchange_rows(
-    x: torch.Tensor, send: list[int], receive: list[int], group, log, name: str, phase: str
+    x: torch.Tensor, send: list[int], receive: list[int], group, recorder, name: str, phase: str
 ) -> torch.Tensor:
     """Rows ``[sum(send[:i]), sum(send[:i+1]))`` of ``x`` go to rank ``i``; what arrives is stacked
     in rank order."""
     x = x.contiguous()
-    record(log, "all_to_all", name, phase, x, dist.get_world_size(group))
+    record(recorder, "all_to_all", name, phase, x, dist.get_world_size(group))
     return funcol.wait_tensor(funcol.all_to_all_single(x, receive, send, group))
 
 

@@ -1,8 +1,10 @@
 """A record of the collectives launched while a :func:`recording` is open.
 
 Every collective in :mod:`cpshard.comm.collectives` reports here: its op, a name (the module or
-purpose it serves), the phase (forward or backward) and the bytes of its input tensor on
-this rank. Nothing is recorded when no recording is open.
+purpose it serves), the phase (forward or backward), the bytes of its input tensor on this rank, and
+the parallelism it serves. The parallelism is said where the collective is launched, by the
+:func:`serving` block around it (as a JAX collective names its axis), and travels with the
+collective into its backward. Nothing is recorded when no recording is open.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class CommEvent:
     phase: str
     nbytes: int
     group_size: int
+    #: the parallelism served, one of :data:`PARALLELISMS`
+    parallelism: str = "cp"
 
 
 @dataclass
@@ -44,11 +48,8 @@ class CommsLog:
         return dict(totals)
 
     def bytes_by_parallelism(self) -> dict[str, int]:
-        """Bytes summed per parallelism served (:func:`parallelism_of`): cp, fsdp, replicas, tp, ep, other."""
-        totals = dict.fromkeys(("cp", "fsdp", "replicas", "tp", "ep", "other"), 0)
-        for event in self.events:
-            totals[parallelism_of(event)] += event.nbytes
-        return totals
+        """Bytes summed per parallelism served, every one of :data:`PARALLELISMS` present."""
+        return {**dict.fromkeys(PARALLELISMS, 0), **self.bytes_by("parallelism")}
 
     def count_by(self, key: str) -> dict[str, int]:
         """Number of collectives per value of one event field."""
@@ -58,32 +59,48 @@ class CommsLog:
         return dict(counts)
 
 
-#: collectives that serve neither the sequence split nor a parameter layout, by name
-_BOOKKEEPING = ("loss", "token count", "batch fingerprint")
+#: what a collective can serve: the sequence split, the FSDP gather and its reduce-scatter, the gradient
+#: all-reduce over replicas, tensor and expert parallelism, and bookkeeping (the loss, token counts,
+#: batch checks)
+PARALLELISMS = ("cp", "fsdp", "replicas", "tp", "ep", "other")
+
+_SERVING: ContextVar[str] = ContextVar("cpshard_serving", default="cp")
 
 
-def parallelism_of(event: CommEvent) -> str:
-    """Which parallelism a collective serves, by the name its caller gave it: the FSDP gather and its
-    reduce-scatter ("parameters"), the gradient all-reduce over replicas ("gradients"), tensor
-    parallelism ("tp ..."), the experts' token exchange ("...experts..."), the loss and batch checks
-    ("other"); everything else moves sequences for context parallelism."""
-    if event.name == "parameters":
-        return "fsdp"
-    if event.name == "gradients":
-        return "replicas"
-    if event.name.startswith("tp "):
-        return "tp"
-    if "experts" in event.name:
-        return "ep"
-    return "other" if event.name in _BOOKKEEPING else "cp"
+@contextmanager
+def serving(parallelism: str):
+    """Collectives launched inside the block (a ``with`` or a decorator) serve ``parallelism``;
+    outside every block they serve cp."""
+    if parallelism not in PARALLELISMS:
+        raise ValueError(f"serving({parallelism!r}): a parallelism is one of {PARALLELISMS}")
+    token = _SERVING.set(parallelism)
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)
+
+
+@dataclass(frozen=True)
+class Recorder:
+    """Where one collective reports: the open recording, and the parallelism its launch serves
+    (a collective takes its recorder at launch, so that its backward's events land in the same place)."""
+
+    log: CommsLog
+    parallelism: str
 
 
 _ACTIVE: ContextVar[CommsLog | None] = ContextVar("cpshard_comms_log", default=None)
 
 
 def active_log() -> CommsLog | None:
-    """The open recording, if any (collectives keep it to report their backward too)."""
+    """The open recording, if any."""
     return _ACTIVE.get()
+
+
+def active_recorder() -> Recorder | None:
+    """The recorder for a collective launched now, if a recording is open."""
+    log = _ACTIVE.get()
+    return None if log is None else Recorder(log, _SERVING.get())
 
 
 @contextmanager
@@ -97,11 +114,13 @@ def recording():
         _ACTIVE.reset(token)
 
 
-def record(log: CommsLog | None, op: str, name: str, phase: str, tensor, group_size: int) -> None:
-    """Append one event to ``log`` and every recording it is nested in (no-op without a log)."""
-    if log is None:
+def record(recorder: Recorder | None, op: str, name: str, phase: str, tensor, group_size: int) -> None:
+    """Append one event to the recorder's log and every recording it is nested in (no-op without one)."""
+    if recorder is None:
         return
-    event = CommEvent(op, name, phase, tensor.numel() * tensor.element_size(), group_size)
+    nbytes = tensor.numel() * tensor.element_size()
+    event = CommEvent(op, name, phase, nbytes, group_size, recorder.parallelism)
+    log = recorder.log
     while log is not None:
         log.events.append(event)
         log = log.parent

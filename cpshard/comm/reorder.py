@@ -10,15 +10,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from cpshard.comm.record import active_log, record
+from cpshard.comm.record import active_recorder, record
 from cpshard.spec.sequence import chunk_positions, exchange_plan, positions
 
 
-def _move(x, dim, send, receive, out_len: int, group, log, name, phase):
+def _move(x, dim, send, receive, out_len: int, group, recorder, name, phase):
     """Send ``x``'s entries ``send[p]`` (along ``dim``) to peer p; place what p sends at ``receive[p]``
     of an ``out_len`` result (entries nobody sends stay 0: padding has no gradient)."""
     outgoing = torch.cat([x.index_select(dim, idx) for idx in send], dim=dim).movedim(dim, 0).contiguous()
-    record(log, "all_to_all", name, phase, outgoing, dist.get_world_size(group))
+    record(recorder, "all_to_all", name, phase, outgoing, dist.get_world_size(group))
     incoming = funcol.wait_tensor(
         funcol.all_to_all_single(outgoing, [len(i) for i in receive], [len(i) for i in send], group)
     )
@@ -31,14 +31,20 @@ def _move(x, dim, send, receive, out_len: int, group, log, name, phase):
 class _Reorder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, send, receive, group, name):
-        ctx.config, ctx.log, ctx.src_len = (dim, send, receive, group, name), active_log(), x.shape[dim]
+        ctx.config, ctx.recorder, ctx.src_len = (
+            (dim, send, receive, group, name),
+            active_recorder(),
+            x.shape[dim],
+        )
         out_len = sum(len(indices) for indices in receive)
-        return _move(x, dim, send, receive, out_len, group, ctx.log, name, "forward")
+        return _move(x, dim, send, receive, out_len, group, ctx.recorder, name, "forward")
 
     @staticmethod
     def backward(ctx, grad):
         dim, send, receive, group, name = ctx.config
-        return _move(grad, dim, receive, send, ctx.src_len, group, ctx.log, name, "backward"), *([None] * 5)
+        return _move(grad, dim, receive, send, ctx.src_len, group, ctx.recorder, name, "backward"), *(
+            [None] * 5
+        )
 
 
 def reorder(x: torch.Tensor, dim: int, src: list, dst: list, group, name: str = "") -> torch.Tensor:

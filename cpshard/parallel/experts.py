@@ -47,6 +47,7 @@ from cpshard.comm.collectives import (
     sum_grads_over_group,
     sum_over_group,
 )
+from cpshard.comm.record import serving
 from cpshard.interfaces import SeenAs, register_wrapper
 
 PREFIX = "cpshard_ep_"
@@ -152,6 +153,7 @@ def check_block(module, ep: int, name: str) -> None:
         )
 
 
+@serving("ep")
 def ep_experts(
     function, module, hidden_states, top_k_index, top_k_weights, group, name: str = "experts"
 ) -> torch.Tensor:
@@ -214,6 +216,7 @@ def choose_expert_plan(plan: str, tp: int, ep: int) -> str:
     return plan
 
 
+@serving("ep")  # its collectives run over tp groups, but they serve the experts
 def tp_experts(call, function, module, hidden_states, top_k_index, top_k_weights, name: str):
     """The experts layer when the ``tp`` ranks hold the same tokens, by the call's plan (see the module
     docstring): each pair runs once, and every tp rank gets the whole output."""
@@ -250,7 +253,7 @@ def _ep_function(inner: str):
         call = current_call()
         if call is None or call.expert_group is None:
             return function(module, hidden_states, top_k_index, top_k_weights)
-        name = call.name_of(module)  # cpshard.comm.record counts collectives named "...experts..." as ep's
+        name = call.name_of(module)
         name = name if "experts" in name else f"{name} experts"
         if call.tp_group is not None:
             return tp_experts(call, function, module, hidden_states, top_k_index, top_k_weights, name)

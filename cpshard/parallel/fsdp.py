@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from cpshard.comm.collectives import all_gather_shards, sum_grads_over_group
+from cpshard.comm.record import serving
 from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.experts import check_expert_parallel
@@ -111,6 +112,7 @@ def gather_axis(param: DTensor, name: str = "") -> int:
     return on_dim0[0]
 
 
+@serving("fsdp")
 def full_tensors(params: dict[str, DTensor], name: str = "parameters") -> dict[str, torch.Tensor]:
     """Each DTensor gathered over its first dim-0 axis (the FSDP one): whole, or this rank's tp/ep block.
     One all-gather per (mesh, axis, dtype), differentiable (the gradients come back reduce-scattered)."""
@@ -151,6 +153,7 @@ def gather_params(params: dict, mesh: DeviceMesh, layout: Layout) -> dict:
         mesh_size(mesh, "tp") > 1
     ):  # weights applied to this tp rank's heads alone: their gradients sum over tp
         tp_group = mesh.get_group("tp")
-        for name in (n for n in whole if style_of(n, layout) == "per_head"):
-            whole[name] = sum_grads_over_group(whole[name], tp_group, f"tp {name}")
+        with serving("tp"):
+            for name in (n for n in whole if style_of(n, layout) == "per_head"):
+                whole[name] = sum_grads_over_group(whole[name], tp_group, f"tp {name}")
     return {**params, **whole}

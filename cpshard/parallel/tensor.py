@@ -17,6 +17,7 @@ from torch import nn
 
 from cpshard.call import current_call
 from cpshard.comm.collectives import sum_grads_over_group, sum_over_group
+from cpshard.comm.record import serving
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import TP_STYLES, Layout, submodule
 
@@ -47,6 +48,7 @@ def _tp_group():
     return None if call is None else call.tp_group
 
 
+@serving("tp")
 def _sum_input_grads(module, args, kwargs):
     group = _tp_group()
     if group is None:
@@ -56,6 +58,7 @@ def _sum_input_grads(module, args, kwargs):
     return args, {**kwargs, "hidden_states": sum_grads_over_group(kwargs["hidden_states"], group, "tp input")}
 
 
+@serving("tp")
 def _sum_outputs(name: str, module, args, output):
     group = _tp_group()
     return None if group is None else sum_over_group(output, group, name)

@@ -237,6 +237,7 @@ def check_batch(batch, mesh, vocab_size: int | None = None) -> tuple[int, int]:
     group alone would let the other dp groups go on into the loss and gradient all-reduces, where they
     would wait for the failed ranks until the process group's timeout."""
     from cpshard.comm.collectives import all_gather_rows
+    from cpshard.comm.record import serving
     from cpshard.parallel.mesh import group_over
 
     try:
@@ -251,7 +252,8 @@ def check_batch(batch, mesh, vocab_size: int | None = None) -> tuple[int, int]:
     row = fingerprint(batch)
     if error is not None:  # marked in the key count (never negative there), so that no byte is added
         row[0] = -1.0 - row[0]
-    every = all_gather_rows(row, group, name="batch fingerprint")
+    with serving("other"):
+        every = all_gather_rows(row, group, name="batch fingerprint")
     ranks = dist.get_process_group_ranks(group)
     index = {rank: i for i, rank in enumerate(ranks)}
     differing = {tuple(m): d for m in _dp_groups(mesh) if (d := _differing(every[[index[r] for r in m]], m))}

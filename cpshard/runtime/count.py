@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from cpshard.comm.collectives import sum_over_group
+from cpshard.comm.record import serving
 from cpshard.loss.cross_entropy import IGNORE_INDEX
 from cpshard.parallel.mesh import DATA_AXES, group_over
 from cpshard.runtime.batch import BatchError, shifted_labels, validate
@@ -34,7 +35,10 @@ def count_label_tokens(micro_batches, mesh) -> torch.Tensor:
             raise BatchError("count_label_tokens: a micro-batch has neither labels nor shift_labels")
         total += label_count(labels)
     group = group_over(mesh, DATA_AXES)
-    return total if group is None else sum_over_group(total, group, name="token count")
+    if group is None:
+        return total
+    with serving("other"):
+        return sum_over_group(total, group, name="token count")
 
 
 def loss_normaliser(shift_labels: torch.Tensor, num_items, mesh) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +51,8 @@ def loss_normaliser(shift_labels: torch.Tensor, num_items, mesh) -> tuple[torch.
         counts = torch.tensor([int(counts), items, items * items], dtype=torch.int64)
     group = group_over(mesh, DATA_AXES)
     if group is not None:
-        counts = sum_over_group(counts, group, name="token count")
+        with serving("other"):
+            counts = sum_over_group(counts, group, name="token count")
     num_tokens = counts[0]
     if num_items is None:
         return num_tokens, num_tokens.clamp(min=1)

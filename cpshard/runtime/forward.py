@@ -35,6 +35,7 @@ from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
 from cpshard.call import CallPlan, running
 from cpshard.comm.collectives import sum_over_group
+from cpshard.comm.record import serving
 from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs
@@ -228,7 +229,8 @@ class CPForward:
         loss = loss_sum / divisor
         token_group = group_over(mesh, TOKEN_AXES)
         if token_group is not None and reduced:
-            loss = sum_over_group(loss, token_group, name="loss")
+            with serving("other"):
+                loss = sum_over_group(loss, token_group, name="loss")
         return loss, num_tokens, logprobs
 
 

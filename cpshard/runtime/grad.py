@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from cpshard.comm.collectives import sum_many_grads_over_group, sum_now_over_group
+from cpshard.comm.record import serving
 from cpshard.parallel.mesh import REPLICA_AXES, TOKEN_AXES, group_over
 
 
@@ -31,7 +32,9 @@ def summed_in_backward(params: dict, mesh) -> dict:
         if group is None:
             continue
         values = [params[n].to_local() if sharded else params[n] for n in names]
-        for name, value in zip(names, sum_many_grads_over_group(values, group, name="gradients")):
+        with serving("replicas"):
+            summed = sum_many_grads_over_group(values, group, name="gradients")
+        for name, value in zip(names, summed):
             if sharded:
                 p = params[name]
                 value = DTensor.from_local(
@@ -79,7 +82,8 @@ def value_and_grad(cp_forward):
         output = cp_forward.unreduced(leaves, batch, mesh)
         grads, group = _grads_of(output, leaves), group_over(mesh, TOKEN_AXES)
         if group is not None:
-            *grads, loss = sum_now_over_group([*grads, output.loss.detach()], group, name="gradients")
+            with serving("replicas"):
+                *grads, loss = sum_now_over_group([*grads, output.loss.detach()], group, name="gradients")
             output = replace(output, loss=loss)
         return output, dict(zip(leaves, grads))
 
