@@ -5,7 +5,7 @@ import torch
 
 import cpshard
 from cpshard.attention.blocks import ring_blocks
-from cpshard.attention.ring import block_attention, block_grads, grouped, hops, merge
+from cpshard.attention.ring import Block, Merged, Scoring, block_attention, block_grads, grouped, hops, merge
 from cpshard.comm.record import recording
 from cpshard.spec.sequence import chunk_width, positions
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -35,8 +35,9 @@ def random_problem(dtype, generator):
 def test_merged_blocks_equal_one_softmax_over_the_row(dtype, tolerance, softcap):
     q, k, v, allowed = random_problem(dtype, torch.Generator().manual_seed(0))
     qg = grouped(q.float(), k.shape[1])
-    first = block_attention(qg, k[:, :, :5], v[:, :, :5], allowed[..., :5], 0.3, softcap)
-    second = block_attention(qg, k[:, :, 5:], v[:, :, 5:], allowed[..., 5:], 0.3, softcap)
+    whole = Block(qg, k, v, allowed, Scoring(0.3, softcap))
+    first = block_attention(whole.tile(slice(None), slice(0, 5)))
+    second = block_attention(whole.tile(slice(None), slice(5, None)))
     out, lse = merge(*first, *second)
     expected = whole_row_attention(qg, k.float(), v.float(), allowed, 0.3, softcap)
     assert not out.isnan().any() and torch.isinf(lse[0, :, :, 1]).all()
@@ -52,16 +53,11 @@ def test_block_gradients_equal_autograd_of_one_softmax(softcap):
     grad_out = torch.randn_like(expected)
     want_q, want_k, want_v = torch.autograd.grad(expected, (q, k, v), grad_out)
     with torch.no_grad():
-        blocks = [(slice(0, 5),), (slice(5, 10),)]
-        parts = [
-            block_attention(qg, k[:, :, s], v[:, :, s], allowed[..., s], 0.3, softcap) for (s,) in blocks
-        ]
-        out, lse = merge(*parts[0], *parts[1])
-        delta = (grad_out * out).sum(-1)
-        grads = [
-            block_grads(qg, k[:, :, s], v[:, :, s], allowed[..., s], lse, out, grad_out, delta, 0.3, softcap)
-            for (s,) in blocks
-        ]
+        whole, everything = Block(qg, k, v, allowed, Scoring(0.3, softcap)), slice(None)
+        blocks = [whole.tile(everything, cols) for cols in (slice(0, 5), slice(5, 10))]
+        out, lse = merge(*block_attention(blocks[0]), *block_attention(blocks[1]))
+        merged = Merged(lse, out, grad_out, (grad_out * out).sum(-1))
+        grads = [block_grads(block, merged) for block in blocks]
     torch.testing.assert_close(sum(g[0] for g in grads).reshape(q.shape), want_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([g[1] for g in grads], 2), want_k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([g[2] for g in grads], 2), want_v, atol=1e-5, rtol=1e-5)

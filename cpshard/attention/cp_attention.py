@@ -22,7 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cpshard.attention.blocks import call_blocks, rows_without_keys
 from cpshard.attention.decode import decode_attention
-from cpshard.attention.ring import RingAttention
+from cpshard.attention.ring import Ring, RingAttention
 from cpshard.attention.traced_ring import traced_ring
 from cpshard.attention.ulysses import causal, heads_for_sequences, sequences_for_heads, ulysses_attention
 from cpshard.call import TRACED_KEY, active_decode, current_call, split_call
@@ -104,9 +104,8 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
         )
     else:
         blocks = call_blocks(call, attention_mask, inner == "eager")
-        output = RingAttention.apply(
-            query, key, value, blocks, scale, kwargs.get("softcap"), group, f"{path} kv"
-        )
+        ring = Ring(blocks, scale, kwargs.get("softcap"), group, f"{path} kv")
+        output = RingAttention.apply(query, key, value, ring)
     output = output.transpose(1, 2)
     if degree > 1:
         output = sequences_for_heads(output, call.layout, mesh, "cp_ulysses", path)

@@ -16,7 +16,7 @@ from functools import reduce
 import torch
 
 from cpshard.attention.kv_cache import ShardedKVCache, appended, held_by, still_needed, trimmed, visible
-from cpshard.attention.ring import NEG_INF, block_attention, grouped, merge
+from cpshard.attention.ring import NEG_INF, Block, Scoring, block_attention, grouped, merge
 from cpshard.comm.collectives import all_gather_rows
 
 
@@ -42,7 +42,7 @@ def partial_attention(query, keys, values, seen, scale: float, softcap: float | 
     qg = grouped(query.float(), keys.shape[1])
     if keys.shape[2] == 0:
         return torch.zeros_like(qg), torch.full(qg.shape[:-1], NEG_INF, device=qg.device)
-    return block_attention(qg, keys, values, seen[:, None, None, :], scale, softcap)
+    return block_attention(Block(qg, keys, values, seen[:, None, None, :], Scoring(scale, softcap)))
 
 
 def merged(parts: torch.Tensor):

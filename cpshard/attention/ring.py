@@ -14,6 +14,8 @@ Shapes: q ``[B, Hq, Sq, D]``, k and v ``[B, Hkv, Sk, D]`` (Hq a multiple of Hkv)
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import torch.distributed as dist
 
@@ -32,19 +34,68 @@ def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(batch, kv_heads, heads // kv_heads, length, dim)
 
 
-def block_scores(qg, k, allowed, scale: float, softcap: float | None, uniform=None):
-    """Masked scores ``[B, Hkv, G, Sq, Sk]`` (-inf where hidden) and the softcap's tanh (or None).
-
-    Rows marked ``uniform`` score 0 everywhere they may look: eager attention's value for a row
+@dataclass(frozen=True)
+class Scoring:
+    """How a block's scores become weights: the scale, tanh softcapping, and the q rows (``uniform``,
+    ``[B, 1, Sq]`` booleans) that score 0 everywhere they may look, eager attention's value for a row
     whose every key is masked (its gradient still flows as eager's does)."""
-    raw = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.float()) * scale
+
+    scale: float
+    softcap: float | None = None
+    uniform: torch.Tensor | None = None
+
+    def rows(self, rows: slice) -> Scoring:
+        return self if self.uniform is None else replace(self, uniform=self.uniform[..., rows])
+
+
+@dataclass(frozen=True)
+class Block:
+    """One q slice against one k/v slice: grouped q ``[B, Hkv, G, Sq, D]`` (fp32), k and v
+    ``[B, Hkv, Sk, D]``, the mask ``allowed`` ``[B or 1, 1, Sq, Sk]`` (True: may attend) and the scoring."""
+
+    qg: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    allowed: torch.Tensor
+    scoring: Scoring
+
+    def tile(self, rows: slice, cols: slice) -> Block:
+        return Block(
+            self.qg[..., rows, :],
+            self.k[:, :, cols],
+            self.v[:, :, cols],
+            self.allowed[..., rows, cols],
+            self.scoring.rows(rows),
+        )
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What a block's backward needs of the forward merged over every block of its q rows: ``lse``,
+    ``out``, the output's gradient ``grad_out`` and ``delta = rowsum(dO * O)``."""
+
+    lse: torch.Tensor
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    delta: torch.Tensor
+
+    def rows(self, rows: slice) -> Merged:
+        return Merged(
+            self.lse[..., rows], self.out[..., rows, :], self.grad_out[..., rows, :], self.delta[..., rows]
+        )
+
+
+def block_scores(block: Block):
+    """Masked scores ``[B, Hkv, G, Sq, Sk]`` (-inf where hidden) and the softcap's tanh (or None)."""
+    scoring = block.scoring
+    raw = torch.einsum("bhgqd,bhkd->bhgqk", block.qg, block.k.float()) * scoring.scale
     capped = None
-    if softcap:
-        capped = torch.tanh(raw / softcap)
-        raw = capped * softcap
-    if uniform is not None:
-        raw = raw.masked_fill(uniform[:, :, None, :, None], 0.0)
-    return raw.masked_fill(~allowed.unsqueeze(2), NEG_INF), capped
+    if scoring.softcap:
+        capped = torch.tanh(raw / scoring.softcap)
+        raw = capped * scoring.softcap
+    if scoring.uniform is not None:
+        raw = raw.masked_fill(scoring.uniform[:, :, None, :, None], 0.0)
+    return raw.masked_fill(~block.allowed.unsqueeze(2), NEG_INF), capped
 
 
 def safe(lse: torch.Tensor) -> torch.Tensor:
@@ -52,54 +103,55 @@ def safe(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
-def _fused(softcap, uniform, device) -> bool:
+def _fused(block: Block) -> bool:
     """Whether torch's CPU flash kernel computes this block: plain scaled softmax, on the CPU."""
-    return softcap is None and uniform is None and device.type == "cpu"
+    scoring = block.scoring
+    return scoring.softcap is None and scoring.uniform is None and block.qg.device.type == "cpu"
 
 
-def _flash_attention(qg, k, v, allowed, scale: float):
+def _flash_attention(block: Block):
     """The fused kernel on one block; its lse of a row that sees nothing (which it reports as 0) set
     to -inf."""
-    batch, kv_heads, groups, rows, dim = qg.shape
+    batch, kv_heads, groups, rows, dim = block.qg.shape
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qg.reshape(batch, kv_heads * groups, rows, dim),
-        k.float(),
-        v.float(),
+        block.qg.reshape(batch, kv_heads * groups, rows, dim),
+        block.k.float(),
+        block.v.float(),
         0.0,
         False,
-        attn_mask=additive_mask(allowed, torch.float32),
-        scale=scale,
+        attn_mask=additive_mask(block.allowed, torch.float32),
+        scale=block.scoring.scale,
     )
-    lse = lse.reshape(batch, kv_heads, groups, rows).masked_fill(~allowed.any(-1).unsqueeze(2), NEG_INF)
-    return out.reshape(qg.shape), lse
+    lse = lse.reshape(batch, kv_heads, groups, rows).masked_fill(~block.allowed.any(-1).unsqueeze(2), NEG_INF)
+    return out.reshape(block.qg.shape), lse
 
 
-def _flash_grads(qg, k, v, allowed, lse, out, grad_out, scale: float):
-    batch, kv_heads, groups, rows, dim = qg.shape
+def _flash_grads(block: Block, merged: Merged):
+    batch, kv_heads, groups, rows, dim = block.qg.shape
     ungrouped = (batch, kv_heads * groups, rows)
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.reshape(*ungrouped, dim),
-        qg.reshape(*ungrouped, dim),
-        k.float(),
-        v.float(),
-        out.reshape(*ungrouped, dim),
-        safe(lse).reshape(ungrouped),
+        merged.grad_out.reshape(*ungrouped, dim),
+        block.qg.reshape(*ungrouped, dim),
+        block.k.float(),
+        block.v.float(),
+        merged.out.reshape(*ungrouped, dim),
+        safe(merged.lse).reshape(ungrouped),
         0.0,
         False,
-        attn_mask=additive_mask(allowed, torch.float32),
-        scale=scale,
+        attn_mask=additive_mask(block.allowed, torch.float32),
+        scale=block.scoring.scale,
     )
-    return grad_q.reshape(qg.shape), grad_k, grad_v
+    return grad_q.reshape(block.qg.shape), grad_k, grad_v
 
 
-def block_attention(qg, k, v, allowed, scale: float, softcap: float | None, uniform=None):
+def block_attention(block: Block):
     """One block: its output ``[B, Hkv, G, Sq, D]`` and log-sum-exp ``[B, Hkv, G, Sq]`` (fp32)."""
-    if _fused(softcap, uniform, qg.device):
-        return _flash_attention(qg, k, v, allowed, scale)
-    scores, _ = block_scores(qg, k, allowed, scale, softcap, uniform)
+    if _fused(block):
+        return _flash_attention(block)
+    scores, _ = block_scores(block)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - safe(lse).unsqueeze(-1))
-    return torch.einsum("bhgqk,bhkd->bhgqd", probs, v.float()), lse
+    return torch.einsum("bhgqk,bhkd->bhgqd", probs, block.v.float()), lse
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -110,62 +162,35 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out_a * weight_a.unsqueeze(-1) + out_b * weight_b.unsqueeze(-1), lse
 
 
-def block_grads(
-    qg, k, v, allowed, lse, out, grad_out, delta, scale: float, softcap: float | None, uniform=None
-):
-    """The block's share of dq, and its dk and dv, given the merged ``out`` and ``lse`` and
-    ``delta = rowsum(dO * O)``."""
-    if _fused(softcap, uniform, qg.device):
-        return _flash_grads(qg, k, v, allowed, lse, out, grad_out, scale)
-    scores, capped = block_scores(qg, k, allowed, scale, softcap, uniform)
-    probs = torch.exp(scores - safe(lse).unsqueeze(-1))
-    grad_v = torch.einsum("bhgqk,bhgqd->bhkd", probs, grad_out)
-    grad_scores = probs * (torch.einsum("bhgqd,bhkd->bhgqk", grad_out, v.float()) - delta.unsqueeze(-1))
+def block_grads(block: Block, merged: Merged):
+    """The block's share of dq, and its dk and dv, given the forward merged over its q rows."""
+    if _fused(block):
+        return _flash_grads(block, merged)
+    scores, capped = block_scores(block)
+    probs = torch.exp(scores - safe(merged.lse).unsqueeze(-1))
+    grad_v = torch.einsum("bhgqk,bhgqd->bhkd", probs, merged.grad_out)
+    grad_scores = probs * (
+        torch.einsum("bhgqd,bhkd->bhgqk", merged.grad_out, block.v.float()) - merged.delta.unsqueeze(-1)
+    )
     if capped is not None:
         grad_scores = grad_scores * (1 - capped * capped)
-    grad_q = torch.einsum("bhgqk,bhkd->bhgqd", grad_scores, k.float()) * scale
-    grad_k = torch.einsum("bhgqk,bhgqd->bhkd", grad_scores, qg) * scale
+    grad_q = torch.einsum("bhgqk,bhkd->bhgqd", grad_scores, block.k.float()) * block.scoring.scale
+    grad_k = torch.einsum("bhgqk,bhgqd->bhkd", grad_scores, block.qg) * block.scoring.scale
     return grad_q, grad_k, grad_v
 
 
-def _rows(uniform, rows: slice):
-    return None if uniform is None else uniform[..., rows]
-
-
-def tiled_attention(out, lse, qg, k, v, allowed, scale, softcap, uniform, tiles: list) -> None:
+def tiled_attention(out, lse, block: Block, tiles: list) -> None:
     """Merge one block into ``out`` and ``lse`` (in place), tile by tile (``tiles``: the block's needed
     ``(rows, cols)`` slices, :func:`cpshard.attention.blocks.tiles`)."""
     for rows, cols in tiles:
-        part = block_attention(
-            qg[..., rows, :],
-            k[:, :, cols],
-            v[:, :, cols],
-            allowed[..., rows, cols],
-            scale,
-            softcap,
-            _rows(uniform, rows),
-        )
+        part = block_attention(block.tile(rows, cols))
         out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *part)
 
 
-def tiled_grads(
-    grad_q, grad_kv, qg, k, v, allowed, lse, out, grad_out, delta, scale, softcap, uniform, tiles: list
-):
+def tiled_grads(grad_q, grad_kv, block: Block, merged: Merged, tiles: list) -> None:
     """Add one block's dq into ``grad_q`` and its dk, dv into ``grad_kv`` (in place), tile by tile."""
     for rows, cols in tiles:
-        dq, dk, dv = block_grads(
-            qg[..., rows, :],
-            k[:, :, cols],
-            v[:, :, cols],
-            allowed[..., rows, cols],
-            lse[..., rows],
-            out[..., rows, :],
-            grad_out[..., rows, :],
-            delta[..., rows],
-            scale,
-            softcap,
-            _rows(uniform, rows),
-        )
+        dq, dk, dv = block_grads(block.tile(rows, cols), merged.rows(rows))
         grad_q[..., rows, :] += dq
         grad_kv[0][:, :, cols] += dk
         grad_kv[1][:, :, cols] += dv
@@ -174,23 +199,49 @@ def tiled_grads(
 # ----------------------------------------------------------------------------- schedule
 
 
+@dataclass(frozen=True)
+class Ring:
+    """One ring attention call: the blocks of the running call (:func:`cpshard.attention.blocks`), how
+    scores become weights, the process group of the ring and the name its sends are recorded under."""
+
+    blocks: object
+    scale: float
+    softcap: float | None
+    group: object
+    name: str
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def block(self, qg, kv: torch.Tensor, source: int) -> Block:
+        """This rank's q against the k/v block of rank ``source``."""
+        scoring = Scoring(self.scale, self.softcap, self.blocks.uniform)
+        return Block(qg, kv[0], kv[1], self.blocks.masks[source], scoring)
+
+
 def hops(needed: list[list[bool]], source: int) -> int:
     """How far block ``source`` travels along the ring: up to the last rank after it that needs it."""
     size = len(needed)
     return max((step for step in range(1, size) if needed[(source + step) % size][source]), default=0)
 
 
-def _exchange(
-    send: torch.Tensor | None, to: int, recv_like: torch.Tensor | None, source: int, group, name, phase
-):
-    """Post a send and/or a receive on the ring; returns (requests, receive buffer)."""
-    ops, buffer = [], None
+def _exchange(ring: Ring, send: torch.Tensor | None, recv_like: torch.Tensor | None, phase: str):
+    """Post a send to the next rank and/or a receive from the previous one; returns (requests, receive
+    buffer)."""
+    ops, buffer, group = [], None, ring.group
     if send is not None:
-        record(active_recorder(), "send", name, phase, send, dist.get_world_size(group))
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(group, to), group))
+        record(active_recorder(), "send", ring.name, phase, send, ring.size)
+        to = dist.get_global_rank(group, (ring.rank + 1) % ring.size)
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), to, group))
     if recv_like is not None:
         buffer = torch.empty_like(recv_like)
-        ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, source), group))
+        source = dist.get_global_rank(group, (ring.rank - 1) % ring.size)
+        ops.append(dist.P2POp(dist.irecv, buffer, source, group))
     return (dist.batch_isend_irecv(ops) if ops else []), buffer
 
 
@@ -213,99 +264,49 @@ def _ring_steps(needed, rank: int, size: int):
         )
 
 
-def ring_forward(q, k, v, blocks, scale, softcap, group, name):
+def ring_forward(q, k, v, ring: Ring):
     """This rank's q over every rank's k and v: ``(out, lse)``, grouped ``[B, Hkv, G, Sq, D]`` and
     ``[B, Hkv, G, Sq]``, in fp32."""
-    needed = blocks.needed
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    ring = ((rank + 1) % size, (rank - 1) % size)
+    needed, rank = ring.blocks.needed, ring.rank
     qg = grouped(q.float(), k.shape[1])
     out = torch.zeros_like(qg)
     lse = torch.full(qg.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
     kv = template = torch.stack([k, v])
-    for source, send_on, expect in _ring_steps(needed, rank, size):
-        requests, incoming = _exchange(
-            kv if send_on else None,
-            ring[0],
-            template if expect else None,
-            ring[1],
-            group,
-            name,
-            "forward",
-        )
+    for source, send_on, expect in _ring_steps(needed, rank, ring.size):
+        requests, incoming = _exchange(ring, kv if send_on else None, template if expect else None, "forward")
         if source is not None and needed[rank][source]:
-            tiled_attention(
-                out,
-                lse,
-                qg,
-                kv[0],
-                kv[1],
-                blocks.masks[source],
-                scale,
-                softcap,
-                blocks.uniform,
-                blocks.tiles[source],
-            )
+            tiled_attention(out, lse, ring.block(qg, kv, source), ring.blocks.tiles[source])
         _wait(requests)
         kv = incoming
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, grad_output, blocks, scale, softcap, group, name):
+def ring_backward(q, k, v, out, lse, grad_output, ring: Ring):
     """``(dq, dk, dv)`` given :func:`ring_forward`'s ``out`` and ``lse``: dk and dv travel with k and v."""
-    needed = blocks.needed
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    ring = ((rank + 1) % size, (rank - 1) % size)
+    needed, rank = ring.blocks.needed, ring.rank
     qg = grouped(q.float(), k.shape[1])
     grad_out = grouped(grad_output.float(), k.shape[1])
-    delta = (grad_out * out).sum(-1)
+    merged = Merged(lse, out, grad_out, (grad_out * out).sum(-1))
     grad_q = torch.zeros_like(qg)
     kv = kv_template = torch.stack([k, v])
     grad_kv = grad_template = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
     parked: dict[int, torch.Tensor] = {}  # dk, dv of blocks whose travel ends here, by source
-    for source, send_on, expect in _ring_steps(needed, rank, size):
+    for source, send_on, expect in _ring_steps(needed, rank, ring.size):
         requests, incoming = _exchange(
-            kv if send_on else None,
-            ring[0],
-            kv_template if expect else None,
-            ring[1],
-            group,
-            name,
-            "backward",
+            ring, kv if send_on else None, kv_template if expect else None, "backward"
         )
         if source is not None and needed[rank][source]:
             grad_kv = grad_kv.clone() if grad_kv is grad_template else grad_kv
-            tiled_grads(
-                grad_q,
-                grad_kv,
-                qg,
-                kv[0],
-                kv[1],
-                blocks.masks[source],
-                lse,
-                out,
-                grad_out,
-                delta,
-                scale,
-                softcap,
-                blocks.uniform,
-                blocks.tiles[source],
-            )
+            tiled_grads(grad_q, grad_kv, ring.block(qg, kv, source), merged, ring.blocks.tiles[source])
         _wait(requests)
         requests, incoming_grad = _exchange(
-            grad_kv if send_on else None,
-            ring[0],
-            grad_template if expect else None,
-            ring[1],
-            group,
-            name,
-            "backward",
+            ring, grad_kv if send_on else None, grad_template if expect else None, "backward"
         )
         _wait(requests)
         if source is not None and not send_on:
             parked[source] = grad_kv
         kv, grad_kv = incoming, incoming_grad
-    grad_k, grad_v = _send_home(parked, rank, size, needed, group, name, grad_template)
+    grad_k, grad_v = _send_home(ring, parked, grad_template)
     return grad_q.reshape(q.shape).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
@@ -313,26 +314,26 @@ class RingAttention(torch.autograd.Function):
     """Exact attention of this rank's q over every rank's k and v, by a ring over ``group``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, blocks, scale, softcap, group, name):
-        out, lse = ring_forward(q, k, v, blocks, scale, softcap, group, name)
+    def forward(ctx, q, k, v, ring: Ring):
+        out, lse = ring_forward(q, k, v, ring)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = (blocks, scale, softcap, group, name)
+        ctx.ring = ring
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         q, k, v, out, lse = ctx.saved_tensors
-        return *ring_backward(q, k, v, out, lse, grad_output, *ctx.config), *([None] * 5)
+        return *ring_backward(q, k, v, out, lse, grad_output, ctx.ring), None
 
 
-def _send_home(parked: dict, rank: int, size: int, needed, group, name, template):
+def _send_home(ring: Ring, parked: dict, template):
     """Each block's dk, dv go from where its travel ended back to their owner, in one batch of P2P."""
-    ops, received = [], None
+    ops, received, group, rank = [], None, ring.group, ring.rank
     for source, grads in parked.items():
         if source != rank:
-            record(active_recorder(), "send", name, "backward", grads, size)
+            record(active_recorder(), "send", ring.name, "backward", grads, ring.size)
             ops.append(dist.P2POp(dist.isend, grads.contiguous(), dist.get_global_rank(group, source), group))
-    last = (rank + hops(needed, rank)) % size
+    last = (rank + hops(ring.blocks.needed, rank)) % ring.size
     if last != rank:
         received = torch.empty_like(template)
         ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, last), group))

@@ -11,8 +11,14 @@ from __future__ import annotations
 import torch
 
 from cpshard.attention.blocks import call_blocks
-from cpshard.attention.ring import ring_backward, ring_forward
+from cpshard.attention.ring import Ring, ring_backward, ring_forward
 from cpshard.comm.channel import Channel, TracedGroup
+
+
+def _ring_of(mask, scale: float, softcap, uniform_rows: bool, channel: Channel, axis: str, name: str) -> Ring:
+    """The ring call the ops' arguments describe, with the blocks of the running call."""
+    blocks = call_blocks(channel.call, mask, uniform_rows)
+    return Ring(blocks, scale, softcap, channel.groups[axis], channel.path + name)
 
 
 @torch.library.custom_op("cpshard::ring_attention", mutates_args=())
@@ -30,8 +36,7 @@ def _ring(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(output, out, lse)``: the output in q's shape and dtype, and the fp32 results the backward needs;
     contiguous, as the fake says (inductor checks the strides; ``out`` follows q's, a transposed view)."""
-    blocks = call_blocks(channel.call, mask, uniform_rows)
-    out, lse = ring_forward(q, k, v, blocks, scale, softcap, channel.groups[axis], channel.path + name)
+    out, lse = ring_forward(q, k, v, _ring_of(mask, scale, softcap, uniform_rows, channel, axis, name))
     output = out.reshape(q.shape).to(q.dtype, memory_format=torch.contiguous_format, copy=True)
     return output, out.contiguous(), lse.contiguous()
 
@@ -63,10 +68,8 @@ def _ring_back(
     axis: str,
     name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    blocks = call_blocks(channel.call, mask, uniform_rows)
-    grad_q, grad_k, grad_v = ring_backward(
-        q, k, v, out, lse, grad, blocks, scale, softcap, channel.groups[axis], channel.path + name
-    )
+    ring = _ring_of(mask, scale, softcap, uniform_rows, channel, axis, name)
+    grad_q, grad_k, grad_v = ring_backward(q, k, v, out, lse, grad, ring)
     # contiguous, as the fake says; dk and dv may be views of one buffer, and an op's outputs may not alias
     return grad_q.contiguous(), *(
         grad.clone(memory_format=torch.contiguous_format) for grad in (grad_k, grad_v)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.attention.blocks import ring_blocks
-from cpshard.attention.ring import grouped, tiled_attention, tiled_grads
+from cpshard.attention.ring import Block, Merged, Scoring, grouped, tiled_attention, tiled_grads
 from cpshard.bench.balance import lognormal_documents, packed_mask, ring_work
 from cpshard.spec.sequence import chunk_width, padded_length_for, positions
 
@@ -39,12 +39,16 @@ def _ring_compute(blocks, q, k, v, rank: int, cp: int, scale: float) -> None:
     """One rank's ring attention arithmetic, forward and backward, over every block it needs."""
     out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
     needed = [source for source in range(cp) if blocks.needed[rank][source]]
+    against = {source: Block(q, k, v, blocks.masks[source], Scoring(scale)) for source in needed}
     for source in needed:
-        tiled_attention(out, lse, q, k, v, blocks.masks[source], scale, None, None, blocks.tiles[source])
-    grad_q, grad_kv, delta = torch.zeros_like(q), torch.zeros(2, *k.shape), (out * out).sum(-1)
+        tiled_attention(out, lse, against[source], blocks.tiles[source])
+    grad_q, grad_kv, merged = (
+        torch.zeros_like(q),
+        torch.zeros(2, *k.shape),
+        Merged(lse, out, out, (out * out).sum(-1)),
+    )
     for source in needed:
-        mask, tiles = blocks.masks[source], blocks.tiles[source]
-        tiled_grads(grad_q, grad_kv, q, k, v, mask, lse, out, out, delta, scale, None, None, tiles)
+        tiled_grads(grad_q, grad_kv, against[source], merged, blocks.tiles[source])
 
 
 def ring_compute_per_rank(
