@@ -19,6 +19,7 @@ LEVELS = {
     "call": 3,
     "interfaces": 3,
     "attention": 4,
+    "recurrent": 4,
     "loss": 4,
     "parallel": 4,
     "runtime": 5,
@@ -75,8 +76,31 @@ def test_no_upward_imports():
     assert upward_imports() == []
 
 
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, by its full dotted name, at any depth."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_specs_are_bare_values():
+    """``spec/`` knows no mesh and no process group: what a spec means on a mesh lives in ``comm/``."""
+    distributed = {
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in sorted((PACKAGE / "spec").rglob("*.py"))
+        for name in imports_of(path)
+        if name.startswith("torch.distributed")
+    }
+    assert distributed == set()
+
+
 def test_the_check_sees_an_upward_import(tmp_path):
     """The walk finds imports nested in functions (the check can fail)."""
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from cpshard.cli import main\n")
     assert imported_units(module) == {"cli"}
+    assert imports_of(module) == {"cpshard.cli"}

@@ -15,7 +15,6 @@ from torch.utils.checkpoint import checkpoint
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs
 from cpshard.spec.masks import additive_mask
-from cpshard.spec.notation import Dim, Spec
 from cpshard.spec.sequence import row_blocks
 
 
@@ -48,18 +47,13 @@ def _local_heads(module, names: tuple[str, ...], heads: int, rank: int) -> dict:
     return {name: getattr(module, name)[rank * heads : (rank + 1) * heads] for name in names}
 
 
-def _on_axis(spec: Spec, axis: str) -> Spec:
-    """``spec`` with its ``cp`` axis called ``axis`` (hybrid runs Ulysses over a part of cp)."""
-    return Spec(tuple(Dim(d.name, tuple(axis if a == "cp" else a for a in d.axes)) for d in spec.dims))
-
-
 def heads_for_sequences(module, query, key, value, kwargs: dict, layout, mesh, axis: str, path: str):
     """Ulysses' first half over ``axis``: sequence-split q, k, v become head-split whole sequences; the
     module (and any of ``kwargs`` that is one of its per-head parameters) shows this rank's heads."""
     replicas = kv_replication(query.shape[1], key.shape[1], axis_size(mesh, axis))
     if replicas > 1:
         key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
-    seq_split, head_split = (_on_axis(spec, axis) for spec in layout.qkv)
+    seq_split, head_split = (spec.renamed("cp", axis) for spec in layout.qkv)
     query, key, value = (
         redistribute(x, seq_split, head_split, mesh, name=f"{path} {part}")
         for part, x in (("q", query), ("k", key), ("v", value))
@@ -86,7 +80,7 @@ def _mask_heads(mask, heads: int, mesh, axis: str):
 def sequences_for_heads(output, layout, mesh, axis: str, path: str):
     """Ulysses' second half: the head-split output goes back to sequence-split."""
     return redistribute(
-        output, *(_on_axis(spec, axis) for spec in layout.attn_output), mesh, name=f"{path} out"
+        output, *(spec.renamed("cp", axis) for spec in layout.attn_output), mesh, name=f"{path} out"
     )
 
 

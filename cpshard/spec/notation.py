@@ -13,9 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Replicate, Shard
-
-from cpshard.spec.sequence import ORDERS, chunks_per_rank
+from cpshard.spec.sequence import ORDERS
 
 _TOKEN = re.compile(
     r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:@(?P<axes>[A-Za-z_][A-Za-z0-9_]*|\([^)]*\))(?::(?P<order>[A-Za-z_]+))?)?$"
@@ -142,8 +140,9 @@ class Spec:
         return None
 
     def unsharded(self, axis: str) -> Spec:
-        """This spec with ``axis`` taken off every dimension (replicated over it)."""
-        return Spec(tuple(Dim(d.name, tuple(a for a in d.axes if a != axis)) for d in self.dims))
+        """This spec with ``axis`` taken off every dimension (replicated over it). A dimension still split
+        keeps its order; one split over nothing is whole, in its own order."""
+        return Spec(tuple(_with_axes(d, tuple(a for a in d.axes if a != axis)) for d in self.dims))
 
     def ordered(self, axis: str, order: str) -> Spec:
         """This spec with the dimension split over ``axis`` held in ``order`` (unchanged if none is)."""
@@ -153,61 +152,25 @@ class Spec:
         """This spec with dimension ``name`` also split over ``axis`` (as its minor-most axis)."""
         index = self.dim_of(name)
         return Spec(
-            tuple(Dim(d.name, d.axes + (axis,)) if i == index else d for i, d in enumerate(self.dims))
+            tuple(_with_axes(d, d.axes + (axis,)) if i == index else d for i, d in enumerate(self.dims))
         )
 
-    def _mesh_axes(self, mesh, tensor: str) -> tuple[str, ...]:
-        """The mesh's axis names, once every axis of this spec is checked against them."""
-        names = tuple(mesh.mesh_dim_names or ())
-        for index, dim in enumerate(self.dims):
-            for axis in dim.axes:
-                if axis not in names:
-                    raise SpecError(
-                        f"{tensor}: dimension {index} ({dim.name}) is split over mesh axis {axis!r}, "
-                        f"which the mesh does not have (its axes: {', '.join(names) or 'none'})"
-                    )
-            if list(dim.axes) != sorted(dim.axes, key=names.index):
-                # DTensor nests the shards of one dimension in mesh order: another order has no placements
-                raise SpecError(
-                    f"{tensor}: dimension {index} ({dim.name}) is split over {dim} "
-                    "with its axes major first, "
-                    f"but the mesh orders them {', '.join(a for a in names if a in dim.axes)}; "
-                    "list them in mesh order"
-                )
-        return names
+    def renamed(self, axis: str, to: str) -> Spec:
+        """This spec with mesh axis ``axis`` called ``to`` (orders kept)."""
+        return Spec(
+            tuple(Dim(d.name, tuple(to if a == axis else a for a in d.axes), d.order) for d in self.dims)
+        )
 
-    def check(self, shape, mesh, tensor: str = "tensor") -> None:
-        """Raise a :class:`SpecError` naming ``tensor``, dim and axis where ``shape`` or ``mesh`` do not
-        fit."""
-        if len(shape) != len(self.dims):
-            raise SpecError(
-                f"{tensor}: spec {self} has {len(self.dims)} dimensions, the tensor has shape {tuple(shape)}"
-            )
-        names = self._mesh_axes(mesh, tensor)
-        for index, dim in enumerate(self.dims):
-            ways = 1
-            for axis in dim.axes:
-                ways *= mesh.size(names.index(axis))
-            per_rank = chunks_per_rank(dim.order, shape[index], ways)
-            ways *= per_rank
-            if shape[index] % ways:
-                chunks = "" if dim.order == "contiguous" else f", {dim.order}: {per_rank} chunks a rank"
-                raise SpecError(
-                    f"{tensor}: dimension {index} ({dim.name}) has size {shape[index]}, which mesh axes "
-                    f"{'x'.join(dim.axes)} (size {ways}{chunks}) do not divide evenly"
-                )
 
-    def placements(self, mesh, tensor: str = "tensor") -> tuple:
-        """The DTensor placements of this spec on ``mesh`` (one per mesh dimension)."""
-        names = self._mesh_axes(mesh, tensor)
-        for index, dim in enumerate(self.dims):
-            if dim.order != "contiguous":
-                raise SpecError(
-                    f"{tensor}: dimension {index} ({dim}) is held in {dim.order} order, which no DTensor "
-                    "placement expresses; move it to contiguous chunks first"
-                )
-        result = []
-        for axis in names:
-            index = self.sharded_dim(axis)
-            result.append(Replicate() if index is None else Shard(index))
-        return tuple(result)
+def _with_axes(dim: Dim, axes: tuple[str, ...]) -> Dim:
+    """``dim`` split over ``axes`` instead, in the same order of positions: an order other than contiguous
+    needs exactly one axis, so it is kept over one, dropped over none (the whole dimension, gathered in
+    its own order), and refused over more."""
+    if dim.order == "contiguous" or len(axes) == 1:
+        return Dim(dim.name, axes, dim.order)
+    if not axes:
+        return Dim(dim.name)
+    raise SpecError(
+        f"dimension {dim} is held in {dim.order} order, which a split over {', '.join(axes)} cannot keep; "
+        "move it to contiguous chunks first"
+    )
