@@ -1,0 +1,1 @@
+"""Linear-attention layers under context parallelism, served by state passing (docs: RECURRENT.md)."""
