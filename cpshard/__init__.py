@@ -9,7 +9,7 @@ from cpshard.generation.decode import make_cp_decode
 from cpshard.generation.generate import generate
 from cpshard.generation.prefill import make_cp_prefill
 from cpshard.layouts.errors import LayoutError
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, Recurrent
 from cpshard.optim import AdamState, adamw_init, adamw_update
 from cpshard.parallel.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_pretrained
 from cpshard.parallel.fsdp import parallelize
@@ -39,6 +39,7 @@ __all__ = [
     "LayoutError",
     "LocalRanks",
     "RankError",
+    "Recurrent",
     "Spec",
     "SpecError",
     "count_label_tokens",

@@ -19,6 +19,8 @@ from cpshard.layouts.registry import (
 from cpshard.tools.tiny import tiny_model
 
 SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")
+#: every model type with a layout file: the attention decoders above and the Gated DeltaNet hybrids
+FILES = sorted((*SUPPORTED, "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"))
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +71,12 @@ def test_models_that_do_not_fit_are_refused(models, model, model_type, why):
     message = str(info.value)
     assert f"model type {model_type}" in message
     assert why in message
-    assert f"Layout files: {', '.join(SUPPORTED)}" in message
+    assert f"Layout files: {', '.join(FILES)}" in message
 
 
 def test_registry():
-    assert sorted(REGISTERED) == list(SUPPORTED)
-    assert sorted(BY_NAME) == ["decoder", "gemma3", "llama", "mistral", "qwen3", "qwen3_moe"]
+    assert sorted(REGISTERED) == FILES
+    assert sorted(BY_NAME) == ["decoder", "gemma3", "llama", "mistral", "qwen3", "qwen3_moe", "qwen3_next"]
     for model_type, layout in REGISTERED.items():
         assert BY_NAME[layout.name] is layout and model_type in layout.model_types
 

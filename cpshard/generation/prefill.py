@@ -36,6 +36,13 @@ PROMPT_KEYS = ("input_ids", "attention_mask")
 def check_servable(model, layout) -> None:
     """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
     prepares the same model, so every rank raises alike)."""
+    if layout.recurrent:
+        mixers = ", ".join(sorted({row.module for row in layout.recurrent}))
+        raise ValueError(
+            f"{type(model).__name__}: its linear-attention layers ({mixers}) carry a recurrent and a "
+            "convolution state, which cp generation does not pass between prefill and decode yet; "
+            "generate without cp"
+        )
     if layout.per_head_params:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "

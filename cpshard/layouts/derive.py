@@ -7,9 +7,12 @@ the per-position inputs each layer receives (by name or by position), whether th
 ``labels`` as already shifted (BART's causal LMs) and whether the decoder reshapes its output to the
 input's length (GPT-2). The behaviour is read off two forwards on a short sequence, no gradients.
 
-What is refused, naming the module and why: token mixing along the sequence outside the attention
-function (convolutions, state-space and linear-attention layers, attention modules that do not call
-transformers' attention registry), a residual stream not shaped ``[b, s, d]``, layers entered more than
+Layers that hold a linear-attention mixer instead of attention (Gated DeltaNet, KDA: a module whose kernel
+slots hold one of :data:`~cpshard.layouts.layout.RECURRENT_KERNELS`) become the layout's recurrent rows.
+
+What is refused, naming the module and why: other token mixing along the sequence outside the attention
+function (convolutions, state-space layers, attention modules that do not call transformers' attention
+registry), a residual stream not shaped ``[b, s, d]``, layers entered more than
 once per forward and attention that selects its keys with an indexer (sparse attention). A derived layout
 is not a tested file: cp_forward verifies it once per model on a probe sequence before trusting it
 (:mod:`cpshard.runtime.probe`).
@@ -29,9 +32,14 @@ from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import PER_KEY_INPUTS
 from cpshard.layouts.layout import (
+    CONV_SLOT,
     HEAD_TRANSFORMS,
+    RECURRENT_KERNELS,
     Layout,
+    Recurrent,
     calls_attention_registry,
+    kernel_slots,
+    recurrent_module,
     specs,
     submodule,
     text_config,
@@ -95,32 +103,52 @@ def _attention_candidates(layer: nn.Module) -> list[str]:
     ]
 
 
-def _attention_name(layers: nn.ModuleList, layers_path: str) -> str:
-    """The path in every layer of its attention module (one that calls transformers' attention registry)."""
-    first = _attention_candidates(layers[0])
+def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
+    """One row per (path, kernel) of the linear-attention mixers the layers hold, found by their kernel
+    slots."""
+    rows = {}
+    for layer in layers:
+        for name, module in layer.named_children():
+            slots = kernel_slots(module)
+            for kernel in (k for k in RECURRENT_KERNELS if k in slots):
+                conv = CONV_SLOT if CONV_SLOT in slots else None
+                rows[name, kernel] = Recurrent(name, kernel, conv, decay=RECURRENT_KERNELS[kernel])
+    return tuple(rows.values())
+
+
+def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> str:
+    """The path in every layer that holds attention (``(index, layer)`` pairs) of its attention module (one
+    that calls transformers' attention registry); "" where every layer holds a recurrent mixer."""
+    if not layers:
+        return ""
+    first = _attention_candidates(layers[0][1])
     for name in first:
-        modules = [submodule(layer, name) for layer in layers]
-        if all(isinstance(m, nn.Module) for m in modules):
-            odd = [i for i, m in enumerate(modules) if not calls_attention_registry(m)]
+        modules = [(index, submodule(layer, name)) for index, layer in layers]
+        if all(isinstance(m, nn.Module) for _, m in modules):
+            odd = [(i, m) for i, m in modules if not calls_attention_registry(m)]
             if odd:
-                kind = type(modules[odd[0]]).__name__
+                kind = type(odd[0][1]).__name__
                 raise LayoutError(
-                    f"{layers_path}.{odd[0]}.{name} ({kind}) does not call attention "
+                    f"{layers_path}.{odd[0][0]}.{name} ({kind}) does not call attention "
                     "through transformers' attention registry, so cp cannot make it attend over the whole "
                     "sequence (linear or custom attention mixes tokens where cp cannot see)"
                 )
             return name
     raise LayoutError(
-        f"not every layer of {layers_path} ({type(layers[0]).__name__}) has an attention module"
+        f"not every layer of {layers_path} ({type(layers[0][1]).__name__}) has an attention module"
         + (f" (found {first} in the first)" if first else "")
     )
 
 
-def _token_mixers(layers: nn.ModuleList, layers_path: str) -> list[str]:
-    """Modules inside the layers that mix tokens along the sequence by themselves: convolutions, state."""
+def _token_mixers(layers: nn.ModuleList, layers_path: str, served: tuple[Recurrent, ...]) -> list[str]:
+    """Modules inside the layers that mix tokens along the sequence by themselves: convolutions, state (but
+    the recurrent mixers of ``served`` and what they hold)."""
     found = []
     for index, layer in enumerate(layers):
+        mixer = {row.module for row in served if submodule(layer, row.module) is not None}
         for name, module in layer.named_modules():
+            if name.split(".")[0] in mixer:
+                continue
             path = _join(layers_path, str(index), name)
             if isinstance(module, nn.modules.conv._ConvNd):
                 found.append(f"{path} ({type(module).__name__}: a convolution along the sequence)")
@@ -316,8 +344,10 @@ def derive_layout(model: nn.Module) -> Layout:
     decoder_path = _path_of(model, decoder)
     inner, layers = _decoder_layers(decoder, getattr(config, "num_hidden_layers", None))
     layers_path = _join(decoder_path, inner)
-    attention = _attention_name(layers, layers_path)
-    mixers = _token_mixers(layers, layers_path)
+    recurrent = _recurrent_rows(layers)
+    with_attention = [(i, layer) for i, layer in enumerate(layers) if not recurrent_module(layer, recurrent)]
+    attention = _attention_name(with_attention, layers_path)
+    mixers = _token_mixers(layers, layers_path, recurrent)
     if mixers:
         more = f" ({len(mixers) - 1} more such modules)" if len(mixers) > 1 else ""
         raise LayoutError(
@@ -334,7 +364,7 @@ def derive_layout(model: nn.Module) -> Layout:
     head_dim = (
         _config_value(config, "head_dim") or (_config_value(config, "hidden_size") or 0) // heads or None
     )
-    plan = _tensor_parallel(layers[0], attention, head_dim)
+    plan = _tensor_parallel(with_attention[0][1], attention, head_dim) if with_attention else {}
     top = inner.split(".")[0]  # the decoder's child that holds the layers
     if any(p.is_meta for p in model.parameters()):  # nothing can run: the generic decoder's inputs
         recording = _Recording(DECODER.layer_inputs, (), False)
@@ -367,7 +397,10 @@ def derive_layout(model: nn.Module) -> Layout:
         tensor_parallel_inputs=tuple(p for p in DECODER.tensor_parallel_inputs if hasattr(layers[0], p))
         if plan
         else (),
-        per_head_params=_per_head_params([layer.get_submodule(attention) for layer in layers], heads),
+        per_head_params=_per_head_params(
+            [layer.get_submodule(attention) for _, layer in with_attention], heads
+        ),
+        recurrent=recurrent,
         labels_shifted=recording.labels_shifted,
         restores_length=restores,
     )

@@ -24,6 +24,52 @@ TP_STYLES = ("colwise", "rowwise", "per_head")
 HEAD_TRANSFORMS = ("logits_scaling", "final_logit_softcapping")
 
 
+#: the chunked kernels of the recurrent mixers cp serves by state passing, by the slot a mixer calls them
+#: through (its ``_kernel_funcs``, kept per module by the kernels package), and how their state decays
+RECURRENT_KERNELS = MappingProxyType({"chunk_gated_delta_rule": "matrix", "chunk_kda": "matrix"})
+#: the slot of the short causal convolution in front of them
+CONV_SLOT = "causal_conv1d_fn"
+
+
+@dataclass(frozen=True)
+class Recurrent:
+    """A recurrent mixer some decoder layers hold instead of attention (linear attention: Gated DeltaNet,
+    KDA). cp runs the model's own kernel on each rank's slice from a zero state and passes a fixed-size
+    summary of each slice between the ranks (:mod:`cpshard.recurrent`); its convolution takes a halo of
+    ``kernel - 1`` positions from the rank before."""
+
+    #: the mixer's path inside a decoder layer
+    module: str
+    #: the slot of its chunked kernel, one of :data:`RECURRENT_KERNELS`
+    kernel: str
+    #: the slot of its short causal convolution (:data:`CONV_SLOT`), None where it has none
+    conv: str | None
+    #: one sequence's state, fp32: batch, heads, key and value dims
+    state: Spec = Spec("b h k v")
+    #: how the state carried into a slice reaches its end: "matrix" (delta rules: ``M S_in``)
+    decay: str = "matrix"
+
+
+def kernel_slots(module: nn.Module) -> dict:
+    """The kernel slots of ``module`` (the kernels package's per-module ``_kernel_funcs``), empty if none."""
+    slots = module.__dict__.get("_kernel_funcs")
+    return slots if isinstance(slots, dict) else {}
+
+
+def recurrent_module(layer: nn.Module, rows: tuple[Recurrent, ...]) -> tuple[nn.Module, Recurrent] | None:
+    """The recurrent mixer ``layer`` holds and its row, or None (an attention layer)."""
+    for row in rows:
+        module = submodule(layer, row.module)
+        if isinstance(module, nn.Module) and row.kernel in kernel_slots(module):
+            return module, row
+    return None
+
+
+def attention_layers(layers, layout: Layout) -> list[nn.Module]:
+    """The decoder layers that hold attention: every layer but those holding a recurrent mixer."""
+    return [layer for layer in layers if recurrent_module(layer, layout.recurrent) is None]
+
+
 def specs(before: str, after: str) -> tuple[Spec, Spec]:
     """A (before, after) pair of specs from their notation."""
     return Spec(before), Spec(after)
@@ -37,7 +83,8 @@ class Layout:
     #: the decoder (the model without its LM head) and its list of decoder layers
     decoder: str
     decoder_layers: str
-    #: each decoder layer's attention module, which calls the attention function cp replaces
+    #: each decoder layer's attention module, which calls the attention function cp replaces (a layer that
+    #: holds a recurrent mixer instead says so in ``recurrent``)
     attention: str
     #: the last module before the LM head: a sequence order other than contiguous is undone on its output
     final_norm: str
@@ -78,6 +125,8 @@ class Layout:
     #: each decoder layer's MLP module (dense: token by token), which ``make_cp_forward(mlp_tile=N)`` runs
     #: a block of tokens at a time (:mod:`cpshard.runtime.tiled_mlp`)
     mlp: str | None = None
+    #: the recurrent mixers some layers hold instead of attention (see :class:`Recurrent`)
+    recurrent: tuple[Recurrent, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
@@ -161,9 +210,10 @@ def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
     if layout.layer_inputs and not taken and not any(p.kind == p.VAR_KEYWORD for p in signature.values()):
         names = ", ".join(key for key, _, _ in layout.layer_inputs)
         problems.append(f"its decoder layers ({type(layers[0]).__name__}) take none of {names}")
-    attentions = [submodule(layer, layout.attention) for layer in layers]
+    attentions = [submodule(layer, layout.attention) for layer in attention_layers(layers, layout)]
     if not all(isinstance(module, nn.Module) for module in attentions):
-        problems.append(f"not every decoder layer has an attention module {layout.attention!r}")
+        recurrent = " or a recurrent mixer of its table" if layout.recurrent else ""
+        problems.append(f"not every decoder layer has an attention module {layout.attention!r}{recurrent}")
     elif not all(calls_attention_registry(module) for module in attentions):
         problems.append("it does not call attention through transformers' attention-function registry")
     config = text_config(model) if hasattr(model, "config") else None

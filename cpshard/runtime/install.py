@@ -1,7 +1,8 @@
 """The one install step: what cp_forward puts into a model, once, and checks on every call.
 
 ``install(model, layout)`` registers cpshard's attention function around the model's own, the cut
-(forward pre-hooks on the decoder layers, hooks on the final norm and the LM head), for a mixture of
+(forward pre-hooks on the decoder layers, hooks on the final norm and the LM head), the recurrent mixers'
+kernel and convolution slots (:mod:`cpshard.recurrent.slots`), for a mixture of
 experts the expert-parallel experts function, for ``make_cp_forward``'s ``mlp_tile`` the MLP modules'
 tiled forward, and for its ``attention_recompute`` the attention modules' recomputed forward (each acts
 as the running call's options say; the tensor-parallel hooks go in
@@ -24,18 +25,20 @@ from cpshard.attention.cp_attention import PREFIX as ATTENTION_PREFIX
 from cpshard.attention.cp_attention import cp_attention_name
 from cpshard.interfaces import install_hooks
 from cpshard.layouts.family_attention import rewrite, rewritten
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, attention_layers
 from cpshard.parallel.experts import PREFIX as EXPERTS_PREFIX
 from cpshard.parallel.experts import experts_modules, install_experts
 from cpshard.parallel.tensor import tensor_parallel_hooks
+from cpshard.recurrent.slots import install_recurrent
 from cpshard.runtime.cut import cut_hooks
 from cpshard.runtime.recompute import RecomputedForward, install_forward
 from cpshard.runtime.tiled_mlp import install_tiled_mlp
 
 
 def attention_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
+    """The attention module of every layer that holds one (not a recurrent mixer)."""
     layers = model.get_submodule(layout.decoder_layers)
-    return [layer.get_submodule(layout.attention) for layer in layers]
+    return [layer.get_submodule(layout.attention) for layer in attention_layers(layers, layout)]
 
 
 def install_attention(model: nn.Module, layout: Layout) -> None:
@@ -82,12 +85,13 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
     install_attention(model, layout)
     layers = model.get_submodule(layout.decoder_layers)
     install_hooks(cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings()))
+    install_hooks(install_recurrent(layers, layout.recurrent, layout.decoder_layers))
     if layout.experts:
         install_experts(model)
     if tiles_mlp:
         install_tiled_mlp(layers, layout)
     if recomputes_attention:
-        install_forward([layer.get_submodule(layout.attention) for layer in layers], RecomputedForward)
+        install_forward(attention_modules(model, layout), RecomputedForward)
 
 
 def ensure_installed(model: nn.Module, layout: Layout, tp: int) -> None:

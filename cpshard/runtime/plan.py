@@ -68,6 +68,8 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
     check_expert_parallel(text_config(model), layout, ep, tp)
     if options.compile:
         check_compiled_parallelism(tp, ep)
+    if layout.recurrent:
+        check_recurrent_parallelism(layout, options, tp, ep)
     if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
         raise ValueError(
             f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
@@ -90,9 +92,31 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
         raise ValueError(f"{error} (under tp={tp}: the {heads} heads each tp rank holds)") from None
 
 
-def choose_order(sequence_order: str, implementation: str, batch: dict) -> str:
+def check_recurrent_parallelism(layout: Layout, options: CPOptions, tp: int, ep: int) -> None:
+    """What cp does not yet serve beside linear-attention layers, refused with the layer's name."""
+    mixer = f"the linear-attention layers ({', '.join(sorted({row.module for row in layout.recurrent}))})"
+    refused = {
+        "tp > 1": tp > 1,
+        "ep > 1": ep > 1,
+        f"compile={options.compile!r}": bool(options.compile),
+    }
+    for what, asked in refused.items():
+        if asked:
+            raise ValueError(f"{what}: cp does not serve {mixer} under it yet; run them with cp alone")
+
+
+def choose_order(sequence_order: str, implementation: str, batch: dict, recurrent: bool = False) -> str:
     """The sequence order: the one asked for, else contiguous for Ulysses (its attention sees whole
-    sequences), striped for ring and hybrid on packed documents, head-tail on whole ones."""
+    sequences) and for models with recurrent layers (their state passes from rank to rank along the
+    sequence), striped for ring and hybrid on packed documents, head-tail on whole ones."""
+    if recurrent and sequence_order not in ("auto", "contiguous"):
+        raise ValueError(
+            f"sequence_order={sequence_order!r}: the model's linear-attention layers carry a state along the "
+            "sequence, passed from rank to rank in contiguous order; pass sequence_order='auto' or "
+            "'contiguous'"
+        )
+    if recurrent:
+        return "contiguous"
     if sequence_order != "auto":
         if implementation == "ulysses" and sequence_order != "contiguous":
             raise ValueError(
@@ -155,6 +179,6 @@ def plan_call(
     if layout.labels_shifted:
         batch = labels_read_as_shifted(batch)
     check_batch(batch, mesh, getattr(text_config(model), "vocab_size", None))
-    order = choose_order(options.sequence_order, implementation, batch)
+    order = choose_order(options.sequence_order, implementation, batch, bool(layout.recurrent))
     padded = pad_batch(batch, cp_size(mesh), getattr(text_config(model), "pad_token_id", None), order)
     return _call_plan(layout, options, module_names, mesh, (implementation, degree, order), padded), padded

@@ -13,7 +13,7 @@ from dataclasses import fields
 from transformers import AutoConfig
 
 from cpshard.layouts.family_attention import rewritten
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import Layout, attention_layers
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.spec.notation import Spec
 from cpshard.tools.tiny import SMALL, tiny_model
@@ -40,7 +40,7 @@ def layout_source(layout: Layout, origin: str, rewritten: tuple[str, ...] = ()) 
     )
     return (
         f'"""The cp layout of {origin}, as cpshard derived it (edit it, then make_cp_forward(model, '
-        'layout=LAYOUT))."""\n\nfrom cpshard import Layout, Spec\n\n'
+        'layout=LAYOUT))."""\n\nfrom cpshard import Layout, Recurrent, Spec\n\n'
         + note
         + "LAYOUT = Layout(\n"
         + rows
@@ -69,6 +69,7 @@ def layout_for(source: str) -> str:
     layout = resolve_layout(model)
     kind = "the registered file" if layout in REGISTERED.values() else "derived"
     layers = model.get_submodule(layout.decoder_layers)
-    inner = [module for layer in layers for module in layer.get_submodule(layout.attention).modules()]
+    with_attention = attention_layers(layers, layout)
+    inner = [module for layer in with_attention for module in layer.get_submodule(layout.attention).modules()]
     names = tuple(dict.fromkeys(type(module).__name__ for module in inner if rewritten(module)))
     return layout_source(layout, f"{model.config.model_type} ({kind})", names)

@@ -79,6 +79,24 @@ _HYBRID_MOE = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,
 )
+#: a linear-attention layer, then an attention layer (a hybrid's own default gives two linear layers)
+_HYBRID = dict(layer_types=["linear_attention", "full_attention"])
+_KDA_LATENT = dict(
+    num_key_value_heads=4,  # its latent attention's keys and values have every head
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+    linear_num_heads=4,
+    linear_head_dim=16,
+    num_mtp_layers=0,
+)
 #: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default); a
 #: composite config's parts (its text, vision and audio configs) are looked up here by their own types
 PER_TYPE = {
@@ -137,8 +155,12 @@ PER_TYPE = {
     "cohere_compass_text": dict(
         rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4)}
     ),
-    **dict.fromkeys(("qwen3_next", "qwen3_5_moe_text"), _HYBRID_MOE),
+    **dict.fromkeys(("qwen3_next", "qwen3_5_moe_text"), dict(**_HYBRID_MOE, **_HYBRID)),
+    **dict.fromkeys(("qwen3_5_text", "lara_mini"), _HYBRID),
     "qwen4_exp_text": dict(**_HYBRID_MOE, hc_lowrank=16),
+    # KDA beside multi-head latent attention: small latents, few experts, small linear heads
+    **dict.fromkeys(("kimi_linear", "bailing_hybrid"), dict(_KDA_LATENT, **_HYBRID)),
+    "minimax": dict(block_size=8, num_local_experts=4),
     "gemma4_text": dict(vocab_size_per_layer_input=SMALL["vocab_size"]),
     "blt": dict(encoder_hash_byte_group_vocab=64),
     **dict.fromkeys(

@@ -1,0 +1,165 @@
+"""Linear-attention layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid; KDA: kimi_linear),
+served by state passing and a convolution halo: loss, logits and every gradient against the model's own
+code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
+two kernel chunks of 64 per rank, plain and left-padded batches, and value heads that cp does not divide;
+the summaries and halos are really exchanged; what is not served yet is refused on every rank.
+
+The chunked kernel's fp32 rounding depends on where its chunks start: one process differs from itself by
+about 2e-5 of its logits between chunks of 64 and 32. Where each rank's slice starts on the chunk grid,
+cp is exact at 1e-5; where it does not (a length cp*64 does not divide), cp lies within that same
+variation of the one process, which the test measures on the batch.
+"""
+
+import pytest
+import torch
+
+import cpshard
+from cpshard.comm.record import recording
+from cpshard.layouts.derive import derive_layout
+from cpshard.layouts.qwen3_next import LAYOUT as QWEN3_NEXT
+from cpshard.tools.layout_file import layout_for
+from cpshard.tools.parity import check_parity, failing_rows, reference, tensor_group
+from cpshard.tools.tiny import tiny_batch, tiny_model
+
+#: (model type, config overrides): qwen3_next's registered file, the others derived and probed
+MODELS = {
+    "qwen3_next": {},
+    "qwen3_next-3-value-heads": {"linear_num_key_heads": 1, "linear_num_value_heads": 3},
+    "qwen3_5_text": {},
+    "olmo_hybrid": {},
+    "kimi_linear": {},
+}
+CHUNK = 64  # the torch kernels' chunk
+
+
+def _model(name: str):
+    return tiny_model(name.split("-")[0], **MODELS[name])
+
+
+def failing_against_own_code(name: str, length: int, pad: str | None) -> dict:
+    """The rows that differ from one process, and how many state gathers and halo sends ran."""
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    own, prepared = _model(name), _model(name)
+    cp_forward = cpshard.make_cp_forward(prepared)
+    batch = tiny_batch(own.config.vocab_size, 2, length, pad=pad)
+    with recording() as log:
+        failing = failing_rows([check_parity(own, batch, mesh, cp_forward)])
+    names = log.count_by("name")
+    return {
+        "failing": failing,
+        "state gathers": sum(n for key, n in names.items() if key.endswith(" state")),
+        "halo sends": sum(n for key, n in names.items() if key.endswith(" conv halo")),
+    }
+
+
+@pytest.mark.parametrize("pad", [None, "left"])
+@pytest.mark.parametrize("name", MODELS)
+def test_linear_attention_is_exact_at_cp2(ranks2, name, pad):
+    for rank, result in enumerate(ranks2.run(failing_against_own_code, name, 2 * 2 * CHUNK, pad)):
+        assert result["failing"] == [], (rank, result)
+        # forward and backward, on every linear layer (one in the tiny models): the chain really ran
+        assert result["state gathers"] >= 2 and result["halo sends"] >= 1, (rank, result)
+
+
+def test_linear_attention_is_exact_at_cp4_with_heads_cp_does_not_divide(ranks4):
+    for result in ranks4.run(failing_against_own_code, "qwen3_next-3-value-heads", 4 * 2 * CHUNK, "left"):
+        assert result["failing"] == [], result
+
+
+def _rows(loss, logits, grads) -> dict:
+    rows = {"loss": loss, "logits": logits}
+    for name, grad in grads.items():
+        rows.setdefault("grad " + tensor_group(name), []).append(grad)
+    return rows
+
+
+def _largest_differences(a: dict, b: dict) -> dict:
+    return {
+        row: max(
+            (x - y).abs().max().item()
+            for x, y in zip(*(v if isinstance(v, list) else [v] for v in (a[row], b[row])))
+        )
+        for row in a
+    }
+
+
+def off_grid_against_the_kernel_s_own_variation(name: str, length: int) -> dict:
+    """Per row: cp's largest difference from one process, and one process's between chunks of 64 and 32."""
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    own, prepared = _model(name), _model(name)
+    batch = tiny_batch(own.config.vocab_size, 2, length, pad="left")
+    params = cpshard.params_of(own)
+    whole, other_chunks = reference(own, params, batch), reference(own, params, {**batch, "chunk_size": 32})
+    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(prepared))(
+        cpshard.params_of(prepared), batch, mesh
+    )
+    cp = (output.loss.detach(), output.logits.full_tensor().detach(), grads)
+    rows = [_rows(*run) for run in (whole, other_chunks, cp)]
+    return {"cp": _largest_differences(rows[2], rows[0]), "kernel": _largest_differences(rows[1], rows[0])}
+
+
+def test_off_the_chunk_grid_cp_is_within_the_kernel_s_own_rounding(ranks2):
+    length = 2 * 2 * CHUNK + 3  # odd: cp pads it to 2 x 130, so rank 1's chunks start at 130, not 128
+    for result in ranks2.run(off_grid_against_the_kernel_s_own_variation, "qwen3_next", length):
+        kernel = result["kernel"]
+        assert kernel["logits"] > 0  # the variation is real (else the bound below would be vacuous)
+        for row, difference in result["cp"].items():
+            assert difference <= 2 * kernel[row] + 1e-7, (row, difference, kernel[row])
+
+
+def refusal(name: str, length: int, **options) -> str:
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    model = _model(name)
+    try:
+        cp_forward = cpshard.make_cp_forward(model, **options)
+        cp_forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, length), mesh)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "length, options, words",
+    [
+        (16, {"sequence_order": "head_tail"}, ["sequence_order='head_tail'", "contiguous"]),
+        (16, {"compile": "aot_eager"}, ["compile='aot_eager'", "linear_attn"]),
+        (4, {}, ["holds 2 positions", "fewer than the 3", "at least 3 tokens per cp rank"]),
+    ],
+    ids=["order", "compile", "short-slices"],
+)
+def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, words):
+    messages = ranks2.run(refusal, "qwen3_next", length, **options)
+    assert messages[0] == messages[1], messages
+    for word in words:
+        assert word in messages[0], (word, messages[0])
+
+
+def plain_after_cp(name: str) -> float:
+    """A prepared model outside a cp call gives what its own code gives (the slots step aside)."""
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    own, prepared = _model(name), _model(name)
+    batch = tiny_batch(own.config.vocab_size, 2, 2 * CHUNK)
+    cpshard.make_cp_forward(prepared)(cpshard.params_of(prepared), batch, mesh)
+    with torch.no_grad():
+        return (prepared(**batch).logits - own(**batch).logits).abs().max().item()
+
+
+def test_a_prepared_model_outside_cp_is_the_model(ranks2):
+    assert ranks2.run(plain_after_cp, "qwen3_next") == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text"])
+def test_derived_recurrent_rows_match_the_registered_file(name):
+    assert derive_layout(_model(name)).recurrent == QWEN3_NEXT.recurrent
+
+
+def test_the_printed_layout_file_is_the_registered_one():
+    namespace = {}
+    exec(layout_for("qwen3_5_text"), namespace)  # noqa: S102 -- cpshard's own printed layout file
+    assert namespace["LAYOUT"] == QWEN3_NEXT
+
+
+@pytest.mark.parametrize("make", [cpshard.make_cp_prefill, cpshard.make_cp_decode])
+def test_generation_is_refused_until_it_carries_the_states(make):
+    with pytest.raises(ValueError, match=r"linear-attention layers \(linear_attn\) carry a recurrent"):
+        make(_model("qwen3_next"))
