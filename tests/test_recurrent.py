@@ -2,7 +2,8 @@
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain and left-padded batches, and value heads that cp does not divide;
-the summaries and halos are really exchanged; what is not served yet is refused on every rank.
+with inputs_embeds, the model's activation checkpointing, logits=False and FSDP2 x cp; the summaries and
+halos are really exchanged; what is not served yet is refused on every rank.
 
 The chunked kernel's fp32 rounding depends on where its chunks start: one process differs from itself by
 about 2e-5 of its logits between chunks of 64 and 32. Where each rank's slice starts on the chunk grid,
@@ -163,3 +164,46 @@ def test_the_printed_layout_file_is_the_registered_one():
 def test_generation_is_refused_until_it_carries_the_states(make):
     with pytest.raises(ValueError, match=r"linear-attention layers \(linear_attn\) carry a recurrent"):
         make(_model("qwen3_next"))
+
+
+def failing_with(name: str, case: str) -> list[str]:
+    """cp against one process where the call or the model asks for more than a plain batch."""
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    own, prepared = _model(name), _model(name)
+    embeds = own.config.hidden_size if case == "inputs_embeds" else None
+    batch = tiny_batch(own.config.vocab_size, 2, 2 * 2 * CHUNK, pad="left", embeds_dim=embeds)
+    if case == "checkpointing":
+        prepared.gradient_checkpointing_enable()
+        prepared.train()
+    options = {"logits": False} if case == "logits=False" else {}
+    return failing_rows([check_parity(own, batch, mesh, cpshard.make_cp_forward(prepared, **options))])
+
+
+@pytest.mark.parametrize("case", ["inputs_embeds", "checkpointing", "logits=False"])
+def test_linear_attention_with_more_than_a_plain_batch(ranks2, case):
+    assert ranks2.run(failing_with, "qwen3_next", case) == [[], []]
+
+
+def fsdp_step_against_one_process(name: str) -> dict:
+    """One step on fsdp=2 x cp=2, each dp group its own batch, against one process on both batches."""
+    mesh = cpshard.make_mesh(cp=2, fsdp=2)
+    model, twin = _model(name), _model(name)
+    batches = [tiny_batch(model.config.vocab_size, 2, 2 * 2 * CHUNK, pad="left", seed=s) for s in (1, 2)]
+    whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+    params = cpshard.params_of(cpshard.parallelize(model, mesh))
+    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(
+        params, batches[mesh.get_local_rank("fsdp")], mesh
+    )
+    loss, _, expected = reference(twin, cpshard.params_of(twin), whole)
+    return {
+        "loss": abs(output.loss.item() - loss.item()) / loss.abs().item(),
+        "grads": max(
+            ((grads[n].full_tensor() - g).abs().max() / g.abs().max().clamp_min(1e-6)).item()
+            for n, g in expected.items()
+        ),
+    }
+
+
+def test_linear_attention_under_fsdp2_and_cp(ranks4):
+    for result in ranks4.run(fsdp_step_against_one_process, "qwen3_next"):
+        assert result["loss"] <= 1e-5 and result["grads"] <= 1e-5, result
