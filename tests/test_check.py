@@ -163,6 +163,7 @@ def test_set_overrides_reach_the_model_on_every_rank(ranks2):
     assert failing_rows(parities) == []
 
 
+@pytest.mark.ranks  # starts its own ranks
 def test_a_refusal_inside_the_ranks_is_one_line(capsys):
     """A model cp refuses where only running it shows why (MusicGen's decoder takes ids per codebook): the
     ranks' LayoutError in one line, no traceback."""

@@ -149,6 +149,7 @@ def _collective_cases():
     return cases
 
 
+@pytest.mark.ranks  # starts its own ranks
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives(world, request):
     for rank, cases in enumerate(request.getfixturevalue(f"ranks{world}").run(_collective_cases)):

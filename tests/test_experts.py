@@ -362,6 +362,7 @@ def test_expert_parallel_beside_tensor_parallel_matches_one_process(ranks4, ep, 
                 )
 
 
+@pytest.mark.ranks  # starts its own ranks
 @pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (4, 4)])
 def test_expert_parallel_matches_one_process(world, ep, request):
     results = request.getfixturevalue(f"ranks{world}").run(_run_cases, ep)

@@ -140,6 +140,7 @@ def _mesh_cases():
     return cases, errors
 
 
+@pytest.mark.ranks  # starts its own ranks
 @pytest.mark.parametrize("world", [2, 4])
 def test_meshes_on_ranks(world, request):
     for rank, (cases, errors) in enumerate(request.getfixturevalue(f"ranks{world}").run(_mesh_cases)):

@@ -1,5 +1,7 @@
 """``cpshard bench --packed``: each order's ring tiles on packed rows counted, each rank's compute timed."""
 
+import pytest
+
 from cpshard.bench.packed import ORDERS, packed_report
 from cpshard.cli import main
 
@@ -17,6 +19,7 @@ def test_striped_order_balances_the_issue_rows_and_every_order_is_timed():
     assert sum(line.startswith("| striped |") for line in lines) == 1
 
 
+@pytest.mark.ranks  # starts its own ranks
 def test_the_command_line_prints_both_tables(capsys):
     assert main(["bench", "--packed", "1", "--seqs", "256", "--cp", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

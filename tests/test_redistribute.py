@@ -140,6 +140,7 @@ def _check_redistribute(results, cp):
             assert not missing, f"{label}: {errors.get(label)!r} lacks {missing}"
 
 
+@pytest.mark.ranks  # starts its own ranks
 @pytest.mark.parametrize("world", [2, 4])
 def test_redistribute_on_ranks(world, request):
     _check_redistribute(request.getfixturevalue(f"ranks{world}").run(_redistribute_cases), cp=world)
