@@ -111,9 +111,11 @@ def test_off_the_chunk_grid_cp_is_within_the_kernel_s_own_rounding(ranks2):
 def refusal(name: str, length: int, **options) -> str:
     mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
     model = _model(name)
+    packed = options.pop("packed", False)
     try:
         cp_forward = cpshard.make_cp_forward(model, **options)
-        cp_forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, length), mesh)
+        batch = tiny_batch(model.config.vocab_size, 2, length, packed=packed)
+        cp_forward(cpshard.params_of(model), batch, mesh)
     except ValueError as error:
         return str(error)
     return "no error"
@@ -125,8 +127,9 @@ def refusal(name: str, length: int, **options) -> str:
         (16, {"sequence_order": "head_tail"}, ["sequence_order='head_tail'", "contiguous"]),
         (16, {"compile": "aot_eager"}, ["compile='aot_eager'", "linear_attn"]),
         (4, {}, ["holds 2 positions", "fewer than the 3", "at least 3 tokens per cp rank"]),
+        (16, {"packed": True}, ["packed documents", "(linear_attn) carry", "one document per row"]),
     ],
-    ids=["order", "compile", "short-slices"],
+    ids=["order", "compile", "short-slices", "packed"],
 )
 def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, words):
     messages = ranks2.run(refusal, "qwen3_next", length, **options)

@@ -229,8 +229,11 @@ def _dp_groups(mesh) -> list[list[int]]:
     return mesh.mesh.permute(*other, *same).reshape(-1, width).tolist()
 
 
-def check_batch(batch, mesh, vocab_size: int | None = None) -> tuple[int, int]:
+def check_batch(
+    batch, mesh, vocab_size: int | None = None, packed_refusal: str | None = None
+) -> tuple[int, int]:
     """:func:`validate` the batch and check it is the same on every rank of each dp group; return ``(B, L)``.
+    A batch of packed documents is refused with ``packed_refusal`` where one is given.
 
     Every rank of the mesh raises, or none does: one all-gather over the whole mesh, before any other
     collective, carries each rank's fingerprint and whether its batch is valid. A check within the cp
@@ -242,6 +245,8 @@ def check_batch(batch, mesh, vocab_size: int | None = None) -> tuple[int, int]:
 
     try:
         shape, error = validate(batch, vocab_size), None
+        if packed_refusal is not None and packed_documents(batch):
+            raise BatchError(packed_refusal)
     except BatchError as raised:
         shape, error = None, raised
     group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))

@@ -105,6 +105,19 @@ def check_recurrent_parallelism(layout: Layout, options: CPOptions, tp: int, ep:
             raise ValueError(f"{what}: cp does not serve {mixer} under it yet; run them with cp alone")
 
 
+def _packed_refusal(layout: Layout) -> str | None:
+    """Why a layout with recurrent layers refuses packed documents (None: it takes them)."""
+    if not layout.recurrent:
+        return None
+    mixers = ", ".join(sorted({row.module for row in layout.recurrent}))
+    return (
+        f"packed documents (position_ids that restart): the model's linear-attention layers ({mixers}) carry "
+        "their state across document boundaries (transformers keeps documents apart there only through "
+        "cu_seqlens, on fla's kernels); cp refuses rather than pass a state from one document into the "
+        "next: pass one document per row"
+    )
+
+
 def choose_order(sequence_order: str, implementation: str, batch: dict, recurrent: bool = False) -> str:
     """The sequence order: the one asked for, else contiguous for Ulysses (its attention sees whole
     sequences) and for models with recurrent layers (their state passes from rank to rank along the
@@ -178,7 +191,7 @@ def plan_call(
     implementation, degree = choose_strategy(model, layout, options, mesh, params)
     if layout.labels_shifted:
         batch = labels_read_as_shifted(batch)
-    check_batch(batch, mesh, getattr(text_config(model), "vocab_size", None))
+    check_batch(batch, mesh, getattr(text_config(model), "vocab_size", None), _packed_refusal(layout))
     order = choose_order(options.sequence_order, implementation, batch, bool(layout.recurrent))
     padded = pad_batch(batch, cp_size(mesh), getattr(text_config(model), "pad_token_id", None), order)
     return _call_plan(layout, options, module_names, mesh, (implementation, degree, order), padded), padded
