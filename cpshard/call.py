@@ -66,6 +66,8 @@ class CallPlan:
     #: and each attention module under a checkpoint of its own
     mlp_tile: int | None = None
     attention_recompute: bool = False
+    #: how linear-attention layers run: "auto", "state_passing" or "head_split" (:mod:`cpshard.recurrent`)
+    recurrent: str = "auto"
     #: what every layer derives alike from the call's inputs, derived once (see :meth:`shared`)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 

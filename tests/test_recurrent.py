@@ -37,12 +37,14 @@ def _model(name: str):
     return tiny_model(name.split("-")[0], **MODELS[name])
 
 
-def failing_against_own_code(name: str, length: int, pad: str | None) -> dict:
-    """The rows that differ from one process, and how many state gathers and halo sends ran."""
+def failing_against_own_code(name: str, length: int, pad: str | None, recurrent: str = "auto") -> dict:
+    """The rows that differ from one process, and how many state gathers, halo sends and head-split
+    exchanges ran."""
     mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
     own, prepared = _model(name), _model(name)
-    cp_forward = cpshard.make_cp_forward(prepared)
+    cp_forward = cpshard.make_cp_forward(prepared, recurrent=recurrent)
     batch = tiny_batch(own.config.vocab_size, 2, length, pad=pad)
+    cp_forward(cpshard.params_of(prepared), batch, mesh)  # a derived layout's probe runs here, unrecorded
     with recording() as log:
         failing = failing_rows([check_parity(own, batch, mesh, cp_forward)])
     names = log.count_by("name")
@@ -50,6 +52,9 @@ def failing_against_own_code(name: str, length: int, pad: str | None) -> dict:
         "failing": failing,
         "state gathers": sum(n for key, n in names.items() if key.endswith(" state")),
         "halo sends": sum(n for key, n in names.items() if key.endswith(" conv halo")),
+        "head exchanges": sum(
+            n for key, n in names.items() if " chunk_" in key and key.endswith((" q", " beta", " output"))
+        ),
     }
 
 
@@ -60,6 +65,18 @@ def test_linear_attention_is_exact_at_cp2(ranks2, name, pad):
         assert result["failing"] == [], (rank, result)
         # forward and backward, on every linear layer (one in the tiny models): the chain really ran
         assert result["state gathers"] >= 2 and result["halo sends"] >= 1, (rank, result)
+        assert result["head exchanges"] == 0, (rank, result)  # auto: state passing moves fewer bytes here
+
+
+@pytest.mark.parametrize("length", [2 * 2 * CHUNK + 3, 13])
+@pytest.mark.parametrize("name", ["qwen3_next", "olmo_hybrid", "kimi_linear"])
+def test_the_head_split_is_exact_at_cp2(ranks2, name, length):
+    """The model's kernel on whole sequences for half the heads: one process's chunks, so exact at any
+    length; at 7 tokens a rank it is also what "auto" takes (fewer bytes than the summaries)."""
+    for recurrent in ("head_split", "auto") if length == 13 else ("head_split",):
+        for rank, result in enumerate(ranks2.run(failing_against_own_code, name, length, "left", recurrent)):
+            assert result["failing"] == [], (recurrent, rank, result)
+            assert result["head exchanges"] >= 6 and result["state gathers"] == 0, (recurrent, rank, result)
 
 
 def test_linear_attention_is_exact_at_cp4_with_heads_cp_does_not_divide(ranks4):
@@ -128,14 +145,20 @@ def refusal(name: str, length: int, **options) -> str:
         (16, {"compile": "aot_eager"}, ["compile='aot_eager'", "linear_attn"]),
         (4, {}, ["holds 2 positions", "fewer than the 3", "at least 3 tokens per cp rank"]),
         (16, {"packed": True}, ["packed documents", "(linear_attn) carry", "one document per row"]),
+        (16, {"recurrent": "sideways"}, ["recurrent='sideways'", "auto, state_passing, head_split"]),
     ],
-    ids=["order", "compile", "short-slices", "packed"],
+    ids=["order", "compile", "short-slices", "packed", "scheme"],
 )
 def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, words):
     messages = ranks2.run(refusal, "qwen3_next", length, **options)
     assert messages[0] == messages[1], messages
     for word in words:
         assert word in messages[0], (word, messages[0])
+
+
+def test_the_head_split_refuses_heads_cp_does_not_divide(ranks2):
+    messages = ranks2.run(refusal, "qwen3_next-3-value-heads", 16, recurrent="head_split")
+    assert messages[0] == messages[1] and "splits 1 key and 3 value heads over cp=2" in messages[0], messages
 
 
 def plain_after_cp(name: str) -> float:

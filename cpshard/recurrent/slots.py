@@ -5,10 +5,12 @@ slots the kernels package keeps per module (``module._kernel_funcs``, filled by 
 cpshard puts its own callable into each mixer's slots: inside a cp call it serves this rank's slice,
 outside one it calls the model's own function, so the model is unchanged outside cp.
 
-- The kernel slot runs the model's own kernel once on the slice (:func:`~cpshard.recurrent.affine.
-  delta_rule_summary`), all-gathers the slices' fixed-size summaries over cp (fp32), folds those before
-  this rank into its incoming state and corrects its outputs; the gather's backward carries the transposed
-  chain.
+- The kernel slot runs by state passing: the model's own kernel once on the slice (:func:`~cpshard.recurrent.
+  affine.delta_rule_summary`), the slices' fixed-size summaries all-gathered over cp (fp32), those before
+  this rank folded into its incoming state and its outputs corrected; the gather's backward carries the
+  transposed chain. Or by the head split (Ulysses for linear layers): the kernel's inputs exchanged from
+  sequence-split to head-split, the kernel on whole sequences for a share of the heads, and back. The call
+  asks for one, or for the one with fewer analytic bytes.
 - The convolution slot puts the previous rank's last ``kernel - 1`` positions in front of the slice
   (:func:`~cpshard.recurrent.halo.with_halo`) and drops their outputs.
 - A forward pre-hook cuts the 2D padding mask the model hands the mixer to this rank's positions.
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import CallPlan, split_call
-from cpshard.comm.collectives import all_gather_shards
+from cpshard.comm.collectives import all_gather_shards, all_to_all
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import Recurrent, kernel_slots, recurrent_module
@@ -60,21 +62,69 @@ def _cp_group(call: CallPlan):
     return call.mesh.get_group("cp")
 
 
-class StatePassing(_Slot):
-    """A delta-rule kernel slot (``chunk_gated_delta_rule``, ``chunk_kda``) served by state passing."""
+#: how a linear-attention layer runs under cp (``make_cp_forward``'s ``recurrent``)
+RECURRENT_SCHEMES = ("auto", "state_passing", "head_split")
+
+
+def state_passing_bytes(batch: int, heads: int, dk: int, dv: int, cp: int) -> int:
+    """What one rank puts into collectives for one layer, forward and backward, by state passing: its fp32
+    summary (``M`` and ``S_local``) all-gathered, and the reduce-scatter of every rank's gradient of it."""
+    return batch * heads * dk * (dk + dv) * 4 * (1 + cp)
+
+
+def head_split_bytes(tensors: tuple[torch.Tensor, ...], output_bytes: int) -> int:
+    """The same by the head split: every kernel input and the output all-to-all'd, forward and backward."""
+    return 2 * (sum(x.numel() * x.element_size() for x in tensors) + output_bytes)
+
+
+class DeltaRule(_Slot):
+    """A delta-rule kernel slot (``chunk_gated_delta_rule``, ``chunk_kda``): state passing or head split."""
 
     def serve(self, call, query, key, value, g=None, beta=None, initial_state=None, **kwargs):
-        if kwargs.get("cu_seqlens") is not None:
+        if kwargs.pop("cu_seqlens", None) is not None:
             raise ValueError(
                 f"{self.path}: packed documents (cu_seqlens) in a linear-attention layer; cp does not yet "
                 "keep their states apart across ranks: pass one document per row"
             )
-        kwargs.pop("cu_seqlens", None)
         wants_final = kwargs.pop("output_final_state", False)
         kwargs.pop("initial_state", None)
-        group = _cp_group(call)
+        inputs, group = (query, key, value, g, beta), _cp_group(call)
+        if self.scheme(call, inputs, dist.get_world_size(group)) == "head_split":
+            return self.head_split(group, inputs, initial_state, wants_final, kwargs)
+        return self.state_passing(group, inputs, initial_state, wants_final, kwargs)
+
+    def scheme(self, call, inputs, cp: int) -> str:
+        """The scheme of this layer and call: the one asked for, else the one with fewer analytic bytes
+        (state passing where cp does not divide the heads)."""
+        query, _, value = inputs[:3]
+        divides = query.shape[2] % cp == 0 and value.shape[2] % cp == 0
+        if call.recurrent == "head_split" and not divides:
+            raise ValueError(
+                f"{self.path}: recurrent='head_split' splits {query.shape[2]} key and {value.shape[2]} value "
+                f"heads over cp={cp}, which does not divide them; use recurrent='state_passing' or 'auto'"
+            )
+        if call.recurrent != "auto":
+            return call.recurrent
+        batch, _, heads, dv = value.shape
+        passing = state_passing_bytes(batch, heads, query.shape[-1], dv, cp)
+        output_bytes = value.numel() * value.element_size()
+        return (
+            "head_split" if divides and head_split_bytes(inputs, output_bytes) < passing else "state_passing"
+        )
+
+    def head_split(self, group, inputs, initial_state, wants_final: bool, kwargs):
+        """Sequence-split inputs to head-split whole sequences, the model's kernel on them, and back."""
+        if initial_state is not None or wants_final:
+            raise ValueError(f"{self.path}: the head split carries no state in or out of the call")
+        whole = [all_to_all(x, 2, 1, group, f"{self.path} {name}") for name, x in zip(_INPUTS, inputs)]
+        outputs, _ = self.original(*whole[:3], g=whole[3], beta=whole[4], **kwargs)
+        return all_to_all(outputs, 1, 2, group, f"{self.path} output"), None
+
+    def state_passing(self, group, inputs, initial_state, wants_final: bool, kwargs):
+        """The slice from a zero state, its summary gathered, the incoming state folded, the outputs
+        corrected."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        summary = delta_rule_summary(self.original, query, key, value, g, beta, **kwargs)
+        summary = delta_rule_summary(self.original, *inputs[:3], inputs[3], inputs[4], **kwargs)
         transition, local = summary.transition, summary.state_local
         mine = torch.cat([transition.flatten(), local.flatten()])
         every = all_gather_shards([mine[None]], [size], group, f"{self.path} state")[0]
@@ -85,8 +135,12 @@ class StatePassing(_Slot):
         # every rank's outputs depend on every summary (rank 0's through a zero), so that the gather's
         # backward, a reduce-scatter, runs on every rank
         state_in = states[rank] + 0 * states[-1]
-        outputs = correct_outputs(summary.o_zero, summary.q_eff, state_in, query.dtype)
+        outputs = correct_outputs(summary.o_zero, summary.q_eff, state_in, inputs[0].dtype)
         return outputs, (states[-1] if wants_final else None)
+
+
+#: the kernel's per-token inputs, ``[B, T, heads, ...]``, as the head split names their exchanges
+_INPUTS = ("q", "k", "v", "g", "beta")
 
 
 class Halo(_Slot):
@@ -126,7 +180,7 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
             continue
         module, row = found
         slots, path = kernel_slots(module), f"{layers_path}.{index}.{row.module}"
-        _take(slots, row.kernel, StatePassing, path)
+        _take(slots, row.kernel, DeltaRule, path)
         if row.conv is not None:
             _take(slots, row.conv, Halo, path)
         hooks.append(Hook(module, _cut_mask, pre=True))

@@ -248,6 +248,7 @@ def make_cp_forward(
     compile=False,
     mlp_tile=None,
     attention_recompute=False,
+    recurrent="auto",
 ) -> CPForward:
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
 
@@ -278,7 +279,13 @@ def make_cp_forward(
     ``attention_recompute``: each layer's attention module runs under a checkpoint of its own, inside the
     layer's: its activations (the exchanged q, k, v, its output) are recomputed when the backward reaches
     it, so the MLP's backward does not hold them; one more attention forward and its exchanges per layer.
-    Both are memory modes of a call, not facts of an architecture: a layout says where the MLP is."""
+    Both are memory modes of a call, not facts of an architecture: a layout says where the MLP is.
+    ``recurrent``: how the layout's linear-attention layers run, "state_passing" (each rank's slice from a
+    zero state, one fixed-size fp32 summary per rank gathered over cp: bytes independent of L),
+    "head_split" (their kernel's inputs exchanged from sequence-split to head-split, the kernel on whole
+    sequences for a share of the heads, and back: bytes grow with L; cp must divide their heads) or
+    "auto": per layer and call, the one with fewer analytic bytes (state passing where heads do not
+    divide)."""
     options = CPOptions(
         implementation,
         logits,
@@ -290,5 +297,6 @@ def make_cp_forward(
         compile,
         mlp_tile,
         attention_recompute,
+        recurrent,
     )
     return CPForward(model, resolve_layout(model, layout), options)

@@ -23,6 +23,7 @@ from cpshard.parallel.experts import check_expert_parallel, check_expert_plan, c
 from cpshard.parallel.mesh import cp_mesh, cp_size, expert_degree, mesh_size, split_cp
 from cpshard.parallel.placement import expert_mesh
 from cpshard.parallel.tensor import check_tensor_parallel
+from cpshard.recurrent.slots import RECURRENT_SCHEMES
 from cpshard.runtime.batch import (
     PaddedBatch,
     check_batch,
@@ -50,6 +51,8 @@ class CPOptions:
     #: memory modes: the MLP a block of this many tokens at a time; each attention checkpointed on its own
     mlp_tile: int | None = None
     attention_recompute: bool = False
+    #: how linear-attention layers run: "auto", "state_passing" or "head_split"
+    recurrent: str = "auto"
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
@@ -59,6 +62,8 @@ class CPOptions:
         if self.sequence_order != "auto":
             check_order(self.sequence_order)
         check_expert_plan(self.expert_plan)
+        if self.recurrent not in RECURRENT_SCHEMES:
+            raise ValueError(f"recurrent={self.recurrent!r}; choose one of {', '.join(RECURRENT_SCHEMES)}")
 
 
 def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dict) -> tuple[str, int]:
@@ -173,6 +178,7 @@ def _call_plan(
         traced=bool(options.compile),
         mlp_tile=options.mlp_tile,
         attention_recompute=options.attention_recompute,
+        recurrent=options.recurrent,
     )
 
 
