@@ -1,6 +1,7 @@
 """CPTrainer against one process's plain Trainer on the same data: the logged training losses, the eval
 loss and the final weights (saved with save_pretrained) after a few steps of gradient accumulation 2,
-under cp=2 (2 ranks) and fsdp2 x cp2 (4 ranks)."""
+under cp=2 (2 ranks) and fsdp2 x cp2 (4 ranks); Llama, and Qwen3-Next (a Gated DeltaNet layer beside an
+attention layer) at cp=2."""
 
 import importlib
 import importlib.util
@@ -64,9 +65,9 @@ def _losses(trainer) -> dict:
     }
 
 
-def run_cp_trainer(sizes: dict, folder: str):
+def run_cp_trainer(sizes: dict, folder: str, model_type: str = "llama"):
     mesh = cpshard.make_mesh(**sizes)
-    model = tiny_model("llama", vocab_size=VOCAB)
+    model = tiny_model(model_type, vocab_size=VOCAB)
     if len(sizes) > 1:
         cpshard.parallelize(model, mesh)
     from cpshard.integrations.transformers import CPTrainer
@@ -87,8 +88,8 @@ def run_cp_trainer(sizes: dict, folder: str):
 def one_process(tmp_path_factory):
     """The plain Trainer on one process, by dp-group count (its batch: every dp group's micro-batch)."""
 
-    def train(groups: int):
-        model = tiny_model("llama", vocab_size=VOCAB)
+    def train(groups: int, model_type: str = "llama"):
+        model = tiny_model(model_type, vocab_size=VOCAB)
         arguments = _arguments(tmp_path_factory.mktemp("one"), MICRO * groups)
         trainer = Trainer(model, arguments, train_dataset=Rows(1, ROWS), eval_dataset=Rows(2, 8))
         trainer.train()
@@ -97,11 +98,11 @@ def one_process(tmp_path_factory):
     return train
 
 
-def _compare(results, reference, folder):
+def _compare(results, reference, folder, model_type: str = "llama"):
     (ref_losses, ref_weights) = reference
     saved = AutoModelForCausalLM.from_pretrained(folder)
     checks = {"saved": max((p - ref_weights[n]).abs().max().item() for n, p in saved.named_parameters())}
-    initial = dict(tiny_model("llama", vocab_size=VOCAB).named_parameters())
+    initial = dict(tiny_model(model_type, vocab_size=VOCAB).named_parameters())
     moved = min((ref_weights[n] - p).abs().max().item() for n, p in initial.items())
     assert moved > 1e-4 and len(set(ref_losses["train"])) == STEPS, (moved, ref_losses)  # it trained
     for rank, (losses, weights) in enumerate(results):
@@ -115,8 +116,10 @@ def _compare(results, reference, folder):
 
 
 @needs_accelerate
-def test_cp_trainer_is_one_process_trainer_cp2(ranks2, one_process, tmp_path):
-    _compare(ranks2.run(run_cp_trainer, dict(cp=2), str(tmp_path)), one_process(1), tmp_path)
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
+def test_cp_trainer_is_one_process_trainer_cp2(ranks2, one_process, tmp_path, model_type):
+    results = ranks2.run(run_cp_trainer, dict(cp=2), str(tmp_path), model_type)
+    _compare(results, one_process(1, model_type), tmp_path, model_type)
 
 
 @needs_accelerate
