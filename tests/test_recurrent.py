@@ -233,3 +233,51 @@ def fsdp_step_against_one_process(name: str) -> dict:
 def test_linear_attention_under_fsdp2_and_cp(ranks4):
     for result in ranks4.run(fsdp_step_against_one_process, "qwen3_next"):
         assert result["loss"] <= 1e-5 and result["grads"] <= 1e-5, result
+
+
+def linear_layer_bytes(recurrent: str, length: int) -> dict:
+    """Rank by rank, the bytes the linear layer's collectives took (by op and phase), and the analytic
+    count of the scheme from the module's sizes: the summary all-gathered forward and its gradient
+    reduce-scattered backward, or every kernel input and the output all-to-all'd both ways; the halo of
+    ``kernel - 1`` positions sent forward by every rank but the last, its gradient back by every rank but
+    the first."""
+    cp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mesh, model = cpshard.make_mesh(cp=cp), _model("qwen3_next")
+    batch = tiny_batch(model.config.vocab_size, 2, length)
+    cp_forward = cpshard.make_cp_forward(model, recurrent=recurrent)
+    with recording() as log:
+        cpshard.value_and_grad(cp_forward)(cpshard.params_of(model), batch, mesh)
+    measured = {}
+    for event in log.events:
+        if "linear_attn" in event.name:
+            key = f"{event.op} {event.phase}"
+            measured[key] = measured.get(key, 0) + event.nbytes
+    mixer, rows, tokens = model.model.layers[0].linear_attn, 2, length // cp
+    halo = rows * mixer.conv_dim * (mixer.conv_kernel_size - 1) * 4
+    expected = {"send forward": halo} if rank < cp - 1 else {}
+    if rank > 0:
+        expected["send backward"] = halo
+    heads, dk, dv = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+    if recurrent == "state_passing":
+        summary = rows * heads * dk * (dk + dv) * 4
+        expected |= {"all_gather forward": summary, "reduce_scatter backward": cp * summary}
+    else:
+        per_token = mixer.num_k_heads * dk * 2 + heads * dv * 2 + heads * 2  # q, k; v, output; g, beta
+        expected |= {
+            f"all_to_all {phase}": rows * tokens * per_token * 4 for phase in ("forward", "backward")
+        }
+    return {"measured": measured, "expected": expected}
+
+
+@pytest.mark.parametrize("recurrent", ["state_passing", "head_split"])
+def test_a_linear_layer_moves_its_scheme_s_analytic_bytes(ranks2, recurrent):
+    for length in (64, 256):
+        for result in ranks2.run(linear_layer_bytes, recurrent, length):
+            assert result["measured"] == result["expected"], (length, result)
+
+
+def test_a_step_optimum_of_attention_layers_refuses_linear_ones():
+    from cpshard.debug.optimum import optimum_for
+
+    with pytest.raises(ValueError, match="has linear-attention layers: their bytes are per layer and scheme"):
+        optimum_for(_model("qwen3_next"), 2, 256, 2)

@@ -141,6 +141,12 @@ def tp_share_bytes(
 def _sizes(model) -> dict:
     """The model's sizes that the optimum formulas take."""
     layout, config = resolve_layout(model), text_config(model)
+    if layout.recurrent:
+        raise ValueError(
+            f"{type(model).__name__} has linear-attention layers: their bytes are per layer and scheme "
+            "(cpshard.recurrent.slots.state_passing_bytes and head_split_bytes), which a step's optimum "
+            "of attention layers does not count"
+        )
     heads, kv_heads = layout.head_counts(config)
     params = list(params_of(model).values())
     return dict(
