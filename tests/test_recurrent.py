@@ -1,4 +1,5 @@
-"""Linear-attention layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid; KDA: kimi_linear),
+"""Linear-attention layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid; KDA: kimi_linear;
+lightning attention: minimax),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain and left-padded batches, and value heads that cp does not divide;
@@ -29,6 +30,7 @@ MODELS = {
     "qwen3_5_text": {},
     "olmo_hybrid": {},
     "kimi_linear": {},
+    "minimax": {},  # lightning attention: no convolution, a constant decay
 }
 CHUNK = 64  # the torch kernels' chunk
 
@@ -64,7 +66,8 @@ def test_linear_attention_is_exact_at_cp2(ranks2, name, pad):
     for rank, result in enumerate(ranks2.run(failing_against_own_code, name, 2 * 2 * CHUNK, pad)):
         assert result["failing"] == [], (rank, result)
         # forward and backward, on every linear layer (one in the tiny models): the chain really ran
-        assert result["state gathers"] >= 2 and result["halo sends"] >= 1, (rank, result)
+        assert result["state gathers"] >= 2, (rank, result)
+        assert (result["halo sends"] >= 1) == (name != "minimax"), (rank, result)
         assert result["head exchanges"] == 0, (rank, result)  # auto: state passing moves fewer bytes here
 
 
@@ -154,6 +157,22 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
     assert messages[0] == messages[1], messages
     for word in words:
         assert word in messages[0], (word, messages[0])
+
+
+def test_lightning_attention_has_no_head_split(ranks2):
+    messages = ranks2.run(refusal, "minimax", 16, recurrent="head_split")
+    assert messages[0] == messages[1] and "lightning attention runs its block loop" in messages[0], messages
+
+
+def test_lightning_attention_of_other_code_is_refused(monkeypatch):
+    from cpshard.recurrent import lightning
+
+    module, pieces = lightning.WRITTEN_AGAINST
+    monkeypatch.setattr(lightning, "WRITTEN_AGAINST", (module, {**pieces, "MiniMaxDecoderLayer": "0" * 16}))
+    with pytest.raises(
+        cpshard.LayoutError, match="MiniMaxLightningAttention .* other code in MiniMaxDecoderLayer"
+    ):
+        lightning.check_lightning_unchanged()
 
 
 def test_the_head_split_refuses_heads_cp_does_not_divide(ranks2):

@@ -40,6 +40,7 @@ from cpshard.layouts.layout import (
     calls_attention_registry,
     kernel_slots,
     recurrent_module,
+    serves,
     specs,
     submodule,
     text_config,
@@ -110,7 +111,7 @@ def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
     for layer in layers:
         for name, module in layer.named_children():
             slots = kernel_slots(module)
-            for kernel in (k for k in RECURRENT_KERNELS if k in slots):
+            for kernel in (k for k in RECURRENT_KERNELS if serves(module, k)):
                 conv = CONV_SLOT if CONV_SLOT in slots else None
                 rows[name, kernel] = Recurrent(name, kernel, conv, decay=RECURRENT_KERNELS[kernel])
     return tuple(rows.values())

@@ -26,7 +26,11 @@ HEAD_TRANSFORMS = ("logits_scaling", "final_logit_softcapping")
 
 #: the chunked kernels of the recurrent mixers cp serves by state passing, by the slot a mixer calls them
 #: through (its ``_kernel_funcs``, kept per module by the kernels package), and how their state decays
-RECURRENT_KERNELS = MappingProxyType({"chunk_gated_delta_rule": "matrix", "chunk_kda": "matrix"})
+RECURRENT_KERNELS = MappingProxyType(
+    {"chunk_gated_delta_rule": "matrix", "chunk_kda": "matrix", "lightning": "constant"}
+)
+#: MiniMax's lightning attention: no kernel slot, its block loop inline; served by hooks (kernel "lightning")
+LIGHTNING = "MiniMaxLightningAttention"
 #: the slot of the short causal convolution in front of them
 CONV_SLOT = "causal_conv1d_fn"
 
@@ -40,13 +44,14 @@ class Recurrent:
 
     #: the mixer's path inside a decoder layer
     module: str
-    #: the slot of its chunked kernel, one of :data:`RECURRENT_KERNELS`
+    #: the slot of its chunked kernel, one of :data:`RECURRENT_KERNELS` ("lightning": the module itself)
     kernel: str
     #: the slot of its short causal convolution (:data:`CONV_SLOT`), None where it has none
     conv: str | None
     #: one sequence's state, fp32: batch, heads, key and value dims
     state: Spec = Spec("b h k v")
-    #: how the state carried into a slice reaches its end: "matrix" (delta rules: ``M S_in``)
+    #: how the state carried into a slice reaches its end: "matrix" (delta rules: ``M S_in``) or "constant"
+    #: (lightning attention: ``e^{-s T} S_in``, known without data)
     decay: str = "matrix"
 
 
@@ -56,11 +61,17 @@ def kernel_slots(module: nn.Module) -> dict:
     return slots if isinstance(slots, dict) else {}
 
 
+def serves(module: nn.Module, kernel: str) -> bool:
+    """Whether ``module`` is a recurrent mixer of ``kernel``: one that holds its slot, or for "lightning",
+    MiniMax's lightning attention."""
+    return type(module).__name__ == LIGHTNING if kernel == "lightning" else kernel in kernel_slots(module)
+
+
 def recurrent_module(layer: nn.Module, rows: tuple[Recurrent, ...]) -> tuple[nn.Module, Recurrent] | None:
     """The recurrent mixer ``layer`` holds and its row, or None (an attention layer)."""
     for row in rows:
         module = submodule(layer, row.module)
-        if isinstance(module, nn.Module) and row.kernel in kernel_slots(module):
+        if isinstance(module, nn.Module) and serves(module, row.kernel):
             return module, row
     return None
 

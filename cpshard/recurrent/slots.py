@@ -31,6 +31,7 @@ from cpshard.interfaces import Hook
 from cpshard.layouts.layout import Recurrent, kernel_slots, recurrent_module
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
 from cpshard.recurrent.halo import with_halo
+from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
 from cpshard.spec.notation import Spec
 
 
@@ -180,8 +181,12 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
             continue
         module, row = found
         slots, path = kernel_slots(module), f"{layers_path}.{index}.{row.module}"
+        hooks.append(Hook(module, _cut_mask, pre=True))
+        if row.kernel == "lightning":
+            check_lightning_unchanged()
+            hooks += lightning_hooks(module, path)
+            continue
         _take(slots, row.kernel, DeltaRule, path)
         if row.conv is not None:
             _take(slots, row.conv, Halo, path)
-        hooks.append(Hook(module, _cut_mask, pre=True))
     return hooks

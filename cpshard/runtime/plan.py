@@ -108,6 +108,11 @@ def check_recurrent_parallelism(layout: Layout, options: CPOptions, tp: int, ep:
     for what, asked in refused.items():
         if asked:
             raise ValueError(f"{what}: cp does not serve {mixer} under it yet; run them with cp alone")
+    if options.recurrent == "head_split" and any(row.kernel == "lightning" for row in layout.recurrent):
+        raise ValueError(
+            "recurrent='head_split': lightning attention runs its block loop inside its module, which cp "
+            "serves by state passing only; use recurrent='state_passing' or 'auto'"
+        )
 
 
 def _packed_refusal(layout: Layout) -> str | None:

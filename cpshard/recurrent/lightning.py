@@ -1,0 +1,93 @@
+"""MiniMax's lightning attention under cp: the module's own block loop on each rank's slice, corrected
+before its norm.
+
+``MiniMaxLightningAttention`` runs its block loop inline (no kernel slot), from a zero state when there is
+no cache; its state decays by a constant ``e^{-s}`` per token and head, so a slice of ``T`` tokens carries
+the state it receives as ``e^{-s T} S_in`` and each output reads ``e^{-s (t + 1)} q_t S_in`` of it (``t``
+counted in the slice). Under cp the module runs as it is on the slice, and a forward pre-hook on its
+``norm`` (the first thing after the loop) adds that term: ``S_local`` of every rank is computed from the
+slice's k and v, all-gathered over cp (fp32) and folded. The hooks are written against transformers
+5.25's module and decoder layer (:data:`WRITTEN_AGAINST`); other code is refused at setup.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpshard.call import split_call
+from cpshard.comm.collectives import all_gather_shards
+from cpshard.interfaces import Hook
+from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.layout import LIGHTNING
+from cpshard.recurrent.affine import fold_states
+
+#: what the hooks were written against in transformers 5.25.0
+WRITTEN_AGAINST = (
+    "transformers.models.minimax.modeling_minimax",
+    {"MiniMaxLightningAttention": "0d40f26f04468c3e", "MiniMaxDecoderLayer": "64e1aab7a32516b9"},
+)
+#: where a slice's inputs wait for its norm's hook, by module, in the running call
+_INPUTS = "lightning inputs"
+
+
+def check_lightning_unchanged() -> None:
+    check_written_for(f"{LIGHTNING} (corrected before its norm by cpshard)", *WRITTEN_AGAINST)
+
+
+def _decays(slope: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e^{-s (t + 1)}, e^{-s (T - 1 - t)})`` ``[H, T]`` in fp32: what the incoming state is to each query,
+    and what each key's write is to the slice's outgoing state."""
+    steps = torch.arange(length, device=slope.device, dtype=torch.float32)
+    rates = slope.float().reshape(-1, 1)
+    return torch.exp(-rates * (steps + 1)), torch.exp(-rates * (length - 1 - steps))
+
+
+def _keep_inputs(module, args, kwargs):
+    call = split_call()
+    if call is not None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        call.derived[_INPUTS, id(module)] = (hidden, kwargs.get("attention_mask"))
+
+
+def _qkv(module, hidden: torch.Tensor, mask) -> tuple[torch.Tensor, ...]:
+    """q, k, v ``[B, T, H, d]`` as the module makes them (activation, padding zeroed)."""
+    qkv = module.act_fn(module.qkv_proj(hidden))
+    if mask is not None and mask.dim() == 2:
+        qkv = qkv * mask[:, :, None].to(qkv.dtype)
+    qkv = qkv.reshape(*hidden.shape[:2], module.num_attention_heads, 3 * module.head_dim)
+    return torch.split(qkv, module.head_dim, dim=3)
+
+
+def _corrected(module, path: str, norm, args, kwargs):
+    """The norm's input, the slice's zero-state outputs ``[B, T, H d]``, plus what the incoming state adds."""
+    call = split_call()
+    if call is None:
+        return None
+    hidden, mask = call.derived.pop((_INPUTS, id(module)))
+    query, key, value = (x.float() for x in _qkv(module, hidden, mask))
+    length = query.shape[1]
+    to_query, from_key = _decays(module.slope_rate, length)
+    local = torch.einsum("bthk,bthv->bhkv", key * from_key.T[None, :, :, None], value)
+    group = call.mesh.get_group("cp")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    every = all_gather_shards([local.flatten()[None]], [size], group, f"{path} state")[0]
+    carry = torch.exp(-module.slope_rate.float().reshape(1, -1, 1, 1) * length)
+    transition = carry * torch.eye(module.head_dim, device=local.device)
+    states = fold_states([transition] * size, [s.view_as(local) for s in every])
+    # every rank's output depends on every summary (rank 0's through a zero): the gather's backward runs
+    state_in = states[rank] + 0 * states[-1]
+    correction = torch.einsum("bthk,bhkv->bthv", query * to_query.T[None, :, :, None], state_in)
+    output = args[0]
+    return (output + correction.reshape(output.shape).to(output.dtype), *args[1:]), kwargs
+
+
+def lightning_hooks(module: nn.Module, path: str) -> list[Hook]:
+    """The hooks that serve one lightning attention module under cp."""
+    return [
+        Hook(module, _keep_inputs, pre=True),
+        Hook(module.norm, partial(_corrected, module, path), pre=True),
+    ]
