@@ -1,5 +1,6 @@
 """Per-token tensors placed like the logits, and CPOutput.token_logprobs against one process: values, a
-weighted objective's gradients, with and without logits, Ulysses and ring (head-tail order), uneven L."""
+weighted objective's gradients, with and without logits, Ulysses and ring (head-tail order), uneven L; and
+on Qwen3-Next, whose Gated DeltaNet layer passes its state between the ranks (ring then runs contiguous)."""
 
 import pytest
 import torch
@@ -18,9 +19,9 @@ def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return torch.where(shifted != -100, picked, 0.0)
 
 
-def run_token_logprobs(sizes: dict, forward: dict):
+def run_token_logprobs(sizes: dict, forward: dict, model_type: str = "llama"):
     mesh = cpshard.make_mesh(**sizes)
-    model, twin = tiny_model("llama", vocab_size=VOCAB), tiny_model("llama", vocab_size=VOCAB)
+    model, twin = tiny_model(model_type, vocab_size=VOCAB), tiny_model(model_type, vocab_size=VOCAB)
     groups = sizes.get("fsdp", 1)  # each dp group its own batch: the objective sums over them
     batches = [tiny_batch(VOCAB, 3, 13, pad="left", seed=4 + g) for g in range(groups)]
     every_weights = torch.randn(3 * groups, 13, generator=torch.Generator().manual_seed(5))
@@ -96,3 +97,10 @@ def run_shard_like_logits():
 def test_shard_like_logits_lines_up_with_the_logits(ranks2):
     for rank, checks in enumerate(ranks2.run(run_shard_like_logits)):
         assert all(checks.values()), (rank, checks)
+
+
+@pytest.mark.parametrize("forward", [dict(logits=False), dict(implementation="ring")], ids=str)
+def test_token_logprobs_of_a_linear_attention_hybrid_cp2(ranks2, forward):
+    for rank, checks in enumerate(ranks2.run(run_token_logprobs, dict(cp=2), forward, "qwen3_next")):
+        assert checks["placement"] and checks["ignored are 0"], (rank, checks)
+        assert max(checks["values"], checks["loss"], checks["grads"]) <= 1e-5, (rank, checks)
