@@ -76,7 +76,7 @@ def test_kv_heads_fall_back_to_heads():
 @pytest.mark.parametrize(
     "model_type, words",
     [
-        ("minimax", ["model.layers.1.self_attn (MiniMaxLightningAttention)", "attention registry"]),
+        ("rwkv", ["rwkv.blocks.0.attention (RwkvSelfAttention)", "attention registry"]),
         ("zaya", ["conv_qk_depthwise (Conv1d: a convolution along the sequence)", "outside the attention"]),
         ("mamba", ["backbone.layers (MambaBlock) has an attention module"]),
         ("hy_v4", ["model.layers.0 receives a residual stream of shape [1, 13, 4, 64]"]),

@@ -322,3 +322,12 @@ def test_bf16_is_as_close_as_a_bf16_process(ranks2, recurrent):
     """Summaries and the fold stay fp32, so cp in bf16 is within a bf16 process's own error."""
     for errors in ranks2.run(bf16_errors, "qwen3_5_text", recurrent):  # dense: no routing to flip
         assert errors["cp"] <= 1.5 * errors["one bf16 process"], errors
+
+
+def test_derived_rows_of_kda_and_lightning():
+    assert derive_layout(_model("kimi_linear")).recurrent == (
+        cpshard.Recurrent("self_attn", "chunk_kda", "causal_conv1d_fn"),
+    )
+    assert derive_layout(_model("minimax")).recurrent == (
+        cpshard.Recurrent("self_attn", "lightning", None, decay="constant"),
+    )
