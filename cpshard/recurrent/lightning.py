@@ -30,8 +30,6 @@ WRITTEN_AGAINST = (
     "transformers.models.minimax.modeling_minimax",
     {"MiniMaxLightningAttention": "0d40f26f04468c3e", "MiniMaxDecoderLayer": "64e1aab7a32516b9"},
 )
-#: where a slice's inputs wait for its norm's hook, by module, in the running call
-_INPUTS = "lightning inputs"
 
 
 def check_lightning_unchanged() -> None:
@@ -46,11 +44,9 @@ def _decays(slope: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.exp(-rates * (steps + 1)), torch.exp(-rates * (length - 1 - steps))
 
 
-def _keep_inputs(module, args, kwargs):
-    call = split_call()
-    if call is not None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        call.derived[_INPUTS, id(module)] = (hidden, kwargs.get("attention_mask"))
+def _keep_inputs(held: dict, module, args, kwargs):
+    if split_call() is not None:
+        held["inputs"] = (args[0] if args else kwargs["hidden_states"], kwargs.get("attention_mask"))
 
 
 def _qkv(module, hidden: torch.Tensor, mask) -> tuple[torch.Tensor, ...]:
@@ -62,12 +58,12 @@ def _qkv(module, hidden: torch.Tensor, mask) -> tuple[torch.Tensor, ...]:
     return torch.split(qkv, module.head_dim, dim=3)
 
 
-def _corrected(module, path: str, norm, args, kwargs):
+def _corrected(module, path: str, held: dict, norm, args, kwargs):
     """The norm's input, the slice's zero-state outputs ``[B, T, H d]``, plus what the incoming state adds."""
     call = split_call()
     if call is None:
         return None
-    hidden, mask = call.derived.pop((_INPUTS, id(module)))
+    hidden, mask = held.pop("inputs")
     query, key, value = (x.float() for x in _qkv(module, hidden, mask))
     length = query.shape[1]
     to_query, from_key = _decays(module.slope_rate, length)
@@ -86,8 +82,10 @@ def _corrected(module, path: str, norm, args, kwargs):
 
 
 def lightning_hooks(module: nn.Module, path: str) -> list[Hook]:
-    """The hooks that serve one lightning attention module under cp."""
+    """The hooks that serve one lightning attention module under cp: the module's input, kept by the first
+    in ``held`` for the second (the norm's, later in the same forward: a recomputed layer runs both again)."""
+    held: dict = {}
     return [
-        Hook(module, _keep_inputs, pre=True),
-        Hook(module.norm, partial(_corrected, module, path), pre=True),
+        Hook(module, partial(_keep_inputs, held), pre=True),
+        Hook(module.norm, partial(_corrected, module, path, held), pre=True),
     ]
