@@ -339,3 +339,27 @@ def test_derived_rows_of_kda_and_lightning():
     assert derive_layout(_model("minimax")).recurrent == (
         cpshard.Recurrent("self_attn", "lightning", None, decay="constant"),
     )
+
+
+def refusal_on(sizes: dict) -> str:
+    mesh, model = cpshard.make_mesh(**sizes), _model("qwen3_next")
+    try:
+        cpshard.make_cp_forward(model)(
+            cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 16), mesh
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_tensor_parallelism_beside_linear_layers_is_refused(ranks2):
+    messages = ranks2.run(refusal_on, dict(cp=1, tp=2))
+    assert messages[0] == messages[1] and messages[0].startswith("tp > 1: cp does not serve the linear"), (
+        messages
+    )
+
+
+def test_expert_parallelism_beside_linear_layers_is_refused(ranks4):
+    """Qwen3-Next's layouts declare no experts (expert parallelism is not served beside linear layers yet)."""
+    messages = ranks4.run(refusal_on, dict(cp=2, fsdp=2, ep=2))
+    assert len(set(messages)) == 1 and "declares no experts: there is nothing to split over ep" in messages[0]
