@@ -8,7 +8,8 @@ results. Activation checkpointing recomputes layers after cp_forward returned, s
 :mod:`cpshard.runtime.recompute` re-enters the call for them.
 
 Generation adds two things the attention function must find the same way: a prefill's ``CallPlan``
-carries ``kv_sink``, where each layer leaves this rank's keys and values, and a decode step (one token
+carries ``kv_sink``, where each layer leaves this rank's keys and values (and ``state_sink``, where each
+recurrent layer leaves the state it hands on), and a decode step (one token
 per row, the sequence not split, so no CallPlan and every other hook steps aside) is found through
 :func:`active_decode`.
 """
@@ -60,6 +61,8 @@ class CallPlan:
     expert_plan: str = "dispatch"
     #: a prefill's keys and values as each attention module sees them (this rank's share), by ``id(module)``
     kv_sink: dict | None = field(default=None, compare=False, repr=False)
+    #: a prefill's recurrent states as each linear-attention slot hands them on, by slot path
+    state_sink: dict | None = field(default=None, compare=False, repr=False)
     #: whether the decoder layers are compiled: their attention then gets a :class:`TracedCall` (see there)
     traced: bool = False
     #: the memory modes of ``make_cp_forward``: the MLP a block of this many tokens at a time (None: whole),

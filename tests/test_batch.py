@@ -13,6 +13,7 @@ from cpshard.runtime.batch import (
     check_batch,
     continued_positions,
     fingerprint,
+    packed_documents,
     pad_batch,
     shifted_labels,
     validate,
@@ -336,3 +337,12 @@ def test_a_step_whose_batch_differs_in_one_cp_group_raises_on_every_rank_without
     assert ranks4.alive
     losses = ranks4.run(_step_on_fsdp_cp, "same")
     assert len(set(losses)) == 1
+
+
+def test_packed_documents_are_restarts_between_real_tokens():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    generated = (mask.cumsum(1) - 1).masked_fill(mask == 0, 0)  # as generate makes them: padding at 0
+    assert not packed_documents({"position_ids": generated, "attention_mask": mask})
+    assert packed_documents({"position_ids": generated})  # without the mask, the zeros read as restarts
+    restarted = torch.tensor([[0, 0, 0, 1, 0], [0, 1, 2, 0, 1], [0, 1, 2, 0, 0]])
+    assert packed_documents({"position_ids": restarted, "attention_mask": mask})

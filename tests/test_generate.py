@@ -70,7 +70,8 @@ def run_generation(case: Case) -> dict:
         logits, cache = report.result
         steps.append(logits)
         step_bytes.append(report.total_bytes)
-    forward = cpshard.make_cp_forward(model, implementation=case.implementation)
+    # the prefill passes recurrent states (it hands them on), whatever the training forward would choose
+    forward = cpshard.make_cp_forward(model, implementation=case.implementation, recurrent="state_passing")
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     prompt = {**batch, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
     forward_bytes = cpshard.debug.trace_comms(forward, params, prompt, mesh).total_bytes
@@ -78,6 +79,7 @@ def run_generation(case: Case) -> dict:
         "tokens": tokens,
         "logits": torch.stack(steps, 1),
         "cache_bytes": cache.nbytes,
+        "states": dict(cache.recurrent),
         "step_bytes": step_bytes,
         "prefill_bytes": prefill.total_bytes,
         "forward_bytes": forward_bytes,
@@ -100,29 +102,51 @@ def reference(case: Case):
     cache_bytes = sum(
         tensor.numel() * tensor.element_size()
         for layer in out.past_key_values.layers
+        if isinstance(getattr(layer, "keys", None), torch.Tensor)
         for tensor in (layer.keys, layer.values)
     )
-    return model, out.sequences, torch.stack(out.logits, 1), cache_bytes
+    return model, out, torch.stack(out.logits, 1), cache_bytes
+
+
+def attention_layers(config) -> int:
+    """How many layers hold attention (a hybrid's others are recurrent, whose states the cache carries)."""
+    return sum(
+        kind != "linear_attention"
+        for kind in getattr(config, "layer_types", None) or [""] * config.num_hidden_layers
+    )
 
 
 def decode_step_bytes(config) -> int:
-    """Per decode step, on every rank: each layer all-gathers its ``[B, Hq, D + 1]`` fp32 partial output and
-    log-sum-exp; the tokens (``[B]`` int64) and whether each rank's cache is its own (one more) are
-    checked."""
+    """Per decode step, on every rank: each attention layer all-gathers its ``[B, Hq, D + 1]`` fp32 partial
+    output and log-sum-exp; the tokens (``[B]`` int64) and whether each rank's cache is its own (one more)
+    are checked. A recurrent layer continues from its carried state on every rank alike: no bytes."""
     return (
-        config.num_hidden_layers * ROWS * config.num_attention_heads * (config.head_dim + 1) * 4
+        attention_layers(config) * ROWS * config.num_attention_heads * (config.head_dim + 1) * 4
         + (ROWS + 1) * 8
     )
 
 
 def token_bytes(config) -> int:
-    """One token's keys and values in every layer (fp32)."""
-    return config.num_hidden_layers * 2 * ROWS * config.num_key_value_heads * config.head_dim * 4
+    """One token's keys and values in every attention layer (fp32)."""
+    return attention_layers(config) * 2 * ROWS * config.num_key_value_heads * config.head_dim * 4
+
+
+def check_states(states: dict, cache, case: Case) -> None:
+    """The carried recurrent states equal one process's cache after the same tokens: each delta rule's
+    state, and each convolution's inputs (transformers keeps ``kernel`` of them, cpshard the last
+    ``kernel - 1``, all a decode step reads)."""
+    for path, state in states.items():
+        layer = cache.layers[int(path.split("layers.")[1].split(".")[0])]
+        own = layer.conv_states[0][..., 1:] if path.endswith("conv1d_fn") else layer.recurrent_states[0]
+        diff = (state - own).abs().max().item()
+        assert diff <= TOLERANCE, f"{case}: {path} differs from one process's state by {diff}"
+    linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
+    assert len(states) == 2 * len(linear), (case, sorted(states))
 
 
 def check_case(results: list[dict], case: Case):
-    model, sequences, logits, cache_bytes = reference(case)
-    cp = len(results)
+    model, out, logits, cache_bytes = reference(case)
+    sequences, cp = out.sequences, len(results)
     new = sequences[:, LENGTH:]
     for rank, result in enumerate(results):
         assert torch.equal(result["tokens"], results[0]["tokens"]), (
@@ -138,14 +162,25 @@ def check_case(results: list[dict], case: Case):
         assert set(result["step_bytes"]) == {decode_step_bytes(model.config)}, (
             f"{case}: {result['step_bytes']}"
         )
-        if not case.config.get(
-            "sliding_window"
-        ):  # prefill: the forward's bytes and the last logits' all-reduce
-            assert result["prefill_bytes"] == result["forward_bytes"] + ROWS * model.config.vocab_size * 4
+        check_states(result["states"], out.past_key_values, case)
+        if not case.config.get("sliding_window"):
+            # prefill: the forward's bytes, the last logits' all-reduce and each convolution's last inputs'
+            conv = sum(s.numel() * 4 for path, s in result["states"].items() if path.endswith("conv1d_fn"))
+            assert (
+                result["prefill_bytes"] == result["forward_bytes"] + ROWS * model.config.vocab_size * 4 + conv
+            )
     per_rank = [result["cache_bytes"] for result in results]
+    if case.model_type in LATENT_CACHES:
+        cache_bytes = sum(per_rank)
     if case.pad != "right":  # a right-padded batch may keep more of a window: its rows' windows differ
         assert sum(per_rank) == cache_bytes, f"{case}: {per_rank} against one process's {cache_bytes}"
         assert max(per_rank) <= cache_bytes / cp * 1.01 + token_bytes(model.config), f"{case}: {per_rank}"
+
+
+#: models whose one-process cache holds multi-head latent attention's compressed latent, where cpshard's
+#: split cache holds each head's keys and values (what its log-sum-exp merge attends over): only their
+#: balance over the ranks is compared
+LATENT_CACHES = ("kimi_linear",)
 
 
 CASES_CP2 = [
@@ -157,6 +192,10 @@ CASES_CP2 = [
     Case("gemma3_text", 8, pad="right", config=GEMMA3_MIXED),
     Case("llama", 8, implementation="ring"),
     Case("mistral", 8, config={"sliding_window": 8}, implementation="ring"),
+    # hybrids: linear-attention layers carry their recurrent and convolution states from prefill to decode
+    Case("qwen3_next", 16),
+    Case("kimi_linear", 16),
+    Case("olmo_hybrid", 16, pad=None),
 ]
 CASES_CP4 = [
     Case("llama", 64),
@@ -164,6 +203,7 @@ CASES_CP4 = [
     Case("qwen3", 12, pad=None),
     Case("mistral", 64, config={"sliding_window": 8}),
     Case("gemma3_text", 64, config=GEMMA3_MIXED),
+    Case("qwen3_5_text", 16),  # rank 3 holds the prompt's last token and one position of cp padding
 ]
 
 
@@ -188,9 +228,9 @@ def test_derived_layouts_generate_as_one_process(ranks2, model_type):
     """Layouts derived from the model: probed through the training forward of the same model (a prefill
     gives no loss to compare); Gemma4's decoder reads logits_to_keep itself, so its prefill keeps its
     rows after the head (given this rank's indices, it gave logits off by 4)."""
-    _, greedy, _, _ = reference(Case(model_type, 8))
+    _, out, _, _ = reference(Case(model_type, 8))
     for tokens in ranks2.run(greedy_tokens, model_type):
-        assert torch.equal(tokens, greedy), (tokens, greedy)
+        assert torch.equal(tokens, out.sequences), (tokens, out.sequences)
 
 
 def test_mixture_of_experts_cp2(ranks2):
@@ -239,13 +279,32 @@ def run_until_eos(eos: int) -> torch.Tensor:
 
 
 def test_rows_stop_at_eos_and_are_padded_after_it(ranks2):
-    model, greedy, _, _ = reference(Case("llama", 16))
-    eos = int(greedy[1, LENGTH + 4])  # row 1's fifth new token: it stops there, or earlier
+    model, out, _, _ = reference(Case("llama", 16))
+    eos = int(out.sequences[1, LENGTH + 4])  # row 1's fifth new token: it stops there, or earlier
     with torch.no_grad():
         expected = model.generate(**prompts("left"), max_new_tokens=16, do_sample=False, eos_token_id=eos)
     for tokens in ranks2.run(run_until_eos, eos):
         assert torch.equal(tokens, expected)
     assert (expected[1, LENGTH + 5 :] == model.config.pad_token_id).all()
+
+
+def error_messages(attempts) -> list[str]:
+    """Each attempt's ValueError message ("no error" where it raised none)."""
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def check_refused(every_rank: list[list[str]], expected: list[str]) -> None:
+    """Every rank raised each expected message, in order."""
+    for messages in every_rank:
+        for message, fragment in zip(messages, expected, strict=True):
+            assert fragment in message, message
 
 
 def _refusals() -> list[str]:
@@ -287,14 +346,7 @@ def _refusals() -> list[str]:
     penalized = model_for(Case("llama"))
     penalized.generation_config.repetition_penalty = 1.3
     attempts["config"] = lambda: cpshard.generate(penalized, batch, mesh, max_new_tokens=4)
-    messages = []
-    for attempt in attempts.values():
-        try:
-            attempt()
-            messages.append("no error")
-        except ValueError as error:
-            messages.append(str(error))
-    return messages
+    return error_messages(attempts.values())
 
 
 def test_what_is_not_served_is_refused_on_every_rank(ranks2):
@@ -312,6 +364,45 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2):
         "takes the plain parameters",
         "sets {'repetition_penalty': 1.3}",
     ]
-    for messages in ranks2.run(_refusals):
-        for message, fragment in zip(messages, expected, strict=True):
-            assert fragment in message, message
+    check_refused(ranks2.run(_refusals), expected)
+
+
+def _recurrent_refusals() -> list[str]:
+    model, mesh = model_for(Case("qwen3_next")), cpshard.make_mesh(cp=dist.get_world_size())
+    params, batch = cpshard.params_of(model), prompts("left")
+    cache = cpshard.make_cp_prefill(model)(params, batch, mesh)[1]
+    attempts = [
+        lambda: cpshard.generate(model, prompts("right"), mesh, max_new_tokens=4),
+        lambda: cpshard.make_cp_decode(model)(
+            params, torch.full((ROWS,), 3), replace(cache, recurrent={}), mesh
+        ),
+        lambda: cpshard.make_cp_prefill(model_for(Case("minimax"))),
+    ]
+    return error_messages(attempts)
+
+
+def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks2):
+    expected = [
+        "rows [1, 2] of the prompt have padding after a real token",
+        "model.layers.0.linear_attn causal_conv1d_fn: the cache holds no state for this layer",
+        "lightning-attention layers (self_attn) keep their state inside their module",
+    ]
+    check_refused(ranks2.run(_recurrent_refusals), expected)
+
+
+def prefilled_states(length: int) -> tuple[torch.Tensor, dict]:
+    model, mesh = model_for(Case("qwen3_5_text")), cpshard.make_mesh(cp=dist.get_world_size())
+    batch = {key: value[:, -length:] for key, value in prompts("left").items()}
+    logits, cache = cpshard.make_cp_prefill(model)(cpshard.params_of(model), batch, mesh)
+    return logits, dict(cache.recurrent)
+
+
+@pytest.mark.parametrize("length", [9, 13])  # cp=4: rank 3 holds cp padding only; the last token on rank 3
+def test_a_prefill_hands_on_the_states_of_one_process(ranks4, length):
+    model = model_for(Case("qwen3_5_text"))
+    batch = {key: value[:, -length:] for key, value in prompts("left").items()}
+    with torch.no_grad():
+        out = model(**batch, use_cache=True)
+    for logits, states in ranks4.run(prefilled_states, length):
+        assert (logits - out.logits[:, -1]).abs().max() <= TOLERANCE
+        check_states(states, out.past_key_values, Case("qwen3_5_text"))

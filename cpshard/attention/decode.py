@@ -34,6 +34,9 @@ class DecodeStep:
     names: Mapping[int, str]
     group: object
     shards: dict = field(default_factory=dict)
+    #: the recurrent layers' carried states by slot path (:mod:`cpshard.recurrent.slots`), and the new ones
+    states: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    new_states: dict = field(default_factory=dict)
 
 
 def partial_attention(query, keys, values, seen, scale: float, softcap: float | None):

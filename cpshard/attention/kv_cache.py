@@ -19,7 +19,8 @@ balance is within the tokens dropped at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,9 @@ class ShardedKVCache:
     position_ids: torch.Tensor
     rank: int
     size: int
+    #: a hybrid model's recurrent states by slot path, whole and the same on every rank: each delta rule's
+    #: ``[B, H, dk, dv]`` state and each convolution's last ``kernel - 1`` inputs (fixed sizes, not split)
+    recurrent: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def length(self) -> int:

@@ -69,15 +69,20 @@ class CPDecode:
             raise ValueError(f"a cache of {len(cache.layers)} layers for a model of {len(self.layer_of)}")
         ensure_installed(self.model, self.layout, tp=1)  # decode serves cp meshes only
         mask, positions = cache.extended()
-        step = DecodeStep(cache, mask, positions, self.layer_of, self.names, group)
+        step = DecodeStep(cache, mask, positions, self.layer_of, self.names, group, states=cache.recurrent)
         inputs = {"input_ids": tokens[:, None], "position_ids": positions[:, -1:], "use_cache": False}
         with torch.no_grad(), decoding(step):
             output = torch.func.functional_call(
                 self.model, params, (), inputs, strict=False, tie_weights=True
             )
+        if step.new_states.keys() != cache.recurrent.keys():
+            raise ValueError(
+                f"cp_decode carried the recurrent states {sorted(cache.recurrent)} and the model's recurrent "
+                f"layers took {sorted(step.new_states)}: prefill and decode must run the same model"
+            )
         layers = tuple(step.shards[number] for number in range(len(cache.layers)))
         return output.logits[:, -1], replace(
-            cache, layers=layers, attention_mask=mask, position_ids=positions
+            cache, layers=layers, attention_mask=mask, position_ids=positions, recurrent=step.new_states
         )
 
 

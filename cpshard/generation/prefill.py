@@ -28,7 +28,8 @@ from cpshard.runtime.plan import CPOptions, plan_call
 from cpshard.runtime.probe import verify_once
 from cpshard.spec.sequence import chunk_positions, positions
 
-#: the cache layers of transformers' DynamicCache that a split cache serves
+#: the cache layers of transformers' DynamicCache that a split cache serves (and "linear_attention", whose
+#: states the cache carries whole, where the layout has recurrent rows)
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 PROMPT_KEYS = ("input_ids", "attention_mask")
 
@@ -36,12 +37,12 @@ PROMPT_KEYS = ("input_ids", "attention_mask")
 def check_servable(model, layout) -> None:
     """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
     prepares the same model, so every rank raises alike)."""
-    if layout.recurrent:
-        mixers = ", ".join(sorted({row.module for row in layout.recurrent}))
+    lightning = sorted({row.module for row in layout.recurrent if row.kernel == "lightning"})
+    if lightning:
         raise ValueError(
-            f"{type(model).__name__}: its linear-attention layers ({mixers}) carry a recurrent and a "
-            "convolution state, which cp generation does not pass between prefill and decode yet; "
-            "generate without cp"
+            f"{type(model).__name__}: its lightning-attention layers ({', '.join(lightning)}) keep their "
+            "state inside their module, where cp generation cannot carry it from prefill to decode; generate "
+            "without cp"
         )
     if layout.per_head_params:
         raise ValueError(
@@ -56,7 +57,8 @@ def check_servable(model, layout) -> None:
             "generation's decode over the split cache does not carry yet; generate without cp"
         )
     text_config = model.config.get_text_config(decoder=True)
-    types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(SERVED_LAYER_TYPES))
+    served = SERVED_LAYER_TYPES + (("linear_attention",) if layout.recurrent else ())
+    types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(served))
     if types or not model._supports_default_dynamic_cache():
         raise ValueError(
             f"{type(model).__name__} needs its own cache class (layer types {types or 'custom'}); cp "
@@ -101,6 +103,17 @@ def prompt_inputs(batch: dict) -> tuple[dict, torch.Tensor]:
     return inputs | ({"attention_mask": mask} if "attention_mask" in batch else {}), mask
 
 
+def check_left_padded(mask: torch.Tensor) -> None:
+    """A recurrent layer hands on its state after the prompt's last column, so a row's padding must come
+    before its tokens (as transformers' generate asks of every decoder): raise for a right-padded row."""
+    late = ((mask.cummax(1).values == 1) & (mask == 0)).any(1).nonzero().flatten().tolist()
+    if late:
+        raise BatchError(
+            f"rows {late} of the prompt have padding after a real token; a model with recurrent layers "
+            "carries its state on from the prompt's last column: pad prompts on the left"
+        )
+
+
 def last_real(mask: torch.Tensor) -> torch.Tensor:
     """``[B]``: the index of each row's last real token."""
     return mask.shape[1] - 1 - mask.flip(1).argmax(1)
@@ -138,6 +151,8 @@ class CPPrefill:
         check_mesh_and_params(mesh, params)
         try:  # raised after the batch is checked the same on every rank, so that every rank raises
             (prompt, mask), error = prompt_inputs(batch), None
+            if self.layout.recurrent:
+                check_left_padded(mask)
         except BatchError as raised:
             prompt, mask, error = batch, None, raised
         verify_once(self.training_forward, params, mesh)
@@ -147,7 +162,7 @@ class CPPrefill:
         ensure_installed(self.model, self.layout, tp=1)
         if error is not None:
             raise error
-        call = replace(call, kv_sink={})
+        call = replace(call, kv_sink={}, state_sink={})
         cp, group = call.cp_size, mesh.get_group("cp")
         rank = cp_rank(mesh)
         held, last = chunk_positions(padded.length, cp, rank), last_real(mask)
@@ -170,7 +185,7 @@ class CPPrefill:
             group,
             [names[id(m)] for m in self.attention],
         )
-        return logits, cache
+        return logits, replace(cache, recurrent=dict(call.state_sink))
 
 
 def make_cp_prefill(model, *, layout="auto", implementation="auto") -> CPPrefill:
@@ -178,5 +193,7 @@ def make_cp_prefill(model, *, layout="auto", implementation="auto") -> CPPrefill
     logits ``[B, V]`` of each row's last real token, the same on every rank, and the
     :class:`~cpshard.attention.kv_cache.ShardedKVCache` split over the cp ranks. ``batch``: ``input_ids``
     and optionally a 2-D ``attention_mask`` (left or right padding). Inference: nothing is differentiated."""
-    options = CPOptions(implementation=implementation)  # checked before the layout is resolved
+    # checked before the layout is resolved; a prefill hands on each recurrent layer's state, which state
+    # passing computes on every rank (the head split would gather it again)
+    options = CPOptions(implementation=implementation, recurrent="state_passing")
     return CPPrefill(model, resolve_layout(model, layout), options)

@@ -16,6 +16,11 @@ outside one it calls the model's own function, so the model is unchanged outside
 - A forward pre-hook cuts the 2D padding mask the model hands the mixer to this rank's positions.
 
 The sequence must be held in contiguous order (the plan sees to it).
+
+Generation: a prefill's call carries a ``state_sink``, where each slot leaves the state the prompt hands on
+(a kernel its state after the prompt's last token, a convolution that token's last ``kernel - 1`` inputs),
+the same on every rank; a decode step (one token per row, nothing split) gives each slot its state back
+and takes the new one, so every rank continues the recurrence alike.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpshard.call import CallPlan, split_call
-from cpshard.comm.collectives import all_gather_shards, all_to_all
+from cpshard.call import CallPlan, active_decode, split_call
+from cpshard.comm.collectives import all_gather_shards, all_to_all, sum_over_group
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import Recurrent, kernel_slots, recurrent_module
@@ -36,8 +41,8 @@ from cpshard.spec.notation import Spec
 
 
 class _Slot:
-    """One slot of one mixer, taken by cpshard. ``serve`` runs inside a cp call; outside one, the model's
-    own function (``original``) runs."""
+    """One slot of one mixer, taken by cpshard. ``serve`` runs inside a cp call, ``decode`` in a cp decode
+    step; outside both, the model's own function (``original``) runs."""
 
     def __init__(self, original, path: str):
         self.original, self.path = original, path
@@ -49,14 +54,37 @@ class _Slot:
                 "no cp_forward has prepared (or run this one eagerly)"
             )
         call = split_call()
-        if call is None:
-            return self.original(*args, **kwargs)
-        return self.serve(call, *args, **kwargs)
+        if call is not None:
+            return self.serve(call, *args, **kwargs)
+        step = active_decode()
+        if step is not None:
+            return self.decode(step, *args, **kwargs)
+        return self.original(*args, **kwargs)
 
     __call__ = forward
 
     def serve(self, call: CallPlan, *args, **kwargs):
         raise NotImplementedError
+
+    def decode(self, step, *args, **kwargs):
+        raise NotImplementedError
+
+    def sink(self, call: CallPlan, state: torch.Tensor) -> None:
+        """Leave the state this slot hands on after the prompt in a prefill's sink (once per forward)."""
+        if self.path in call.state_sink:
+            raise ValueError(
+                f"{self.path} ran twice in one forward; cp generation carries one state per slot and call"
+            )
+        call.state_sink[self.path] = state
+
+    def carried(self, step) -> torch.Tensor:
+        """The state a decode step hands this slot, from the cache of the prefill or the last step."""
+        if self.path not in step.states:
+            raise ValueError(
+                f"{self.path}: the cache holds no state for this layer; give cp_decode the cache that "
+                "cp_prefill (or the last cp_decode) of this model returned"
+            )
+        return step.states[self.path]
 
 
 def _cp_group(call: CallPlan):
@@ -90,9 +118,30 @@ class DeltaRule(_Slot):
         wants_final = kwargs.pop("output_final_state", False)
         kwargs.pop("initial_state", None)
         inputs, group = (query, key, value, g, beta), _cp_group(call)
+        if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
+            inputs = without_cp_padding(inputs, call.length, dist.get_rank(group))
+            outputs, final = self.state_passing(group, inputs, initial_state, True, kwargs)
+            self.sink(call, final)
+            return outputs, (final if wants_final else None)
         if self.scheme(call, inputs, dist.get_world_size(group)) == "head_split":
             return self.head_split(group, inputs, initial_state, wants_final, kwargs)
         return self.state_passing(group, inputs, initial_state, wants_final, kwargs)
+
+    def decode(self, step, query, key, value, g=None, beta=None, initial_state=None, **kwargs):
+        """One token per row from the carried state (the model's own kernel, every rank alike)."""
+        kwargs.pop("output_final_state", None)
+        outputs, state = self.original(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=self.carried(step),
+            output_final_state=True,
+            **kwargs,
+        )
+        step.new_states[self.path] = state
+        return outputs, None
 
     def scheme(self, call, inputs, cp: int) -> str:
         """The scheme of this layer and call: the one asked for, else the one with fewer analytic bytes
@@ -144,13 +193,45 @@ class DeltaRule(_Slot):
 _INPUTS = ("q", "k", "v", "g", "beta")
 
 
+def without_cp_padding(inputs: tuple, length: int, rank: int) -> tuple:
+    """The kernel's inputs with the positions cp padded past the sequence's ``length`` made to leave the
+    state as it is (no key, no decay: ``k = 0``, ``g = 0``), so that the last slice hands on the state
+    after the last real token. Their outputs, read by no real token, change."""
+    query, key, value, g, beta = inputs
+    held = key.shape[1]
+    real = torch.arange(rank * held, (rank + 1) * held, device=key.device) < length
+    if bool(real.all()):
+        return inputs
+    kept = lambda x: torch.where(real.view(1, -1, *[1] * (x.dim() - 2)), x, 0)  # noqa: E731
+    return query, kept(key), value, kept(g), beta
+
+
 class Halo(_Slot):
     """A short causal convolution slot (``causal_conv1d_fn``): the slice with the previous rank's halo."""
 
     def serve(self, call, hidden_states, weight, bias=None, activation=None, **kwargs):
-        width = weight.shape[-1] - 1
-        widened = with_halo(hidden_states, width, _cp_group(call), f"{self.path} conv halo")
+        width, group = weight.shape[-1] - 1, _cp_group(call)
+        widened = with_halo(hidden_states, width, group, f"{self.path} conv halo")
+        if call.state_sink is not None:  # a prefill: the last real token's inputs are carried on
+            self.sink(call, last_inputs(widened, width, call.length, group, f"{self.path} conv state"))
         return self.original(widened, weight, bias, activation=activation, **kwargs)[..., width:]
+
+    def decode(self, step, hidden_states, weight, bias=None, activation=None, **kwargs):
+        """One token per row after the carried inputs; the last ``kernel - 1`` inputs carried on."""
+        widened = torch.cat([self.carried(step), hidden_states], dim=-1)
+        step.new_states[self.path] = widened[..., hidden_states.shape[-1] :]
+        outputs = self.original(widened, weight, bias, activation=activation, **kwargs)
+        return outputs[..., -hidden_states.shape[-1] :]
+
+
+def last_inputs(widened: torch.Tensor, width: int, length: int, group, name: str) -> torch.Tensor:
+    """``[..., width]``: the convolution's inputs at the sequence's last ``width`` real positions (before
+    ``length``; zeros before the first), which the rank holding position ``length - 1`` finds in its
+    halo-widened slice; one all-reduce brings them to every rank."""
+    held, rank = widened.shape[-1] - width, dist.get_rank(group)
+    end = length - rank * held  # the real positions this rank holds, counted from its first
+    mine = widened[..., end : end + width] if 0 < end <= held else torch.zeros_like(widened[..., :width])
+    return sum_over_group(mine, group, name=name)
 
 
 #: the padding mask a mixer takes, whole (``b s``), and as each rank keeps it

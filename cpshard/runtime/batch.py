@@ -178,10 +178,18 @@ class PaddedBatch:
 
 
 def packed_documents(batch: Mapping) -> bool:
-    """Whether some row holds several documents: its ``position_ids`` do not count up by one (each
-    document restarts them). Such rows' causal work is per document (batch already validated)."""
+    """Whether some row holds several documents: its ``position_ids`` do not count up by one from one
+    real token to the next (each document restarts them; padding, where ``attention_mask`` marks it, may
+    hold any position). Such rows' causal work is per document (batch already validated)."""
     position_ids = batch.get("position_ids")
-    return position_ids is not None and bool((position_ids.diff(dim=1) != 1).any())
+    if position_ids is None:
+        return False
+    restarts = position_ids.diff(dim=1) != 1
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        real = mask.bool()
+        restarts &= real[:, 1:] & real[:, :-1]
+    return bool(restarts.any())
 
 
 def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None, order: str = "contiguous") -> PaddedBatch:
