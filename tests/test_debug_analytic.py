@@ -8,7 +8,9 @@ import torch
 from cpshard.debug.analytic import attention_paths, attention_steps, cut_steps, step
 from cpshard.debug.table import table
 from cpshard.layouts.decoder import LAYOUT as DECODER
+from cpshard.layouts.derive import derive_layout
 from cpshard.spec.notation import Spec
+from cpshard.tools.tiny import tiny_model
 
 LAYOUT = DECODER.with_rows(name="test")
 CONFIG = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, head_dim=32, hidden_size=256)
@@ -46,14 +48,15 @@ def test_cuts_are_free_and_unknown_sizes_stay_unknown():
 
 
 def test_attention_paths_in_layer_order():
-    names = [
-        "",
-        "model.layers.10.self_attn",
-        "model.layers.2.self_attn",
-        "model.layers.2.self_attn.q_proj",
-        "model.layers.2.mlp",
-    ]
-    assert attention_paths(names, LAYOUT) == ["model.layers.2.self_attn", "model.layers.10.self_attn"]
+    model = tiny_model("llama", num_hidden_layers=11)
+    paths = attention_paths(model, LAYOUT)
+    assert paths == [f"model.layers.{i}.self_attn" for i in range(11)]
+
+
+def test_attention_paths_leave_out_recurrent_mixers_of_the_same_name():
+    minimax = tiny_model("minimax")  # layer 1's self_attn is lightning attention
+    assert minimax.config.layer_types == ["full_attention", "linear_attention"]
+    assert attention_paths(minimax, derive_layout(minimax)) == ["model.layers.0.self_attn"]
 
 
 def test_table_aligns_and_right_justifies():

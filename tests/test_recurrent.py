@@ -2,8 +2,8 @@
 lightning attention: minimax),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
-two kernel chunks of 64 per rank, plain and left-padded batches, and value heads that cp does not divide;
-with inputs_embeds, the model's activation checkpointing, logits=False and FSDP2 x cp; the summaries and
+two kernel chunks of 64 per rank, plain, left- and right-padded batches, and value heads that cp does not
+divide; with inputs_embeds, the model's activation checkpointing, logits=False and FSDP2 x cp; the summaries and
 halos are really exchanged; what is not served yet is refused on every rank.
 
 The chunked kernel's fp32 rounding depends on where its chunks start: one process differs from itself by
@@ -210,7 +210,8 @@ def failing_with(name: str, case: str) -> list[str]:
     mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
     own, prepared = _model(name), _model(name)
     embeds = own.config.hidden_size if case == "inputs_embeds" else None
-    batch = tiny_batch(own.config.vocab_size, 2, 2 * 2 * CHUNK, pad="left", embeds_dim=embeds)
+    pad = "right" if case == "right padding" else "left"
+    batch = tiny_batch(own.config.vocab_size, 2, 2 * 2 * CHUNK, pad=pad, embeds_dim=embeds)
     if case == "checkpointing":
         prepared.gradient_checkpointing_enable()
         prepared.train()
@@ -224,6 +225,7 @@ def failing_with(name: str, case: str) -> list[str]:
         ("qwen3_next", "inputs_embeds"),
         ("qwen3_next", "checkpointing"),
         ("qwen3_next", "logits=False"),
+        ("kimi_linear", "right padding"),
         ("minimax", "checkpointing"),  # the recomputed layer runs the lightning hooks again
     ],
 )
@@ -357,3 +359,47 @@ def test_expert_parallelism_beside_linear_layers_is_refused(ranks4):
     """Qwen3-Next's layouts declare no experts (expert parallelism is not served beside linear layers yet)."""
     messages = ranks4.run(refusal_on, dict(cp=2, fsdp=2, ep=2))
     assert len(set(messages)) == 1 and "declares no experts: there is nothing to split over ep" in messages[0]
+
+
+def traced_linear_layers(name: str, recurrent: str) -> list[dict]:
+    """``trace_comms`` of one training step and of one prefill: the linear layer's groups, with the
+    optimum their scheme declared, and whether the whole report matches its optimum."""
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    model = _model(name)
+    batch = tiny_batch(model.config.vocab_size, 2, 64, pad="left")
+    params = cpshard.params_of(model)
+    step = cpshard.value_and_grad(cpshard.make_cp_forward(model, recurrent=recurrent))
+    step(params, batch, mesh)  # a derived layout's probe runs here, untraced
+    reports = [cpshard.debug.trace_comms(step, params, batch, mesh)]
+    if name != "minimax":
+        prompt = {key: value for key, value in batch.items() if key != "labels"}
+        reports.append(cpshard.debug.trace_comms(cpshard.make_cp_prefill(model), params, prompt, mesh))
+    index = model.config.layer_types.index("linear_attention")
+    linear = f"model.layers.{index}." + ("self_attn" if name == "minimax" else "linear_attn")
+    return [
+        {
+            "matches": report.matches_optimum,
+            "differing": [g for g in report.groups if g.verdict == "DIFFERS"],
+            "linear": {
+                (g.op, g.phase): (g.count, g.nbytes, g.optimum_count, g.optimum_bytes)
+                for g in report.groups
+                if g.module == linear
+            },
+        }
+        for report in reports
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, recurrent", [("qwen3_next", "state_passing"), ("qwen3_next", "head_split"), ("minimax", "auto")]
+)
+def test_trace_comms_sets_each_linear_layer_beside_its_scheme_s_optimum(ranks2, name, recurrent):
+    for rank, reports in enumerate(ranks2.run(traced_linear_layers, name, recurrent)):
+        for report in reports:
+            assert report["matches"], (rank, report)
+            for count, nbytes, optimum_count, optimum_bytes in report["linear"].values():
+                assert (count, nbytes) == (optimum_count, optimum_bytes) and nbytes > 0, (rank, report)
+        ops = {op for op, _ in reports[0]["linear"]}
+        assert ops >= ({"all_to_all"} if recurrent == "head_split" else {"all_gather"}), reports[0]
+        if name == "qwen3_next":  # the prefill: state passing, and the last inputs' all-reduce
+            assert {"all_gather", "all_reduce"} <= {op for op, _ in reports[1]["linear"]}, reports[1]

@@ -28,11 +28,25 @@ class CommEvent:
     parallelism: str = "cp"
 
 
+@dataclass(frozen=True)
+class Expected:
+    """The analytic optimum of one module's collectives of one op and phase on this rank, declared where
+    their sizes are known from the shapes alone (a linear-attention layer's kernel inputs), for
+    :func:`cpshard.debug.trace_comms` to set beside what ran."""
+
+    module: str
+    op: str
+    phase: str
+    count: int
+    nbytes: int
+
+
 @dataclass
 class CommsLog:
-    """The collectives recorded on this rank, in launch order."""
+    """The collectives recorded on this rank, in launch order, and the optimum declared for some."""
 
     events: list[CommEvent] = field(default_factory=list)
+    expected: list[Expected] = field(default_factory=list)
     #: the recording this one is nested in, which records every event too
     parent: CommsLog | None = field(default=None, repr=False, compare=False)
 
@@ -123,4 +137,12 @@ def record(recorder: Recorder | None, op: str, name: str, phase: str, tensor, gr
     log = recorder.log
     while log is not None:
         log.events.append(event)
+        log = log.parent
+
+
+def expect(module: str, op: str, phase: str, count: int, nbytes: int) -> None:
+    """Declare :class:`Expected` in the open recording and every one it is nested in (no-op without one)."""
+    log = _ACTIVE.get()
+    while log is not None:
+        log.expected.append(Expected(module, op, phase, count, nbytes))
         log = log.parent

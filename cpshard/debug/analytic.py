@@ -16,6 +16,7 @@ import torch
 from cpshard.attention.ulysses import kv_replication
 from cpshard.comm.redistribute import Move, plan
 from cpshard.layouts.layout import Layout
+from cpshard.runtime.install import attention_modules
 from cpshard.spec.notation import Spec
 
 TOKEN_NAMES = ("b", "s")
@@ -102,11 +103,8 @@ def cut_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype)
     )
 
 
-def attention_paths(module_names, layout: Layout) -> list[str]:
-    """The attention modules' paths among ``module_names`` (``model.layers.3.self_attn``), in layer order."""
-    prefix, found = layout.decoder_layers + ".", []
-    for name in module_names:
-        index, _, rest = name.removeprefix(prefix).partition(".")
-        if name.startswith(prefix) and index.isdigit() and rest == layout.attention:
-            found.append((int(index), name))
-    return [name for _, name in sorted(found)]
+def attention_paths(model, layout: Layout) -> list[str]:
+    """The paths of ``model``'s attention modules (``model.layers.3.self_attn``), in layer order: every
+    decoder layer's but those holding a recurrent mixer (MiniMax's lightning layers share the name)."""
+    attention = {id(module) for module in attention_modules(model, layout)}
+    return [name for name, module in model.named_modules() if id(module) in attention]

@@ -5,7 +5,9 @@ phase. The optimum comes from :mod:`cpshard.debug.optimum`, not from what ran: e
 function makes is seen at its model's forward (batch size, padded length, dtype, parameters), and
 for a Ulysses call that says, per attention module, one all-to-all each of q, k, v and the output
 forward, the same backward when a backward ran; every gradient once (one bucket per dtype) when
-gradients are reduced, and the fp32 loss once. Ring and hybrid calls get no optimum here.
+gradients are reduced, and the fp32 loss once. Ring and hybrid calls get no optimum here. A
+linear-attention layer declares its own (:func:`cpshard.comm.record.expect`: the analytic bytes of the
+scheme it chose, from its kernel's input shapes).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook
 
 from cpshard.call import CallPlan, split_call
-from cpshard.comm.record import CommEvent, recording
+from cpshard.comm.record import CommEvent, Expected, recording
 from cpshard.debug.analytic import attention_paths, head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
@@ -81,7 +83,7 @@ class _Run:
         )
         buckets = None if any(isinstance(p, DTensor) for p in params) else len({p.dtype for p in params})
         dtypes = frozenset(p.dtype for p in params)
-        return cls(tuple(attention_paths(call.module_names.values(), layout)), optimum, buckets, dtypes)
+        return cls(tuple(attention_paths(model, layout)), optimum, buckets, dtypes)
 
 
 def split_name(name: str, modules: set[str]) -> tuple[str, str]:
@@ -93,16 +95,20 @@ def split_name(name: str, modules: set[str]) -> tuple[str, str]:
     return name, ""
 
 
-def optimum(runs: list[_Run], groups: set[tuple]) -> dict[tuple, list[int]]:
-    """(module, op, phase) -> [count, bytes] that the runs need. Backward, gradients and the loss are
-    expected only where ``groups`` (what was observed) shows that such a pass or reduction ran; a loss
-    not reduced apart rode with the gradients (:func:`cpshard.value_and_grad`)."""
+def optimum(runs: list[_Run], declared: list[Expected], groups: set[tuple]) -> dict[tuple, list[int]]:
+    """(module, op, phase) -> [count, bytes] that the runs and the ``declared`` optima need. Backward,
+    gradients and the loss are expected only where ``groups`` (what was observed) shows that such a pass
+    or reduction ran; a loss not reduced apart rode with the gradients (:func:`cpshard.value_and_grad`)."""
     expected: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     backward = any(phase == "backward" for _, _, phase in groups)
 
     def add(key: tuple, count: int, nbytes: int) -> None:
         expected[key][0] += count
         expected[key][1] += nbytes
+
+    for one in declared:
+        if backward or one.phase != "backward":
+            add((one.module, one.op, one.phase), one.count, one.nbytes)
 
     for run in runs:
         per_phase = (
@@ -181,14 +187,16 @@ class CommsReport:
         return table(rows, header, right=frozenset({3, 4, 5, 6}))
 
 
-def _group(events: list[CommEvent], runs: list[_Run], modules: set[str]) -> list[Group]:
+def _group(
+    events: list[CommEvent], runs: list[_Run], declared: list[Expected], modules: set[str]
+) -> list[Group]:
     observed: dict[tuple, list[int]] = {}
     for event in events:
         key = (split_name(event.name, modules)[0], event.op, event.phase)
         entry = observed.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += event.nbytes
-    expected = optimum(runs, set(observed))
+    expected = optimum(runs, declared, set(observed))
     keys = list(observed) + [key for key in expected if key not in observed]
     first = {}
     for module, _, _ in keys:
@@ -216,4 +224,4 @@ def trace_comms(fn, /, *args, **kwargs) -> CommsReport:
             result = fn(*args, **kwargs)
     finally:
         handle.remove()
-    return CommsReport(list(log.events), _group(log.events, runs, modules), result)
+    return CommsReport(list(log.events), _group(log.events, runs, log.expected, modules), result)

@@ -164,5 +164,5 @@ def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree
         dtype_name(model.dtype),
         cut_steps(config, chosen, sizes, model.dtype),
         attention,
-        tuple(attention_paths((path for path, _ in model.named_modules()), chosen)),
+        tuple(attention_paths(model, chosen)),
     )

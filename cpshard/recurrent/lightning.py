@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import split_call
-from cpshard.comm.collectives import all_gather_shards
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import LIGHTNING
 from cpshard.recurrent.affine import fold_states
+from cpshard.recurrent.exchange import gathered_summaries
 
 #: what the hooks were written against in transformers 5.25.0
 WRITTEN_AGAINST = (
@@ -70,10 +70,11 @@ def _corrected(module, path: str, held: dict, norm, args, kwargs):
     local = torch.einsum("bthk,bthv->bhkv", key * from_key.T[None, :, :, None], value)
     group = call.mesh.get_group("cp")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    every = all_gather_shards([local.flatten()[None]], [size], group, f"{path} state")[0]
+    nbytes = query.shape[0] * module.num_attention_heads * module.head_dim**2 * 4  # S_local alone
+    every = gathered_summaries((local,), group, path, nbytes)
     carry = torch.exp(-module.slope_rate.float().reshape(1, -1, 1, 1) * length)
-    transition = carry * torch.eye(module.head_dim, device=local.device)
-    states = fold_states([transition] * size, [s.view_as(local) for s in every])
+    transition = carry * torch.eye(module.head_dim, device=local.device)  # known without data
+    states = fold_states([transition] * size, [local for (local,) in every])
     # every rank's output depends on every summary (rank 0's through a zero): the gather's backward runs
     state_in = states[rank] + 0 * states[-1]
     correction = torch.einsum("bthk,bhkv->bthv", query * to_query.T[None, :, :, None], state_in)

@@ -30,11 +30,13 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import CallPlan, active_decode, split_call
-from cpshard.comm.collectives import all_gather_shards, all_to_all, sum_over_group
+from cpshard.comm.collectives import all_to_all, sum_over_group
+from cpshard.comm.record import expect
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import Recurrent, kernel_slots, recurrent_module
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
+from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
 from cpshard.spec.notation import Spec
@@ -44,8 +46,8 @@ class _Slot:
     """One slot of one mixer, taken by cpshard. ``serve`` runs inside a cp call, ``decode`` in a cp decode
     step; outside both, the model's own function (``original``) runs."""
 
-    def __init__(self, original, path: str):
-        self.original, self.path = original, path
+    def __init__(self, original, module: str, name: str):
+        self.original, self.module, self.path = original, module, f"{module} {name}"
 
     def forward(self, *args, **kwargs):
         if not isinstance(self, _Slot):  # the kernels package calls slots so under torch.compile
@@ -95,15 +97,25 @@ def _cp_group(call: CallPlan):
 RECURRENT_SCHEMES = ("auto", "state_passing", "head_split")
 
 
+def summary_bytes(batch: int, heads: int, dk: int, dv: int) -> int:
+    """One slice's fp32 summary, ``M`` ``[dk, dk]`` and ``S_local`` ``[dk, dv]`` per row and head."""
+    return batch * heads * dk * (dk + dv) * 4
+
+
 def state_passing_bytes(batch: int, heads: int, dk: int, dv: int, cp: int) -> int:
     """What one rank puts into collectives for one layer, forward and backward, by state passing: its fp32
-    summary (``M`` and ``S_local``) all-gathered, and the reduce-scatter of every rank's gradient of it."""
-    return batch * heads * dk * (dk + dv) * 4 * (1 + cp)
+    summary all-gathered, and the reduce-scatter of every rank's gradient of it."""
+    return summary_bytes(batch, heads, dk, dv) * (1 + cp)
 
 
 def head_split_bytes(tensors: tuple[torch.Tensor, ...], output_bytes: int) -> int:
     """The same by the head split: every kernel input and the output all-to-all'd, forward and backward."""
     return 2 * (sum(x.numel() * x.element_size() for x in tensors) + output_bytes)
+
+
+def halo_bytes(tail: torch.Tensor) -> int:
+    """A convolution's halo (or its carried inputs): ``[B, channels, kernel - 1]`` in the input's dtype."""
+    return tail.numel() * tail.element_size()
 
 
 class DeltaRule(_Slot):
@@ -166,6 +178,9 @@ class DeltaRule(_Slot):
         """Sequence-split inputs to head-split whole sequences, the model's kernel on them, and back."""
         if initial_state is not None or wants_final:
             raise ValueError(f"{self.path}: the head split carries no state in or out of the call")
+        per_phase = head_split_bytes(inputs, inputs[2].numel() * inputs[2].element_size()) // 2
+        for phase in ("forward", "backward"):  # each input and the output, there and back
+            expect(self.module, "all_to_all", phase, len(_INPUTS) + 1, per_phase)
         whole = [all_to_all(x, 2, 1, group, f"{self.path} {name}") for name, x in zip(_INPUTS, inputs)]
         outputs, _ = self.original(*whole[:3], g=whole[3], beta=whole[4], **kwargs)
         return all_to_all(outputs, 1, 2, group, f"{self.path} output"), None
@@ -173,15 +188,11 @@ class DeltaRule(_Slot):
     def state_passing(self, group, inputs, initial_state, wants_final: bool, kwargs):
         """The slice from a zero state, its summary gathered, the incoming state folded, the outputs
         corrected."""
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        rank, (batch, _, heads, dv) = dist.get_rank(group), inputs[2].shape
         summary = delta_rule_summary(self.original, *inputs[:3], inputs[3], inputs[4], **kwargs)
-        transition, local = summary.transition, summary.state_local
-        mine = torch.cat([transition.flatten(), local.flatten()])
-        every = all_gather_shards([mine[None]], [size], group, f"{self.path} state")[0]
-        transitions, locals_ = every.split([transition.numel(), local.numel()], dim=1)
-        states = fold_states(
-            [t.view_as(transition) for t in transitions], [s.view_as(local) for s in locals_], initial_state
-        )
+        nbytes = summary_bytes(batch, heads, inputs[1].shape[-1], dv)
+        every = gathered_summaries((summary.transition, summary.state_local), group, self.path, nbytes)
+        states = fold_states(*zip(*every, strict=True), initial_state)
         # every rank's outputs depend on every summary (rank 0's through a zero), so that the gather's
         # backward, a reduce-scatter, runs on every rank
         state_in = states[rank] + 0 * states[-1]
@@ -211,8 +222,13 @@ class Halo(_Slot):
 
     def serve(self, call, hidden_states, weight, bias=None, activation=None, **kwargs):
         width, group = weight.shape[-1] - 1, _cp_group(call)
+        nbytes = halo_bytes(hidden_states[..., :width])
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        for phase in ("forward",) * (rank < size - 1) + ("backward",) * (rank > 0):  # one step on, one back
+            expect(self.module, "send", phase, 1, nbytes)
         widened = with_halo(hidden_states, width, group, f"{self.path} conv halo")
         if call.state_sink is not None:  # a prefill: the last real token's inputs are carried on
+            expect(self.module, "all_reduce", "forward", 1, nbytes)
             self.sink(call, last_inputs(widened, width, call.length, group, f"{self.path} conv state"))
         return self.original(widened, weight, bias, activation=activation, **kwargs)[..., width:]
 
@@ -249,7 +265,7 @@ def _cut_mask(module, args, kwargs):
 def _take(slots: dict, name: str, kind: type, path: str) -> None:
     current = slots[name]
     original = current.original if isinstance(current, _Slot) else current  # installed before: re-taken
-    slots[name] = kind(original, f"{path} {name}")
+    slots[name] = kind(original, path, name)
 
 
 def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers_path: str) -> list[Hook]:
