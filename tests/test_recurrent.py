@@ -3,8 +3,8 @@ lightning attention: minimax),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain, left- and right-padded batches, and value heads that cp does not
-divide; with inputs_embeds, the model's activation checkpointing, logits=False and FSDP2 x cp; the summaries and
-halos are really exchanged; what is not served yet is refused on every rank.
+divide; with inputs_embeds, the model's activation checkpointing, logits=False and FSDP2 x cp; the
+summaries and halos are really exchanged; what is not served yet is refused on every rank.
 
 The chunked kernel's fp32 rounding depends on where its chunks start: one process differs from itself by
 about 2e-5 of its logits between chunks of 64 and 32. Where each rank's slice starts on the chunk grid,
