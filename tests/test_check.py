@@ -171,3 +171,10 @@ def test_a_refusal_inside_the_ranks_is_one_line(capsys):
     err = capsys.readouterr().err
     assert "raised LayoutError: cpshard cannot serve model type 'musicgen_decoder'" in err
     assert "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_a_hybrid_with_linear_attention_passes(ranks2):
+    """qwen3_next: a Gated DeltaNet layer and an attention layer, every row within tolerance."""
+    parities = ranks2.run(check_job, CheckConfig("qwen3_next", seq=64))
+    assert any(row.startswith("grad model.layers.0.linear_attn") for row in parities[0].diffs)
+    assert failing_rows(parities) == []
