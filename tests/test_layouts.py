@@ -19,8 +19,10 @@ from cpshard.layouts.registry import (
 from cpshard.tools.tiny import tiny_model
 
 SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")
-#: every model type with a layout file: the attention decoders above and the Gated DeltaNet hybrids
-FILES = sorted((*SUPPORTED, "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"))
+#: every model type with a layout file: the attention decoders above, the Gated DeltaNet and Mamba2 hybrids
+FILES = sorted(
+    (*SUPPORTED, "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid")
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,17 @@ def test_models_that_do_not_fit_are_refused(models, model, model_type, why):
 
 def test_registry():
     assert sorted(REGISTERED) == FILES
-    assert sorted(BY_NAME) == ["decoder", "gemma3", "llama", "mistral", "qwen3", "qwen3_moe", "qwen3_next"]
+    assert sorted(BY_NAME) == [
+        "decoder",
+        "gemma3",
+        "granitemoehybrid",
+        "llama",
+        "mistral",
+        "nemotron_h",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_next",
+    ]
     for model_type, layout in REGISTERED.items():
         assert BY_NAME[layout.name] is layout and model_type in layout.model_types
 
@@ -90,7 +102,9 @@ def test_layout_by_name(models, name):
 def test_layout_given_or_unknown(models):
     custom = decoder.LAYOUT.for_types("mine", "qwen2")
     assert resolve_layout(models["qwen2"], custom) is custom
-    with pytest.raises(ValueError, match=r"unknown layout 'gpt2'.*decoder, gemma3, llama, mistral, qwen3"):
+    with pytest.raises(
+        ValueError, match=r"unknown layout 'gpt2'.*decoder, gemma3, granitemoehybrid, llama, mistral"
+    ):
         resolve_layout(models["qwen2"], "gpt2")
     broken = decoder.LAYOUT.with_rows(name="broken", decoder_layers="model.blocks")
     with pytest.raises(ValueError, match=r"'qwen2'.*'broken'.*'model.blocks'"):

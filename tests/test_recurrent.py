@@ -19,6 +19,7 @@ import cpshard
 from cpshard.comm.record import recording
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.qwen3_next import LAYOUT as QWEN3_NEXT
+from cpshard.layouts.registry import resolve_layout
 from cpshard.tools.layout_file import layout_for
 from cpshard.tools.parity import check_parity, failing_rows, reference, tensor_group
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -31,6 +32,10 @@ MODELS = {
     "olmo_hybrid": {},
     "kimi_linear": {},
     "minimax": {},  # lightning attention: no convolution, a constant decay
+    "bamba": {},  # Mamba2's SSD: a scalar decay per head
+    "granitemoehybrid": {},
+    "nemotron_h": {},  # Mamba2, MoE, attention and MLP layers
+    "nemotron_h-3-heads": {"mamba_num_heads": 3, "n_groups": 1},
 }
 CHUNK = 64  # the torch kernels' chunk
 
@@ -82,8 +87,9 @@ def test_the_head_split_is_exact_at_cp2(ranks2, name, length):
             assert result["head exchanges"] >= 6 and result["state gathers"] == 0, (recurrent, rank, result)
 
 
-def test_linear_attention_is_exact_at_cp4_with_heads_cp_does_not_divide(ranks4):
-    for result in ranks4.run(failing_against_own_code, "qwen3_next-3-value-heads", 4 * 2 * CHUNK, "left"):
+@pytest.mark.parametrize("name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads"])
+def test_linear_attention_is_exact_at_cp4_with_heads_cp_does_not_divide(ranks4, name):
+    for result in ranks4.run(failing_against_own_code, name, 4 * 2 * CHUNK, "left"):
         assert result["failing"] == [], result
 
 
@@ -194,9 +200,18 @@ def test_a_prepared_model_outside_cp_is_the_model(ranks2):
     assert ranks2.run(plain_after_cp, "qwen3_next") == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text"])
+#: the rows a registered file of a hybrid shares with the layout cpshard derives from the model (the files
+#: leave out the tensor-parallel plan, refused beside recurrent layers, and MLP tiling of mixed MLPs)
+SHARED_ROWS = ("attention", "final_norm", "layer_inputs", "head_transforms", "hidden", "qkv", "logits")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text", "nemotron_h", "granitemoehybrid"])
 def test_derived_recurrent_rows_match_the_registered_file(name):
-    assert derive_layout(_model(name)).recurrent == QWEN3_NEXT.recurrent
+    model = _model(name)
+    derived, registered = derive_layout(model), resolve_layout(model)
+    assert registered.name == name.replace("qwen3_5_text", "qwen3_next")
+    for row in (*SHARED_ROWS, "recurrent", "pointwise"):
+        assert getattr(derived, row) == getattr(registered, row), row
 
 
 def test_the_printed_layout_file_is_the_registered_one():
@@ -299,6 +314,39 @@ def test_a_linear_layer_moves_its_scheme_s_analytic_bytes(ranks2, recurrent):
             assert result["measured"] == result["expected"], (length, result)
 
 
+def ssd_layer_bytes(length: int) -> dict:
+    """Rank by rank, the bytes of nemotron_h's Mamba2 layer (by op and phase), and the analytic count from
+    the mixer's sizes: the fp32 summary (the state ``[P, N]`` and one decay per row and head) all-gathered
+    forward and its gradient reduce-scattered backward, and the convolution's halo."""
+    cp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mesh, model = cpshard.make_mesh(cp=cp), _model("nemotron_h")
+    batch, step = (
+        tiny_batch(model.config.vocab_size, 2, length),
+        cpshard.value_and_grad(cpshard.make_cp_forward(model)),
+    )
+    step(cpshard.params_of(model), batch, mesh)  # the derived layout's probe runs here, unrecorded
+    with recording() as log:
+        step(cpshard.params_of(model), batch, mesh)
+    measured = {}
+    for event in log.events:
+        if event.name.startswith("model.layers.0.mixer"):
+            measured[f"{event.op} {event.phase}"] = (
+                measured.get(f"{event.op} {event.phase}", 0) + event.nbytes
+            )
+    mixer, rows = model.model.layers[0].mixer, 2
+    summary = rows * mixer.num_heads * (mixer.head_dim * mixer.ssm_state_size + 1) * 4
+    halo = rows * mixer.conv_dim * (mixer.conv_kernel_size - 1) * 4
+    expected = {"all_gather forward": summary, "reduce_scatter backward": cp * summary}
+    expected |= ({"send forward": halo} if rank < cp - 1 else {}) | ({"send backward": halo} if rank else {})
+    return {"measured": measured, "expected": expected}
+
+
+def test_a_mamba2_layer_moves_one_summary_whatever_the_length(ranks2):
+    for length in (64, 256):
+        for result in ranks2.run(ssd_layer_bytes, length):
+            assert result["measured"] == result["expected"], (length, result)
+
+
 def test_a_step_optimum_of_attention_layers_refuses_linear_ones():
     from cpshard.debug.optimum import optimum_for
 
@@ -371,11 +419,11 @@ def traced_linear_layers(name: str, recurrent: str) -> list[dict]:
     step = cpshard.value_and_grad(cpshard.make_cp_forward(model, recurrent=recurrent))
     step(params, batch, mesh)  # a derived layout's probe runs here, untraced
     reports = [cpshard.debug.trace_comms(step, params, batch, mesh)]
-    if name != "minimax":
+    if name in GENERATES:
         prompt = {key: value for key, value in batch.items() if key != "labels"}
         reports.append(cpshard.debug.trace_comms(cpshard.make_cp_prefill(model), params, prompt, mesh))
     index = model.config.layer_types.index("linear_attention")
-    linear = f"model.layers.{index}." + ("self_attn" if name == "minimax" else "linear_attn")
+    linear = f"model.layers.{index}.{derive_layout(model).recurrent[0].module}"
     return [
         {
             "matches": report.matches_optimum,
@@ -390,8 +438,18 @@ def traced_linear_layers(name: str, recurrent: str) -> list[dict]:
     ]
 
 
+#: the models whose states cp generation carries (a prefill is traced too)
+GENERATES = ("qwen3_next",)
+
+
 @pytest.mark.parametrize(
-    "name, recurrent", [("qwen3_next", "state_passing"), ("qwen3_next", "head_split"), ("minimax", "auto")]
+    "name, recurrent",
+    [
+        ("qwen3_next", "state_passing"),
+        ("qwen3_next", "head_split"),
+        ("minimax", "auto"),
+        ("nemotron_h", "auto"),
+    ],
 )
 def test_trace_comms_sets_each_linear_layer_beside_its_scheme_s_optimum(ranks2, name, recurrent):
     for rank, reports in enumerate(ranks2.run(traced_linear_layers, name, recurrent)):
@@ -401,5 +459,20 @@ def test_trace_comms_sets_each_linear_layer_beside_its_scheme_s_optimum(ranks2, 
                 assert (count, nbytes) == (optimum_count, optimum_bytes) and nbytes > 0, (rank, report)
         ops = {op for op, _ in reports[0]["linear"]}
         assert ops >= ({"all_to_all"} if recurrent == "head_split" else {"all_gather"}), reports[0]
-        if name == "qwen3_next":  # the prefill: state passing, and the last inputs' all-reduce
+        if name in GENERATES:  # the prefill: state passing, and the last inputs' all-reduce
             assert {"all_gather", "all_reduce"} <= {op for op, _ in reports[1]["linear"]}, reports[1]
+
+
+def test_a_mamba2_mixer_s_slots_are_taken_its_fused_kernel_too():
+    """The fused slot that would do the whole mixer in one call (mamba_ssm's, on a GPU) steps aside inside
+    a cp call, so the scan and the convolution run through the slots cpshard serves."""
+    from cpshard.layouts.layout import kernel_slots
+    from cpshard.recurrent.slots import Halo, SSDScan, Unfused
+    from cpshard.runtime.install import install
+
+    model = _model("nemotron_h")
+    install(model, resolve_layout(model))
+    slots = kernel_slots(model.model.layers[0].mixer)
+    assert isinstance(slots["mamba_chunk_scan_combined"], SSDScan)
+    assert isinstance(slots["causal_conv1d_fn"], Halo)
+    assert isinstance(slots["mamba_split_conv1d_scan_combined"], Unfused)

@@ -5,12 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 from cpshard.recurrent.affine import (
     correct_outputs,
     delta_rule_summary,
     fold_states,
+    ssd_summary,
 )
 
 KERNELS = {"gated_delta": torch_chunk_gated_delta_rule, "kda": chunk_kimi_delta_attention}
@@ -116,3 +118,56 @@ def test_bf16_inputs_give_bf16_outputs_rounded_once(kind):
     assert got_outputs.dtype == torch.bfloat16 and got_final.dtype == torch.float32
     torch.testing.assert_close(got_outputs, outputs.to(torch.bfloat16), rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(got_final, final_state, rtol=1e-5, atol=1e-5)
+
+
+def ssd_inputs(heads=4, groups=2, width=8, states=6, batch=2, length=300, seed=0) -> dict:
+    """Mamba2's scan inputs: x ``[B, T, H, P]``, raw dt ``[B, T, H]``, B and C per group, and the state."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    x = {
+        "hidden_states": rand(batch, length, heads, width),
+        "dt": rand(batch, length, heads) - 2,
+        "B": rand(batch, length, groups, states),
+        "C": rand(batch, length, groups, states),
+        "initial_states": rand(batch, heads, width, states),
+    }
+    return {name: t.requires_grad_() for name, t in x.items()}
+
+
+def ssd_kwargs(heads=4) -> dict:
+    """The model's own arguments, as NemotronH's mixer passes them (A and D per head, a time-step floor)."""
+    gen = torch.Generator().manual_seed(9)
+    return {
+        "A": -torch.rand(heads, generator=gen) - 0.5,
+        "D": torch.randn(heads, generator=gen),
+        "dt_bias": torch.randn(heads, generator=gen),
+        "dt_softplus": True,
+        "dt_limit": (0.0, float("inf")),
+    }
+
+
+@pytest.mark.parametrize("lengths", SPLITS, ids=lambda s: "+".join(map(str, s)))
+def test_ssd_slices_folded_and_corrected_are_the_whole_sequence(lengths):
+    x, kwargs, chunk = ssd_inputs(), ssd_kwargs(), 64
+    tokens = {name: t for name, t in x.items() if name != "initial_states"}
+    outputs, final = mamba2_chunk_scan(
+        **tokens, chunk_size=chunk, initial_states=x["initial_states"], return_final_states=True, **kwargs
+    )
+    pieces = [dict(zip(tokens, p)) for p in zip(*(t.split(lengths, dim=1) for t in tokens.values()))]
+    summaries = [ssd_summary(mamba2_chunk_scan, **piece, chunk_size=chunk, **kwargs) for piece in pieces]
+    states = fold_states(
+        [s.transition for s in summaries],
+        [s.state_local for s in summaries],
+        x["initial_states"].transpose(-1, -2),
+    )
+    got = torch.cat(
+        [correct_outputs(s.o_zero, s.q_eff, state, torch.float32) for s, state in zip(summaries, states)], 1
+    )
+    got_final = states[-1].transpose(-1, -2)
+    torch.testing.assert_close(got, outputs, **TOLERANCE)
+    torch.testing.assert_close(got_final, final, **TOLERANCE)
+    expected, sliced_grads = gradients(x, outputs, final), gradients(x, got, got_final)
+    for name in x:
+        torch.testing.assert_close(sliced_grads[name], expected[name], **TOLERANCE)
+    uncorrected = torch.cat([s.o_zero for s in summaries], dim=1)  # the incoming states matter
+    assert (uncorrected[:, lengths[0] :] - outputs[:, lengths[0] :]).abs().max() > 1e-2

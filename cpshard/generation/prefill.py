@@ -44,6 +44,12 @@ def check_servable(model, layout) -> None:
             "state inside their module, where cp generation cannot carry it from prefill to decode; generate "
             "without cp"
         )
+    scans = sorted({row.module for row in layout.recurrent if row.decay == "scalar"})
+    if scans:
+        raise ValueError(
+            f"{type(model).__name__}: cp generation does not carry the states of its state-space layers "
+            f"({', '.join(scans)}) from prefill to decode yet; generate without cp"
+        )
     if layout.per_head_params:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "

@@ -117,24 +117,40 @@ def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
     return tuple(rows.values())
 
 
-def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> str:
-    """The path in every layer that holds attention (``(index, layer)`` pairs) of its attention module (one
-    that calls transformers' attention registry); "" where every layer holds a recurrent mixer."""
+def _refuse_attention_beside_recurrent(layers: nn.ModuleList, layers_path: str, rows) -> None:
+    """A layer that runs attention and a recurrent mixer side by side (Falcon-H1, Zamba2's hybrid layers)
+    is one cp does not serve yet: it would serve the mixer and leave the attention to its slice."""
+    for index, layer in enumerate(layers):
+        found = recurrent_module(layer, rows)
+        beside = [name for name in _attention_candidates(layer) if found and name != found[1].module]
+        if beside:
+            raise LayoutError(
+                f"{layers_path}.{index} ({type(layer).__name__}) runs attention ({beside[0]}) beside its "
+                f"recurrent mixer ({found[1].module}) in one layer; cp does not serve such layers yet"
+            )
+
+
+def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> tuple[str, tuple[str, ...]]:
+    """The path in every layer that holds no recurrent mixer (``(index, layer)`` pairs) of its attention
+    module (one that calls transformers' attention registry), and the class names of the modules some
+    layers hold there instead that are not attention by name (Nemotron-H's MLP and MoE layers: pointwise,
+    which the probe verifies); ``("", ())`` where every layer holds a recurrent mixer."""
     if not layers:
-        return ""
-    first = _attention_candidates(layers[0][1])
-    for name in first:
+        return "", ()
+    candidates = dict.fromkeys(name for _, layer in layers for name in _attention_candidates(layer))
+    for name in candidates:
         modules = [(index, submodule(layer, name)) for index, layer in layers]
         if all(isinstance(m, nn.Module) for _, m in modules):
             odd = [(i, m) for i, m in modules if not calls_attention_registry(m)]
-            if odd:
-                kind = type(odd[0][1]).__name__
+            custom = [(i, m) for i, m in odd if _is_attention(m)] or (odd if len(odd) == len(modules) else [])
+            if custom:
                 raise LayoutError(
-                    f"{layers_path}.{odd[0][0]}.{name} ({kind}) does not call attention "
-                    "through transformers' attention registry, so cp cannot make it attend over the whole "
-                    "sequence (linear or custom attention mixes tokens where cp cannot see)"
+                    f"{layers_path}.{custom[0][0]}.{name} ({type(custom[0][1]).__name__}) does not call "
+                    "attention through transformers' attention registry, so cp cannot make it attend over "
+                    "the whole sequence (linear or custom attention mixes tokens where cp cannot see)"
                 )
-            return name
+            return name, tuple(sorted({type(m).__name__ for _, m in odd}))
+    first = _attention_candidates(layers[0][1])
     raise LayoutError(
         f"not every layer of {layers_path} ({type(layers[0][1]).__name__}) has an attention module"
         + (f" (found {first} in the first)" if first else "")
@@ -346,8 +362,14 @@ def derive_layout(model: nn.Module) -> Layout:
     inner, layers = _decoder_layers(decoder, getattr(config, "num_hidden_layers", None))
     layers_path = _join(decoder_path, inner)
     recurrent = _recurrent_rows(layers)
+    _refuse_attention_beside_recurrent(layers, layers_path, recurrent)
     with_attention = [(i, layer) for i, layer in enumerate(layers) if not recurrent_module(layer, recurrent)]
-    attention = _attention_name(with_attention, layers_path)
+    attention, pointwise = _attention_name(with_attention, layers_path)
+    with_attention = [
+        (i, layer)
+        for i, layer in with_attention
+        if type(submodule(layer, attention)).__name__ not in pointwise
+    ]
     mixers = _token_mixers(layers, layers_path, recurrent)
     if mixers:
         more = f" ({len(mixers) - 1} more such modules)" if len(mixers) > 1 else ""
@@ -402,6 +424,7 @@ def derive_layout(model: nn.Module) -> Layout:
             [layer.get_submodule(attention) for _, layer in with_attention], heads
         ),
         recurrent=recurrent,
+        pointwise=pointwise,
         labels_shifted=recording.labels_shifted,
         restores_length=restores,
     )

@@ -27,8 +27,15 @@ HEAD_TRANSFORMS = ("logits_scaling", "final_logit_softcapping")
 #: the chunked kernels of the recurrent mixers cp serves by state passing, by the slot a mixer calls them
 #: through (its ``_kernel_funcs``, kept per module by the kernels package), and how their state decays
 RECURRENT_KERNELS = MappingProxyType(
-    {"chunk_gated_delta_rule": "matrix", "chunk_kda": "matrix", "lightning": "constant"}
+    {
+        "chunk_gated_delta_rule": "matrix",
+        "chunk_kda": "matrix",
+        "lightning": "constant",
+        "mamba_chunk_scan_combined": "scalar",  # Mamba2's SSD scan
+    }
 )
+#: slots of fused kernels that do a whole mixer in one call, bypassing the slots above (cp turns them off)
+FUSED_SLOTS = frozenset({"mamba_split_conv1d_scan_combined"})
 #: MiniMax's lightning attention: no kernel slot, its block loop inline; served by hooks (kernel "lightning")
 LIGHTNING = "MiniMaxLightningAttention"
 #: the slot of the short causal convolution in front of them
@@ -38,9 +45,9 @@ CONV_SLOT = "causal_conv1d_fn"
 @dataclass(frozen=True)
 class Recurrent:
     """A recurrent mixer some decoder layers hold instead of attention (linear attention: Gated DeltaNet,
-    KDA). cp runs the model's own kernel on each rank's slice from a zero state and passes a fixed-size
-    summary of each slice between the ranks (:mod:`cpshard.recurrent`); its convolution takes a halo of
-    ``kernel - 1`` positions from the rank before."""
+    KDA, lightning; state-space: Mamba2's SSD). cp runs the model's own kernel on each rank's slice from a
+    zero state and passes a fixed-size summary of each slice between the ranks (:mod:`cpshard.recurrent`);
+    its convolution takes a halo of ``kernel - 1`` positions from the rank before."""
 
     #: the mixer's path inside a decoder layer
     module: str
@@ -50,7 +57,8 @@ class Recurrent:
     conv: str | None
     #: one sequence's state, fp32: batch, heads, key and value dims
     state: Spec = Spec("b h k v")
-    #: how the state carried into a slice reaches its end: "matrix" (delta rules: ``M S_in``) or "constant"
+    #: how the state carried into a slice reaches its end: "matrix" (delta rules: ``M S_in``), "scalar"
+    #: (SSD: ``exp(A sum(dt))`` per row and head, its state ``[P, N]`` read as ``v k``) or "constant"
     #: (lightning attention: ``e^{-s T} S_in``, known without data)
     decay: str = "matrix"
 
@@ -77,8 +85,14 @@ def recurrent_module(layer: nn.Module, rows: tuple[Recurrent, ...]) -> tuple[nn.
 
 
 def attention_layers(layers, layout: Layout) -> list[nn.Module]:
-    """The decoder layers that hold attention: every layer but those holding a recurrent mixer."""
-    return [layer for layer in layers if recurrent_module(layer, layout.recurrent) is None]
+    """The decoder layers that hold attention: every layer but those holding a recurrent mixer or a
+    pointwise module at attention's path."""
+    return [
+        layer
+        for layer in layers
+        if recurrent_module(layer, layout.recurrent) is None
+        and type(submodule(layer, layout.attention)).__name__ not in layout.pointwise
+    ]
 
 
 def specs(before: str, after: str) -> tuple[Spec, Spec]:
@@ -138,6 +152,9 @@ class Layout:
     mlp: str | None = None
     #: the recurrent mixers some layers hold instead of attention (see :class:`Recurrent`)
     recurrent: tuple[Recurrent, ...] = ()
+    #: class names of modules some layers hold at ``attention``'s path that work token by token (Nemotron-H's
+    #: MLP and MoE layers): those layers hold neither attention nor a recurrent mixer
+    pointwise: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from torch import nn
 
-from cpshard.layouts import decoder, gemma3, llama, mistral, qwen3, qwen3_moe, qwen3_next
+from cpshard.layouts import (
+    decoder,
+    gemma3,
+    granitemoehybrid,
+    llama,
+    mistral,
+    nemotron_h,
+    qwen3,
+    qwen3_moe,
+    qwen3_next,
+)
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import check_unchanged
 from cpshard.layouts.layout import Layout, structure_problems
 
-_FILES = (llama, mistral, qwen3, qwen3_moe, gemma3, qwen3_next)
+_FILES = (llama, mistral, qwen3, qwen3_moe, gemma3, qwen3_next, nemotron_h, granitemoehybrid)
 REGISTERED: dict[str, Layout] = {
     model_type: module.LAYOUT for module in _FILES for model_type in module.LAYOUT.model_types
 }

@@ -1,7 +1,9 @@
 """A slice of tokens acts on the state it receives affinely: the summaries state passing exchanges.
 
 Every linear-attention mixer updates its state ``[B, H, dk, dv]`` by ``S_t = A_t S_{t-1} + B_t``, so a
-slice acts as ``S_out = M S_in + S_local`` and its outputs are ``o = o_zero + Q_eff S_in``. Each rank
+slice acts as ``S_out = M S_in + S_local`` and its outputs are ``o = o_zero + Q_eff S_in``. Mamba2's SSD
+is one of them with its state ``[P, N]`` read transposed (``N`` plays ``dk``, ``P`` plays ``dv``) and ``M``
+a scalar per row and head, kept as a ``1 x 1`` matrix. Each rank
 summarises its slice from a zero state, the ranks gather the summaries, each folds those before it into
 its true ``S_in`` and corrects its outputs. Tensors are laid out ``[B, T, H, d]`` as the kernels take
 them; summaries and the fold are fp32 (bf16 chains drift over long folds).
@@ -28,6 +30,20 @@ class SliceSummary(NamedTuple):
     transition: torch.Tensor
 
 
+def widened_by_identity(
+    values: torch.Tensor, size: int, state_axis: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` ``[B, T, H, w]`` with ``size`` zero columns more, and the initial state ``[B, H, ., .]``
+    whose ``state_axis`` (the one those columns index: -1 for a delta rule's ``[dk, dv]``, -2 for SSD's
+    ``[P, N]``) holds zeros for the ``w`` columns and the ``size x size`` identity for the new ones."""
+    batch, length, heads, width = values.shape
+    identity = torch.eye(size, device=values.device, dtype=values.dtype).expand(batch, heads, size, size)
+    zeros = [batch, heads, size, size]
+    zeros[state_axis] = width
+    initial = torch.cat([identity.new_zeros(zeros), identity], dim=state_axis)
+    return torch.cat([values, values.new_zeros(batch, length, heads, size)], dim=-1), initial
+
+
 def delta_rule_summary(kernel: Callable, query, key, value, g, beta, **kernel_kwargs) -> SliceSummary:
     """One call of the model's own chunked delta-rule kernel (transformers' ``torch_chunk_gated_delta_rule``,
     ``chunk_kimi_delta_attention``, or fla's) summarises a slice.
@@ -40,30 +56,40 @@ def delta_rule_summary(kernel: Callable, query, key, value, g, beta, **kernel_kw
     ``kernel_kwargs`` are the model's own (``use_qk_l2norm_in_kernel=True``, ``chunk_size``).
     """
     query, key, value, g, beta = (x.float() for x in (query, key, value, g, beta))
-    batch, length, heads, dv = value.shape
-    dk = key.shape[-1]
-    identity = torch.eye(dk, device=value.device).expand(batch, heads, dk, dk)
-    initial_state = torch.cat([identity.new_zeros(batch, heads, dk, dv), identity], dim=-1)
-    widened = torch.cat([value, value.new_zeros(batch, length, heads, dk)], dim=-1)
-    out, state = kernel(
-        query,
-        key,
-        widened,
-        g=g,
-        beta=beta,
-        initial_state=initial_state,
-        output_final_state=True,
-        **kernel_kwargs,
-    )
+    dv = value.shape[-1]
+    widened, initial_state = widened_by_identity(value, key.shape[-1], state_axis=-1)
+    kernel_kwargs |= {"g": g, "beta": beta, "initial_state": initial_state, "output_final_state": True}
+    out, state = kernel(query, key, widened, **kernel_kwargs)
     return SliceSummary(out[..., :dv], out[..., dv:], state[..., :dv], state[..., dv:])
+
+
+def ssd_summary(
+    kernel: Callable, hidden_states, dt, A, B, C, chunk_size: int, **kernel_kwargs
+) -> SliceSummary:
+    """One call of the model's own SSD scan (transformers' ``mamba2_chunk_scan`` or mamba_ssm's
+    ``mamba_chunk_scan_combined``) summarises a slice, as :func:`delta_rule_summary` does a delta rule's:
+    each of the ``P`` rows of a head's state ``[P, N]`` evolves alone, so ``N`` zero columns more in
+    ``hidden_states`` ``[B, T, H, P]``, started from the identity, return ``Q_eff`` ``[B, T, H, N]`` beside
+    the outputs and ``M`` (a scalar per row and head: the identity's first entry, decayed) beside ``S_local``.
+    ``kernel_kwargs`` are the model's own (``D``, ``dt_bias``, ``dt_softplus``, ``dt_limit``); ``D``'s skip
+    term adds nothing to the zero columns."""
+    width = hidden_states.shape[-1]
+    widened, initial_states = widened_by_identity(hidden_states, B.shape[-1], state_axis=-2)
+    kernel_kwargs |= {"initial_states": initial_states, "return_final_states": True}
+    out, state = kernel(widened, dt, A, B, C, chunk_size, **kernel_kwargs)
+    out, state = out.float(), state.float()
+    transition = state[:, :, width : width + 1, :1]
+    return SliceSummary(out[..., :width], out[..., width:], state[:, :, :width].transpose(-1, -2), transition)
 
 
 def outgoing_state(
     transition: torch.Tensor, state_local: torch.Tensor, state_in: torch.Tensor
 ) -> torch.Tensor:
     """``M S_in + S_local`` in fp32: the state a slice hands on (the last slice's is the final state a
-    generation cache keeps)."""
-    return torch.matmul(transition.float(), state_in.float()) + state_local.float()
+    generation cache keeps); a ``1 x 1`` ``M`` is a scalar decay."""
+    transition, state_in = transition.float(), state_in.float()
+    scalar = transition.shape[-2:] == (1, 1)  # SSD's decay (or a delta rule's dk = 1: the same product)
+    return (transition * state_in if scalar else torch.matmul(transition, state_in)) + state_local.float()
 
 
 def fold_states(

@@ -34,8 +34,8 @@ from cpshard.comm.collectives import all_to_all, sum_over_group
 from cpshard.comm.record import expect
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
-from cpshard.layouts.layout import Recurrent, kernel_slots, recurrent_module
-from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
+from cpshard.layouts.layout import FUSED_SLOTS, RECURRENT_KERNELS, Recurrent, kernel_slots, recurrent_module
+from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states, ssd_summary
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
@@ -217,6 +217,47 @@ def without_cp_padding(inputs: tuple, length: int, rank: int) -> tuple:
     return query, kept(key), value, kept(g), beta
 
 
+class SSDScan(_Slot):
+    """Mamba2's chunked scan slot (``mamba_chunk_scan_combined``), by state passing: the slice scanned
+    from a zero state with the model's own kernel (:func:`~cpshard.recurrent.affine.ssd_summary`), the
+    summaries gathered, the incoming state folded (a scalar decay per row and head) and the outputs
+    corrected before the mixer's gate and norm."""
+
+    def serve(self, call, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
+        packed = [name for name in ("seq_idx", "cu_seqlens") if kwargs.pop(name, None) is not None]
+        if packed:
+            raise ValueError(
+                f"{self.path}: packed documents ({packed[0]}) in a state-space layer; cp does not yet keep "
+                "their states apart across ranks: pass one document per row"
+            )
+        if call.recurrent == "head_split":
+            raise ValueError(
+                f"{self.path}: recurrent='head_split' is not served for Mamba2 layers yet; use "
+                "recurrent='state_passing' or 'auto'"
+            )
+        wants_final = kwargs.pop("return_final_states", False)
+        kwargs.pop("z", None)  # the gate runs after the scan, in the mixer's norm
+        group = _cp_group(call)
+        rank, (batch, _, heads, width) = dist.get_rank(group), hidden_states.shape
+        summary = ssd_summary(self.original, hidden_states, dt, A, B, C, chunk_size, **kwargs)
+        nbytes = batch * heads * (B.shape[-1] * width + 1) * 4
+        every = gathered_summaries((summary.transition, summary.state_local), group, self.path, nbytes)
+        incoming = None if initial_states is None else initial_states.transpose(-1, -2)
+        states = fold_states(*zip(*every, strict=True), incoming)
+        state_in = states[rank] + 0 * states[-1]  # every rank's outputs read every summary (see DeltaRule)
+        outputs = correct_outputs(summary.o_zero, summary.q_eff, state_in, summary.o_zero.dtype)
+        return (outputs, states[-1].transpose(-1, -2)) if wants_final else outputs
+
+
+class Unfused(_Slot):
+    """A fused kernel that does a whole mixer in one call (``mamba_split_conv1d_scan_combined``): inside a
+    cp call it answers None, as transformers' torch fallback does, so the mixer takes its unfused path
+    through the slots cpshard serves; outside one, the model's own."""
+
+    def serve(self, call, *args, **kwargs):
+        return None
+
+
 class Halo(_Slot):
     """A short causal convolution slot (``causal_conv1d_fn``): the slice with the previous rank's halo."""
 
@@ -283,7 +324,13 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
             check_lightning_unchanged()
             hooks += lightning_hooks(module, path)
             continue
-        _take(slots, row.kernel, DeltaRule, path)
+        _take(slots, row.kernel, SCAN_SLOTS[RECURRENT_KERNELS[row.kernel]], path)
+        for fused in FUSED_SLOTS.intersection(slots):
+            _take(slots, fused, Unfused, path)
         if row.conv is not None:
             _take(slots, row.conv, Halo, path)
     return hooks
+
+
+#: the slot that serves each decay kind's kernel
+SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan}

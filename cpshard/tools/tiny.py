@@ -97,6 +97,7 @@ _KDA_LATENT = dict(
     linear_head_dim=16,
     num_mtp_layers=0,
 )
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=64)
 #: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default); a
 #: composite config's parts (its text, vision and audio configs) are looked up here by their own types
 PER_TYPE = {
@@ -161,6 +162,24 @@ PER_TYPE = {
     # KDA beside multi-head latent attention: small latents, few experts, small linear heads
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), dict(_KDA_LATENT, **_HYBRID)),
     "minimax": dict(block_size=8, num_local_experts=4),
+    # Mamba2 beside attention: a few small SSD heads in groups, the torch scan's chunk of 64
+    "bamba": dict(_MAMBA2, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(
+        _MAMBA2,
+        layer_types=["linear_attention", "full_attention"],
+        num_local_experts=4,
+        shared_intermediate_size=32,
+    ),
+    "nemotron_h": dict(
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        chunk_size=64,
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+    ),
     "gemma4_text": dict(vocab_size_per_layer_input=SMALL["vocab_size"]),
     "blt": dict(encoder_hash_byte_group_vocab=64),
     **dict.fromkeys(
