@@ -109,11 +109,10 @@ def reference(case: Case):
 
 
 def attention_layers(config) -> int:
-    """How many layers hold attention (a hybrid's others are recurrent, whose states the cache carries)."""
-    return sum(
-        kind != "linear_attention"
-        for kind in getattr(config, "layer_types", None) or [""] * config.num_hidden_layers
-    )
+    """How many layers hold attention (a hybrid's others are recurrent, whose states the cache carries, or
+    work token by token)."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return sum(kind in ("full_attention", "sliding_attention") for kind in kinds)
 
 
 def decode_step_bytes(config) -> int:
@@ -164,8 +163,13 @@ def check_case(results: list[dict], case: Case):
         )
         check_states(result["states"], out.past_key_values, case)
         if not case.config.get("sliding_window"):
-            # prefill: the forward's bytes, the last logits' all-reduce and each convolution's last inputs'
-            conv = sum(s.numel() * 4 for path, s in result["states"].items() if path.endswith("conv1d_fn"))
+            # prefill: the forward's bytes, the last logits' all-reduce, and the all-reduces of each
+            # convolution's last inputs and each scan's final state (a delta rule's every rank folds alike)
+            conv = sum(
+                s.numel() * 4
+                for path, s in result["states"].items()
+                if path.endswith(("conv1d_fn", "scan_combined"))
+            )
             assert (
                 result["prefill_bytes"] == result["forward_bytes"] + ROWS * model.config.vocab_size * 4 + conv
             )
@@ -196,6 +200,8 @@ CASES_CP2 = [
     Case("qwen3_next", 16),
     Case("kimi_linear", 16),
     Case("olmo_hybrid", 16, pad=None),
+    Case("nemotron_h", 16),  # Mamba2 (its scan's state), MoE, attention and MLP layers
+    Case("bamba", 16, pad=None),
 ]
 CASES_CP4 = [
     Case("llama", 64),
@@ -204,6 +210,7 @@ CASES_CP4 = [
     Case("mistral", 64, config={"sliding_window": 8}),
     Case("gemma3_text", 64, config=GEMMA3_MIXED),
     Case("qwen3_5_text", 16),  # rank 3 holds the prompt's last token and one position of cp padding
+    Case("granitemoehybrid", 16),
 ]
 
 
@@ -390,19 +397,20 @@ def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks
     check_refused(ranks2.run(_recurrent_refusals), expected)
 
 
-def prefilled_states(length: int) -> tuple[torch.Tensor, dict]:
-    model, mesh = model_for(Case("qwen3_5_text")), cpshard.make_mesh(cp=dist.get_world_size())
+def prefilled_states(length: int, model_type: str) -> tuple[torch.Tensor, dict]:
+    model, mesh = model_for(Case(model_type)), cpshard.make_mesh(cp=dist.get_world_size())
     batch = {key: value[:, -length:] for key, value in prompts("left").items()}
     logits, cache = cpshard.make_cp_prefill(model)(cpshard.params_of(model), batch, mesh)
     return logits, dict(cache.recurrent)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
 @pytest.mark.parametrize("length", [9, 13])  # cp=4: rank 3 holds cp padding only; the last token on rank 3
-def test_a_prefill_hands_on_the_states_of_one_process(ranks4, length):
-    model = model_for(Case("qwen3_5_text"))
+def test_a_prefill_hands_on_the_states_of_one_process(ranks4, length, model_type):
+    model = model_for(Case(model_type))
     batch = {key: value[:, -length:] for key, value in prompts("left").items()}
     with torch.no_grad():
         out = model(**batch, use_cache=True)
-    for logits, states in ranks4.run(prefilled_states, length):
+    for logits, states in ranks4.run(prefilled_states, length, model_type):
         assert (logits - out.logits[:, -1]).abs().max() <= TOLERANCE
-        check_states(states, out.past_key_values, Case("qwen3_5_text"))
+        check_states(states, out.past_key_values, Case(model_type))

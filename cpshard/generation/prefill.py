@@ -44,12 +44,6 @@ def check_servable(model, layout) -> None:
             "state inside their module, where cp generation cannot carry it from prefill to decode; generate "
             "without cp"
         )
-    scans = sorted({row.module for row in layout.recurrent if row.decay == "scalar"})
-    if scans:
-        raise ValueError(
-            f"{type(model).__name__}: cp generation does not carry the states of its state-space layers "
-            f"({', '.join(scans)}) from prefill to decode yet; generate without cp"
-        )
     if layout.per_head_params:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "
@@ -63,7 +57,11 @@ def check_servable(model, layout) -> None:
             "generation's decode over the split cache does not carry yet; generate without cp"
         )
     text_config = model.config.get_text_config(decoder=True)
-    served = SERVED_LAYER_TYPES + (("linear_attention",) if layout.recurrent else ())
+    served = (
+        SERVED_LAYER_TYPES
+        + (("linear_attention",) if layout.recurrent else ())
+        + (("dummy",) if layout.pointwise else ())  # a cache layer that holds nothing (MLP, MoE layers)
+    )
     types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(served))
     if types or not model._supports_default_dynamic_cache():
         raise ValueError(

@@ -35,7 +35,13 @@ from cpshard.comm.record import expect
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import FUSED_SLOTS, RECURRENT_KERNELS, Recurrent, kernel_slots, recurrent_module
-from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states, ssd_summary
+from cpshard.recurrent.affine import (
+    correct_outputs,
+    delta_rule_summary,
+    fold_states,
+    outgoing_state,
+    ssd_summary,
+)
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
@@ -246,15 +252,56 @@ class SSDScan(_Slot):
         states = fold_states(*zip(*every, strict=True), incoming)
         state_in = states[rank] + 0 * states[-1]  # every rank's outputs read every summary (see DeltaRule)
         outputs = correct_outputs(summary.o_zero, summary.q_eff, state_in, summary.o_zero.dtype)
+        if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
+            inputs = (hidden_states, dt, A, B, C, chunk_size)
+            self.sink(call, self.state_at(call.length, inputs, states, group, kwargs).transpose(-1, -2))
         return (outputs, states[-1].transpose(-1, -2)) if wants_final else outputs
+
+    def state_at(self, length: int, inputs: tuple, states: list, group, kwargs) -> torch.Tensor:
+        """The state after position ``length - 1`` (before the positions cp padded past the sequence), on
+        every rank: the rank that holds that position scans its slice up to it from its incoming state, one
+        all-reduce brings it to the others. (A delta rule makes its padding a no-op instead; the scan's
+        time step cannot be zeroed through its inputs where ``dt_limit`` floors it.)"""
+        rank, held = dist.get_rank(group), inputs[0].shape[1]
+        end = length - rank * held
+        if 0 < end < held:
+            x, dt, A, B, C, chunk_size = inputs
+            cut = ssd_summary(
+                self.original, x[:, :end], dt[:, :end], A, B[:, :end], C[:, :end], chunk_size, **kwargs
+            )
+            mine = outgoing_state(cut.transition, cut.state_local, states[rank])
+        else:
+            mine = states[rank + 1] if end == held else torch.zeros_like(states[rank])
+        expect(self.module, "all_reduce", "forward", 1, mine.numel() * 4)
+        return sum_over_group(mine, group, name=f"{self.path} final state")
+
+    def decode(self, step, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
+        """One token per row from the carried state (the model's own scan, every rank alike)."""
+        kwargs.pop("return_final_states", None)
+        outputs, state = self.original(
+            hidden_states,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            initial_states=self.carried(step),
+            return_final_states=True,
+            **kwargs,
+        )
+        step.new_states[self.path] = state
+        return outputs
 
 
 class Unfused(_Slot):
     """A fused kernel that does a whole mixer in one call (``mamba_split_conv1d_scan_combined``): inside a
-    cp call it answers None, as transformers' torch fallback does, so the mixer takes its unfused path
-    through the slots cpshard serves; outside one, the model's own."""
+    cp call or decode step it answers None, as transformers' torch fallback does, so the mixer takes its
+    unfused path through the slots cpshard serves; outside both, the model's own."""
 
     def serve(self, call, *args, **kwargs):
+        return None
+
+    def decode(self, step, *args, **kwargs):
         return None
 
 
