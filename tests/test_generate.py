@@ -140,7 +140,10 @@ def check_states(states: dict, cache, case: Case) -> None:
         diff = (state - own).abs().max().item()
         assert diff <= TOLERANCE, f"{case}: {path} differs from one process's state by {diff}"
     linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
-    assert len(states) == 2 * len(linear), (case, sorted(states))
+    held = sum(
+        layer.is_conv_states_initialized[0] + layer.is_recurrent_states_initialized[0] for layer in linear
+    )
+    assert len(states) == held, (case, sorted(states))  # every state one process keeps (LFM2's: a conv's)
 
 
 def check_case(results: list[dict], case: Case):
@@ -202,6 +205,7 @@ CASES_CP2 = [
     Case("olmo_hybrid", 16, pad=None),
     Case("nemotron_h", 16),  # Mamba2 (its scan's state), MoE, attention and MLP layers
     Case("bamba", 16, pad=None),
+    Case("lfm2_moe", 16),  # short convolutions: only their last inputs are carried
 ]
 CASES_CP4 = [
     Case("llama", 64),
@@ -384,6 +388,7 @@ def _recurrent_refusals() -> list[str]:
             params, torch.full((ROWS,), 3), replace(cache, recurrent={}), mesh
         ),
         lambda: cpshard.make_cp_prefill(model_for(Case("minimax"))),
+        lambda: cpshard.make_cp_prefill(model_for(Case("jamba"))),
     ]
     return error_messages(attempts)
 
@@ -393,6 +398,7 @@ def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks
         "rows [1, 2] of the prompt have padding after a real token",
         "model.layers.0.linear_attn causal_conv1d_fn: the cache holds no state for this layer",
         "lightning-attention layers (self_attn) keep their state inside their module",
+        "its Mamba1 layers (mamba) run split over channels under cp, which hands on no state",
     ]
     check_refused(ranks2.run(_recurrent_refusals), expected)
 

@@ -44,6 +44,12 @@ def check_servable(model, layout) -> None:
             "state inside their module, where cp generation cannot carry it from prefill to decode; generate "
             "without cp"
         )
+    split = sorted({row.module for row in layout.recurrent if row.decay == "diagonal"})
+    if split:
+        raise ValueError(
+            f"{type(model).__name__}: its Mamba1 layers ({', '.join(split)}) run split over channels under "
+            "cp, which hands on no state for decode; generate without cp"
+        )
     if layout.per_head_params:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "
@@ -59,7 +65,7 @@ def check_servable(model, layout) -> None:
     text_config = model.config.get_text_config(decoder=True)
     served = (
         SERVED_LAYER_TYPES
-        + (("linear_attention",) if layout.recurrent else ())
+        + (("linear_attention", "conv") if layout.recurrent else ())
         + (("dummy",) if layout.pointwise else ())  # a cache layer that holds nothing (MLP, MoE layers)
     )
     types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(served))

@@ -105,14 +105,15 @@ def _attention_candidates(layer: nn.Module) -> list[str]:
 
 
 def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
-    """One row per (path, kernel) of the linear-attention mixers the layers hold, found by their kernel
-    slots."""
+    """One row per (path, kernel) of the recurrent mixers the layers hold, found by their kernel slots (a
+    mixer with a convolution slot alone is a short convolution: LFM2's)."""
     rows = {}
     for layer in layers:
         for name, module in layer.named_children():
             slots = kernel_slots(module)
-            for kernel in (k for k in RECURRENT_KERNELS if serves(module, k)):
-                conv = CONV_SLOT if CONV_SLOT in slots else None
+            kernels = [k for k in RECURRENT_KERNELS if serves(module, k)]
+            for kernel in kernels[:1]:  # a mixer's scan before its convolution, which it runs first
+                conv = CONV_SLOT if CONV_SLOT in slots and kernel != CONV_SLOT else None
                 rows[name, kernel] = Recurrent(name, kernel, conv, decay=RECURRENT_KERNELS[kernel])
     return tuple(rows.values())
 

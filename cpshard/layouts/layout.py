@@ -32,6 +32,8 @@ RECURRENT_KERNELS = MappingProxyType(
         "chunk_kda": "matrix",
         "lightning": "constant",
         "mamba_chunk_scan_combined": "scalar",  # Mamba2's SSD scan
+        "selective_scan_fn": "diagonal",  # Mamba1's selective scan: a decay per channel and state dim
+        "causal_conv1d_fn": "none",  # a short convolution alone (LFM2's ShortConv): no state past its window
     }
 )
 #: slots of fused kernels that do a whole mixer in one call, bypassing the slots above (cp turns them off)
@@ -58,8 +60,10 @@ class Recurrent:
     #: one sequence's state, fp32: batch, heads, key and value dims
     state: Spec = Spec("b h k v")
     #: how the state carried into a slice reaches its end: "matrix" (delta rules: ``M S_in``), "scalar"
-    #: (SSD: ``exp(A sum(dt))`` per row and head, its state ``[P, N]`` read as ``v k``) or "constant"
-    #: (lightning attention: ``e^{-s T} S_in``, known without data)
+    #: (SSD: ``exp(A sum(dt))`` per row and head, its state ``[P, N]`` read as ``v k``), "constant"
+    #: (lightning attention: ``e^{-s T} S_in``, known without data), "diagonal" (Mamba1: per channel and
+    #: state dim; served split over channels) or "none" (a convolution alone, whose kernel is its ``conv``:
+    #: only its halo crosses ranks)
     decay: str = "matrix"
 
 

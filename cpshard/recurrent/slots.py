@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import CallPlan, active_decode, split_call
-from cpshard.comm.collectives import all_to_all, sum_over_group
+from cpshard.comm.collectives import all_gather_shards, all_to_all, sum_over_group
 from cpshard.comm.record import expect
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
@@ -117,6 +117,10 @@ def state_passing_bytes(batch: int, heads: int, dk: int, dv: int, cp: int) -> in
 def head_split_bytes(tensors: tuple[torch.Tensor, ...], output_bytes: int) -> int:
     """The same by the head split: every kernel input and the output all-to-all'd, forward and backward."""
     return 2 * (sum(x.numel() * x.element_size() for x in tensors) + output_bytes)
+
+
+def _bytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 def halo_bytes(tail: torch.Tensor) -> int:
@@ -293,6 +297,57 @@ class SSDScan(_Slot):
         return outputs
 
 
+class ChannelSplit(_Slot):
+    """Mamba1's selective scan slot (``selective_scan_fn``), split over channels: its per-channel inputs
+    (``x``, ``dt``, the gate ``z``; ``[B, D, T]``) go from sequence-split to channel-split by all-to-all,
+    ``B`` and ``C`` (``[B, N, T]``, shared by every channel) are all-gathered, the model's own scan runs on
+    whole sequences for ``D / cp`` channels (so on one process's arithmetic) and its output comes back. The
+    scan takes no incoming state, so state passing would rebuild its decays outside the model's code; the
+    split needs none, and ``D`` (the inner width) is large."""
+
+    def serve(self, call, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
+        group = _cp_group(call)
+        size, rank, channels = dist.get_world_size(group), dist.get_rank(group), hidden_states.shape[1]
+        if call.recurrent == "state_passing" or channels % size:
+            raise ValueError(
+                f"{self.path}: Mamba1's selective scan is served by a split of its {channels} channels over "
+                f"cp={size} ranks (recurrent='auto' or 'head_split'), which cp must divide"
+            )
+        if kwargs.get("return_last_state"):
+            raise ValueError(f"{self.path}: the channel split hands on no state")
+        share = slice(rank * channels // size, (rank + 1) * channels // size)
+        split = [
+            None if x is None else all_to_all(x, 1, 2, group, f"{self.path} {name}")
+            for name, x in (("x", hidden_states), ("dt", dt), ("z", z))
+        ]
+        whole_b, whole_c = self.gathered((B, C), group)
+        own = [None if p is None else p[share] for p in (A, D, delta_bias)]
+        outputs = self.original(
+            split[0], split[1], own[0], whole_b, whole_c, D=own[1], z=split[2], delta_bias=own[2], **kwargs
+        )
+        exchanged = [x for x in (hidden_states, dt, z) if x is not None]
+        for phase, gather in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+            # each per-channel input and the output, there and back; B and C gathered, their gradients back
+            nbytes = sum(_bytes(x) for x in exchanged) + _bytes(outputs)
+            expect(self.module, "all_to_all", phase, len(exchanged) + 1, nbytes)
+            expect(
+                self.module,
+                gather,
+                phase,
+                1,
+                (_bytes(B) + _bytes(C)) * (size if gather == "reduce_scatter" else 1),
+            )
+        return all_to_all(outputs, 2, 1, group, f"{self.path} output")
+
+    def gathered(self, inputs: tuple, group) -> list[torch.Tensor]:
+        """``inputs`` ``[B, N, T]`` of this rank's positions, whole along the sequence on every rank (one
+        all-gather)."""
+        size = dist.get_world_size(group)
+        tokens = [x.permute(2, 0, 1).contiguous() for x in inputs]
+        whole = all_gather_shards(tokens, [t.shape[0] * size for t in tokens], group, f"{self.path} B C")
+        return [x.permute(1, 2, 0) for x in whole]
+
+
 class Unfused(_Slot):
     """A fused kernel that does a whole mixer in one call (``mamba_split_conv1d_scan_combined``): inside a
     cp call or decode step it answers None, as transformers' torch fallback does, so the mixer takes its
@@ -379,5 +434,5 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
     return hooks
 
 
-#: the slot that serves each decay kind's kernel
-SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan}
+#: the slot that serves each decay kind's kernel ("none": the kernel is a convolution, served by its halo)
+SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan, "diagonal": ChannelSplit, "none": Halo}

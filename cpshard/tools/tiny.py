@@ -152,6 +152,9 @@ PER_TYPE = {
         moe_intermediate_size=32,
     ),
     "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], mamba_d_state=16),
+    # LFM2's short convolutions beside attention
+    "lfm2": dict(layer_types=["full_attention", "conv"]),
+    "lfm3": dict(layer_types=["conv", "full_attention"]),
     # its rotary embedding reads the parameters per layer type
     "cohere_compass_text": dict(
         rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4)}
@@ -164,6 +167,7 @@ PER_TYPE = {
     "minimax": dict(block_size=8, num_local_experts=4),
     # Mamba2 beside attention: a few small SSD heads in groups, the torch scan's chunk of 64
     "bamba": dict(_MAMBA2, attn_layer_indices=[1]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, num_experts=4),
     "granitemoehybrid": dict(
         _MAMBA2,
         layer_types=["linear_attention", "full_attention"],
