@@ -2,14 +2,14 @@
 is a registered one on a transformers release it was not tested on (the model's code may have changed under
 it: :data:`~cpshard.layouts.fingerprint.WRITTEN_FOR`).
 
-On its first call, cp_forward runs a short probe sequence (three tokens per rank and one more, the
-model's own weights) under cp and in one process, on every rank, and compares each
-decoder layer's output at the positions the rank holds, then the logits, then every gradient of the
-next-token loss (a backward can differ where the forward agrees). A mismatch, or an error
-in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that differs:
-cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a forward
-without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a copy
-of the gradients), once per model, layout and implementation, and one all-reduce of a number.
+On its first call, cp_forward runs a short probe sequence (three tokens per rank, or the widest halo a
+recurrent layer's convolution reads, and one more; the model's own weights) under cp and in one process,
+on every rank, and compares each decoder layer's output at the positions the rank holds, then the logits,
+then every gradient of the next-token loss (a backward can differ where the forward agrees). A mismatch,
+or an error in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that
+differs: cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a
+forward without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a
+copy of the gradients), once per model, layout and implementation, and one all-reduce of a number.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import transformers
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from cpshard.call import split_call
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.fingerprint import WRITTEN_FOR
-from cpshard.layouts.layout import text_config
+from cpshard.layouts.layout import recurrent_module, text_config
 from cpshard.layouts.registry import REGISTERED
 from cpshard.parallel.mesh import cp_rank, cp_size
 from cpshard.runtime.grad import value_and_grad
@@ -82,10 +83,20 @@ def _layer_outputs(layers, final, run) -> list[tuple[torch.Tensor, torch.Tensor 
     return outputs
 
 
-def _probe_ids(model, cp: int, device) -> torch.Tensor:
-    """Two rows of ``3 * cp + 1`` token ids spread over the vocabulary (odd: the cp padding is exercised)."""
+def _probe_ids(model, per_rank: int, cp: int, device) -> torch.Tensor:
+    """Two rows of ``per_rank * cp + 1`` token ids spread over the vocabulary (odd: the cp padding is
+    exercised)."""
     vocab = max(getattr(text_config(model), "vocab_size", 8) - 3, 1)
-    return (torch.arange(2 * (3 * cp + 1)) * 7).remainder(vocab).add(3).view(2, -1).to(device)
+    length = per_rank * cp + 1
+    return (torch.arange(2 * length) * 7).remainder(vocab).add(3).view(2, -1).to(device)
+
+
+def tokens_per_rank(layers, layout) -> int:
+    """Three, or the widest halo a recurrent mixer's convolution reads (LFM3's: 6), so that every rank's
+    slice of the probe holds what its convolution reads before it."""
+    mixers = [found[0] for layer in layers if (found := recurrent_module(layer, layout.recurrent))]
+    widths = [m.kernel_size[0] - 1 for mixer in mixers for m in mixer.modules() if isinstance(m, nn.Conv1d)]
+    return max([3, *widths])
 
 
 @contextmanager
@@ -105,7 +116,9 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
     """What first differs between cp and one process on the probe sequence (None: nothing)."""
     model, layout = cp_forward.model, cp_forward.layout
     layers = model.get_submodule(layout.decoder_layers)
-    ids = _probe_ids(model, cp_size(mesh), next(iter(params.values())).device)
+    ids = _probe_ids(
+        model, tokens_per_rank(layers, layout), cp_size(mesh), next(iter(params.values())).device
+    )
     results: dict = {}
 
     def plain():
