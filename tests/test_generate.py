@@ -112,7 +112,7 @@ def attention_layers(config) -> int:
     """How many layers hold attention (a hybrid's others are recurrent, whose states the cache carries, or
     work token by token)."""
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return sum(kind in ("full_attention", "sliding_attention") for kind in kinds)
+    return sum(kind in ("full_attention", "sliding_attention", "hybrid") for kind in kinds)
 
 
 def decode_step_bytes(config) -> int:
@@ -206,6 +206,7 @@ CASES_CP2 = [
     Case("nemotron_h", 16),  # Mamba2 (its scan's state), MoE, attention and MLP layers
     Case("bamba", 16, pad=None),
     Case("lfm2_moe", 16),  # short convolutions: only their last inputs are carried
+    Case("falcon_h1", 16),  # attention and Mamba2 side by side: split keys and values, whole states
 ]
 CASES_CP4 = [
     Case("llama", 64),

@@ -1,5 +1,6 @@
-"""Linear-attention layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid; KDA: kimi_linear;
-lightning attention: minimax),
+"""Linear-attention and state-space layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid;
+KDA: kimi_linear; lightning attention: minimax; Mamba2: bamba, granitemoehybrid, nemotron_h, falcon_h1,
+zamba2; Mamba1, split over channels: jamba, falcon_mamba; LFM2's short convolutions: lfm2_moe),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain, left- and right-padded batches, and value heads that cp does not
@@ -36,6 +37,8 @@ MODELS = {
     "granitemoehybrid": {},
     "nemotron_h": {},  # Mamba2, MoE, attention and MLP layers
     "nemotron_h-3-heads": {"mamba_num_heads": 3, "n_groups": 1},
+    "falcon_h1": {},  # attention and a Mamba2 mixer side by side in every layer
+    "zamba2": {},  # Mamba2 layers, and hybrid layers with a shared attention block before a Mamba2 mixer
     "lfm2_moe": {},  # LFM2's short convolution alone: a halo, no state
     "jamba": {},  # Mamba1's selective scan, split over channels
     "falcon_mamba": {"attn_implementation": "auto"},  # Mamba1 layers only (no attention to implement)

@@ -65,7 +65,7 @@ def check_servable(model, layout) -> None:
     text_config = model.config.get_text_config(decoder=True)
     served = (
         SERVED_LAYER_TYPES
-        + (("linear_attention", "conv") if layout.recurrent else ())
+        + (("linear_attention", "conv", "hybrid") if layout.recurrent else ())
         + (("dummy",) if layout.pointwise else ())  # a cache layer that holds nothing (MLP, MoE layers)
     )
     types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(served))

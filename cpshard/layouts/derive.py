@@ -109,7 +109,9 @@ def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
     mixer with a convolution slot alone is a short convolution: LFM2's)."""
     rows = {}
     for layer in layers:
-        for name, module in layer.named_children():
+        for name, module in layer.named_modules():
+            if name.count(".") > 1 or not name:  # its children and theirs (Zamba2's mamba_decoder.mamba)
+                continue
             slots = kernel_slots(module)
             kernels = [k for k in RECURRENT_KERNELS if serves(module, k)]
             for kernel in kernels[:1]:  # a mixer's scan before its convolution, which it runs first
@@ -118,17 +120,11 @@ def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
     return tuple(rows.values())
 
 
-def _refuse_attention_beside_recurrent(layers: nn.ModuleList, layers_path: str, rows) -> None:
-    """A layer that runs attention and a recurrent mixer side by side (Falcon-H1, Zamba2's hybrid layers)
-    is one cp does not serve yet: it would serve the mixer and leave the attention to its slice."""
-    for index, layer in enumerate(layers):
-        found = recurrent_module(layer, rows)
-        beside = [name for name in _attention_candidates(layer) if found and name != found[1].module]
-        if beside:
-            raise LayoutError(
-                f"{layers_path}.{index} ({type(layer).__name__}) runs attention ({beside[0]}) beside its "
-                f"recurrent mixer ({found[1].module}) in one layer; cp does not serve such layers yet"
-            )
+def _holds_attention(layer: nn.Module, rows) -> bool:
+    """Whether ``layer`` holds attention: it holds no recurrent mixer, or something that looks like
+    attention beside it (Falcon-H1's layers run both side by side)."""
+    found = recurrent_module(layer, rows)
+    return found is None or any(name != found[1].module for name in _attention_candidates(layer))
 
 
 def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> tuple[str, tuple[str, ...]]:
@@ -165,7 +161,7 @@ def _token_mixers(layers: nn.ModuleList, layers_path: str, served: tuple[Recurre
     for index, layer in enumerate(layers):
         mixer = {row.module for row in served if submodule(layer, row.module) is not None}
         for name, module in layer.named_modules():
-            if name.split(".")[0] in mixer:
+            if any(name == path or name.startswith(path + ".") for path in mixer):
                 continue
             path = _join(layers_path, str(index), name)
             if isinstance(module, nn.modules.conv._ConvNd):
@@ -363,8 +359,7 @@ def derive_layout(model: nn.Module) -> Layout:
     inner, layers = _decoder_layers(decoder, getattr(config, "num_hidden_layers", None))
     layers_path = _join(decoder_path, inner)
     recurrent = _recurrent_rows(layers)
-    _refuse_attention_beside_recurrent(layers, layers_path, recurrent)
-    with_attention = [(i, layer) for i, layer in enumerate(layers) if not recurrent_module(layer, recurrent)]
+    with_attention = [(i, layer) for i, layer in enumerate(layers) if _holds_attention(layer, recurrent)]
     attention, pointwise = _attention_name(with_attention, layers_path)
     with_attention = [
         (i, layer)

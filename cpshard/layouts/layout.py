@@ -89,14 +89,19 @@ def recurrent_module(layer: nn.Module, rows: tuple[Recurrent, ...]) -> tuple[nn.
 
 
 def attention_layers(layers, layout: Layout) -> list[nn.Module]:
-    """The decoder layers that hold attention: every layer but those holding a recurrent mixer or a
-    pointwise module at attention's path."""
-    return [
-        layer
-        for layer in layers
-        if recurrent_module(layer, layout.recurrent) is None
-        and type(submodule(layer, layout.attention)).__name__ not in layout.pointwise
-    ]
+    """The decoder layers that hold attention: those with a module at attention's path that is neither
+    their recurrent mixer (MiniMax's lightning layers share the name) nor pointwise. A layer may hold both
+    (Falcon-H1 runs attention and a Mamba2 mixer side by side)."""
+    found = []
+    for layer in layers:
+        attention = submodule(layer, layout.attention) if layout.attention else None  # "": none at all
+        mixer = recurrent_module(layer, layout.recurrent)
+        if isinstance(attention, nn.Module) and (mixer is None or mixer[0] is not attention):
+            if type(attention).__name__ not in layout.pointwise:
+                found.append(layer)
+        elif mixer is None:  # neither: structure_problems names it
+            found.append(layer)
+    return found
 
 
 def specs(before: str, after: str) -> tuple[Spec, Spec]:

@@ -167,6 +167,7 @@ PER_TYPE = {
     "minimax": dict(block_size=8, num_local_experts=4),
     # Mamba2 beside attention: a few small SSD heads in groups, the torch scan's chunk of 64
     "bamba": dict(_MAMBA2, attn_layer_indices=[1]),
+    "falcon_h1": dict(_MAMBA2, mamba_d_ssm=128),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, num_experts=4),
     "granitemoehybrid": dict(
         _MAMBA2,
