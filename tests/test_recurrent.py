@@ -178,6 +178,26 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
         assert word in messages[0], (word, messages[0])
 
 
+@pytest.mark.parametrize(
+    "name, options, words",
+    [
+        (
+            "nemotron_h",
+            {"recurrent": "head_split"},
+            ["mixer mamba_chunk_scan_combined", "not served for Mamba2"],
+        ),
+        ("jamba", {"recurrent": "state_passing"}, ["mamba selective_scan_fn", "split of its 128 channels"]),
+        ("nemotron_h", {"packed": True}, ["packed documents", "(mixer) carry", "one document per row"]),
+    ],
+    ids=["mamba2-head-split", "mamba1-state-passing", "mamba2-packed"],
+)
+def test_what_state_space_layers_do_not_serve_is_refused_on_every_rank(ranks2, name, options, words):
+    messages = ranks2.run(refusal, name, 16, **options)
+    assert messages[0] == messages[1], messages
+    for word in words:
+        assert word in messages[0], (word, messages[0])
+
+
 def test_lightning_attention_has_no_head_split(ranks2):
     messages = ranks2.run(refusal, "minimax", 16, recurrent="head_split")
     assert messages[0] == messages[1] and "lightning attention runs its block loop" in messages[0], messages
