@@ -116,7 +116,7 @@ def _compare(results, reference, folder, model_type: str = "llama"):
 
 
 @needs_accelerate
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "nemotron_h"])
 def test_cp_trainer_is_one_process_trainer_cp2(ranks2, one_process, tmp_path, model_type):
     results = ranks2.run(run_cp_trainer, dict(cp=2), str(tmp_path), model_type)
     _compare(results, one_process(1, model_type), tmp_path, model_type)

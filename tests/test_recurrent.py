@@ -274,6 +274,9 @@ def failing_with(name: str, case: str) -> list[str]:
         ("qwen3_next", "checkpointing"),
         ("qwen3_next", "logits=False"),
         ("kimi_linear", "right padding"),
+        ("nemotron_h", "checkpointing"),
+        ("falcon_h1", "inputs_embeds"),
+        ("jamba", "logits=False"),
         ("minimax", "checkpointing"),  # the recomputed layer runs the lightning hooks again
     ],
 )
@@ -301,8 +304,9 @@ def fsdp_step_against_one_process(name: str) -> dict:
     }
 
 
-def test_linear_attention_under_fsdp2_and_cp(ranks4):
-    for result in ranks4.run(fsdp_step_against_one_process, "qwen3_next"):
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h"])
+def test_linear_attention_under_fsdp2_and_cp(ranks4, name):
+    for result in ranks4.run(fsdp_step_against_one_process, name):
         assert result["loss"] <= 1e-5 and result["grads"] <= 1e-5, result
 
 
