@@ -246,7 +246,11 @@ class SSDScan(_Slot):
                 "recurrent='state_passing' or 'auto'"
             )
         wants_final = kwargs.pop("return_final_states", False)
-        kwargs.pop("z", None)  # the gate runs after the scan, in the mixer's norm
+        if kwargs.pop("z", None) is not None:  # transformers' mixers gate after the scan, in their norm
+            raise ValueError(
+                f"{self.path}: a gate z inside the scan (applied to its outputs before cp's correction) is "
+                "not served; cp serves mixers that gate after the scan, as transformers' Mamba2 mixers do"
+            )
         group = _cp_group(call)
         rank, (batch, _, heads, width) = dist.get_rank(group), hidden_states.shape
         summary = ssd_summary(self.original, hidden_states, dt, A, B, C, chunk_size, **kwargs)
