@@ -506,7 +506,8 @@ def test_a_mamba2_mixer_s_slots_are_taken_its_fused_kernel_too():
     """The fused slot that would do the whole mixer in one call (mamba_ssm's, on a GPU) steps aside inside
     a cp call, so the scan and the convolution run through the slots cpshard serves."""
     from cpshard.layouts.layout import kernel_slots
-    from cpshard.recurrent.slots import Halo, SSDScan, Unfused
+    from cpshard.recurrent.slots import Halo
+    from cpshard.recurrent.state_space import SSDScan, Unfused
     from cpshard.runtime.install import install
 
     model = _model("nemotron_h")

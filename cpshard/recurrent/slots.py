@@ -1,9 +1,9 @@
-"""Linear-attention mixers under cp: their kernel slots taken, their padding mask cut.
+"""Recurrent mixers under cp: their kernel slots taken (:class:`~cpshard.recurrent.slot.Slot`), their
+padding mask cut; the delta rules' kernel slot and the convolution's here, the state-space scans' in
+:mod:`cpshard.recurrent.state_space`.
 
 transformers 5.25 calls a Gated DeltaNet's or KDA's chunked kernel and its short convolution through
 slots the kernels package keeps per module (``module._kernel_funcs``, filled by ``@use_kernelized_func``).
-cpshard puts its own callable into each mixer's slots: inside a cp call it serves this rank's slice,
-outside one it calls the model's own function, so the model is unchanged outside cp.
 
 - The kernel slot runs by state passing: the model's own kernel once on the slice (:func:`~cpshard.recurrent.
   affine.delta_rule_summary`), the slices' fixed-size summaries all-gathered over cp (fp32), those before
@@ -29,75 +29,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpshard.call import CallPlan, active_decode, split_call
-from cpshard.comm.collectives import all_gather_shards, all_to_all, sum_over_group
+from cpshard.call import split_call
+from cpshard.comm.collectives import all_to_all, sum_over_group
 from cpshard.comm.record import expect
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import FUSED_SLOTS, RECURRENT_KERNELS, Recurrent, kernel_slots, recurrent_module
-from cpshard.recurrent.affine import (
-    correct_outputs,
-    delta_rule_summary,
-    fold_states,
-    outgoing_state,
-    ssd_summary,
-)
+from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
+from cpshard.recurrent.slot import Slot, cp_group, tensor_bytes
+from cpshard.recurrent.state_space import ChannelSplit, SSDScan, Unfused
 from cpshard.spec.notation import Spec
-
-
-class _Slot:
-    """One slot of one mixer, taken by cpshard. ``serve`` runs inside a cp call, ``decode`` in a cp decode
-    step; outside both, the model's own function (``original``) runs."""
-
-    def __init__(self, original, module: str, name: str):
-        self.original, self.module, self.path = original, module, f"{module} {name}"
-
-    def forward(self, *args, **kwargs):
-        if not isinstance(self, _Slot):  # the kernels package calls slots so under torch.compile
-            raise RuntimeError(
-                "cpshard's linear-attention slots do not run under torch.compile; compile a model that "
-                "no cp_forward has prepared (or run this one eagerly)"
-            )
-        call = split_call()
-        if call is not None:
-            return self.serve(call, *args, **kwargs)
-        step = active_decode()
-        if step is not None:
-            return self.decode(step, *args, **kwargs)
-        return self.original(*args, **kwargs)
-
-    __call__ = forward
-
-    def serve(self, call: CallPlan, *args, **kwargs):
-        raise NotImplementedError
-
-    def decode(self, step, *args, **kwargs):
-        raise NotImplementedError
-
-    def sink(self, call: CallPlan, state: torch.Tensor) -> None:
-        """Leave the state this slot hands on after the prompt in a prefill's sink (once per forward)."""
-        if self.path in call.state_sink:
-            raise ValueError(
-                f"{self.path} ran twice in one forward; cp generation carries one state per slot and call"
-            )
-        call.state_sink[self.path] = state
-
-    def carried(self, step) -> torch.Tensor:
-        """The state a decode step hands this slot, from the cache of the prefill or the last step."""
-        if self.path not in step.states:
-            raise ValueError(
-                f"{self.path}: the cache holds no state for this layer; give cp_decode the cache that "
-                "cp_prefill (or the last cp_decode) of this model returned"
-            )
-        return step.states[self.path]
-
-
-def _cp_group(call: CallPlan):
-    return call.mesh.get_group("cp")
-
 
 #: how a linear-attention layer runs under cp (``make_cp_forward``'s ``recurrent``)
 RECURRENT_SCHEMES = ("auto", "state_passing", "head_split")
@@ -116,19 +60,10 @@ def state_passing_bytes(batch: int, heads: int, dk: int, dv: int, cp: int) -> in
 
 def head_split_bytes(tensors: tuple[torch.Tensor, ...], output_bytes: int) -> int:
     """The same by the head split: every kernel input and the output all-to-all'd, forward and backward."""
-    return 2 * (sum(x.numel() * x.element_size() for x in tensors) + output_bytes)
+    return 2 * (sum(tensor_bytes(x) for x in tensors) + output_bytes)
 
 
-def _bytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
-
-
-def halo_bytes(tail: torch.Tensor) -> int:
-    """A convolution's halo (or its carried inputs): ``[B, channels, kernel - 1]`` in the input's dtype."""
-    return tail.numel() * tail.element_size()
-
-
-class DeltaRule(_Slot):
+class DeltaRule(Slot):
     """A delta-rule kernel slot (``chunk_gated_delta_rule``, ``chunk_kda``): state passing or head split."""
 
     def serve(self, call, query, key, value, g=None, beta=None, initial_state=None, **kwargs):
@@ -139,7 +74,7 @@ class DeltaRule(_Slot):
             )
         wants_final = kwargs.pop("output_final_state", False)
         kwargs.pop("initial_state", None)
-        inputs, group = (query, key, value, g, beta), _cp_group(call)
+        inputs, group = (query, key, value, g, beta), cp_group(call)
         if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
             inputs = without_cp_padding(inputs, call.length, dist.get_rank(group))
             outputs, final = self.state_passing(group, inputs, initial_state, True, kwargs)
@@ -179,7 +114,7 @@ class DeltaRule(_Slot):
             return call.recurrent
         batch, _, heads, dv = value.shape
         passing = state_passing_bytes(batch, heads, query.shape[-1], dv, cp)
-        output_bytes = value.numel() * value.element_size()
+        output_bytes = tensor_bytes(value)
         return (
             "head_split" if divides and head_split_bytes(inputs, output_bytes) < passing else "state_passing"
         )
@@ -188,7 +123,7 @@ class DeltaRule(_Slot):
         """Sequence-split inputs to head-split whole sequences, the model's kernel on them, and back."""
         if initial_state is not None or wants_final:
             raise ValueError(f"{self.path}: the head split carries no state in or out of the call")
-        per_phase = head_split_bytes(inputs, inputs[2].numel() * inputs[2].element_size()) // 2
+        per_phase = head_split_bytes(inputs, tensor_bytes(inputs[2])) // 2
         for phase in ("forward", "backward"):  # each input and the output, there and back
             expect(self.module, "all_to_all", phase, len(_INPUTS) + 1, per_phase)
         whole = [all_to_all(x, 2, 1, group, f"{self.path} {name}") for name, x in zip(_INPUTS, inputs)]
@@ -227,149 +162,12 @@ def without_cp_padding(inputs: tuple, length: int, rank: int) -> tuple:
     return query, kept(key), value, kept(g), beta
 
 
-class SSDScan(_Slot):
-    """Mamba2's chunked scan slot (``mamba_chunk_scan_combined``), by state passing: the slice scanned
-    from a zero state with the model's own kernel (:func:`~cpshard.recurrent.affine.ssd_summary`), the
-    summaries gathered, the incoming state folded (a scalar decay per row and head) and the outputs
-    corrected before the mixer's gate and norm."""
-
-    def serve(self, call, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
-        packed = [name for name in ("seq_idx", "cu_seqlens") if kwargs.pop(name, None) is not None]
-        if packed:
-            raise ValueError(
-                f"{self.path}: packed documents ({packed[0]}) in a state-space layer; cp does not yet keep "
-                "their states apart across ranks: pass one document per row"
-            )
-        if call.recurrent == "head_split":
-            raise ValueError(
-                f"{self.path}: recurrent='head_split' is not served for Mamba2 layers yet; use "
-                "recurrent='state_passing' or 'auto'"
-            )
-        wants_final = kwargs.pop("return_final_states", False)
-        if kwargs.pop("z", None) is not None:  # transformers' mixers gate after the scan, in their norm
-            raise ValueError(
-                f"{self.path}: a gate z inside the scan (applied to its outputs before cp's correction) is "
-                "not served; cp serves mixers that gate after the scan, as transformers' Mamba2 mixers do"
-            )
-        group = _cp_group(call)
-        rank, (batch, _, heads, width) = dist.get_rank(group), hidden_states.shape
-        summary = ssd_summary(self.original, hidden_states, dt, A, B, C, chunk_size, **kwargs)
-        nbytes = batch * heads * (B.shape[-1] * width + 1) * 4
-        every = gathered_summaries((summary.transition, summary.state_local), group, self.path, nbytes)
-        incoming = None if initial_states is None else initial_states.transpose(-1, -2)
-        states = fold_states(*zip(*every, strict=True), incoming)
-        state_in = states[rank] + 0 * states[-1]  # every rank's outputs read every summary (see DeltaRule)
-        outputs = correct_outputs(summary.o_zero, summary.q_eff, state_in, summary.o_zero.dtype)
-        if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
-            inputs = (hidden_states, dt, A, B, C, chunk_size)
-            self.sink(call, self.state_at(call.length, inputs, states, group, kwargs).transpose(-1, -2))
-        return (outputs, states[-1].transpose(-1, -2)) if wants_final else outputs
-
-    def state_at(self, length: int, inputs: tuple, states: list, group, kwargs) -> torch.Tensor:
-        """The state after position ``length - 1`` (before the positions cp padded past the sequence), on
-        every rank: the rank that holds that position scans its slice up to it from its incoming state, one
-        all-reduce brings it to the others. (A delta rule makes its padding a no-op instead; the scan's
-        time step cannot be zeroed through its inputs where ``dt_limit`` floors it.)"""
-        rank, held = dist.get_rank(group), inputs[0].shape[1]
-        end = length - rank * held
-        if 0 < end < held:
-            x, dt, A, B, C, chunk_size = inputs
-            cut = ssd_summary(
-                self.original, x[:, :end], dt[:, :end], A, B[:, :end], C[:, :end], chunk_size, **kwargs
-            )
-            mine = outgoing_state(cut.transition, cut.state_local, states[rank])
-        else:
-            mine = states[rank + 1] if end == held else torch.zeros_like(states[rank])
-        expect(self.module, "all_reduce", "forward", 1, mine.numel() * 4)
-        return sum_over_group(mine, group, name=f"{self.path} final state")
-
-    def decode(self, step, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
-        """One token per row from the carried state (the model's own scan, every rank alike)."""
-        kwargs.pop("return_final_states", None)
-        outputs, state = self.original(
-            hidden_states,
-            dt,
-            A,
-            B,
-            C,
-            chunk_size,
-            initial_states=self.carried(step),
-            return_final_states=True,
-            **kwargs,
-        )
-        step.new_states[self.path] = state
-        return outputs
-
-
-class ChannelSplit(_Slot):
-    """Mamba1's selective scan slot (``selective_scan_fn``), split over channels: its per-channel inputs
-    (``x``, ``dt``, the gate ``z``; ``[B, D, T]``) go from sequence-split to channel-split by all-to-all,
-    ``B`` and ``C`` (``[B, N, T]``, shared by every channel) are all-gathered, the model's own scan runs on
-    whole sequences for ``D / cp`` channels (so on one process's arithmetic) and its output comes back. The
-    scan takes no incoming state, so state passing would rebuild its decays outside the model's code; the
-    split needs none, and ``D`` (the inner width) is large."""
-
-    def serve(self, call, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
-        group = _cp_group(call)
-        size, rank, channels = dist.get_world_size(group), dist.get_rank(group), hidden_states.shape[1]
-        if call.recurrent == "state_passing" or channels % size:
-            raise ValueError(
-                f"{self.path}: Mamba1's selective scan is served by a split of its {channels} channels over "
-                f"cp={size} ranks (recurrent='auto' or 'head_split'), which cp must divide"
-            )
-        if kwargs.get("return_last_state"):
-            raise ValueError(f"{self.path}: the channel split hands on no state")
-        share = slice(rank * channels // size, (rank + 1) * channels // size)
-        split = [
-            None if x is None else all_to_all(x, 1, 2, group, f"{self.path} {name}")
-            for name, x in (("x", hidden_states), ("dt", dt), ("z", z))
-        ]
-        whole_b, whole_c = self.gathered((B, C), group)
-        own = [None if p is None else p[share] for p in (A, D, delta_bias)]
-        outputs = self.original(
-            split[0], split[1], own[0], whole_b, whole_c, D=own[1], z=split[2], delta_bias=own[2], **kwargs
-        )
-        exchanged = [x for x in (hidden_states, dt, z) if x is not None]
-        for phase, gather in (("forward", "all_gather"), ("backward", "reduce_scatter")):
-            # each per-channel input and the output, there and back; B and C gathered, their gradients back
-            nbytes = sum(_bytes(x) for x in exchanged) + _bytes(outputs)
-            expect(self.module, "all_to_all", phase, len(exchanged) + 1, nbytes)
-            expect(
-                self.module,
-                gather,
-                phase,
-                1,
-                (_bytes(B) + _bytes(C)) * (size if gather == "reduce_scatter" else 1),
-            )
-        return all_to_all(outputs, 2, 1, group, f"{self.path} output")
-
-    def gathered(self, inputs: tuple, group) -> list[torch.Tensor]:
-        """``inputs`` ``[B, N, T]`` of this rank's positions, whole along the sequence on every rank (one
-        all-gather)."""
-        size = dist.get_world_size(group)
-        tokens = [x.permute(2, 0, 1).contiguous() for x in inputs]
-        whole = all_gather_shards(tokens, [t.shape[0] * size for t in tokens], group, f"{self.path} B C")
-        return [x.permute(1, 2, 0) for x in whole]
-
-
-class Unfused(_Slot):
-    """A fused kernel that does a whole mixer in one call (``mamba_split_conv1d_scan_combined``): inside a
-    cp call or decode step it answers None, as transformers' torch fallback does, so the mixer takes its
-    unfused path through the slots cpshard serves; outside both, the model's own."""
-
-    def serve(self, call, *args, **kwargs):
-        return None
-
-    def decode(self, step, *args, **kwargs):
-        return None
-
-
-class Halo(_Slot):
+class Halo(Slot):
     """A short causal convolution slot (``causal_conv1d_fn``): the slice with the previous rank's halo."""
 
     def serve(self, call, hidden_states, weight, bias=None, activation=None, **kwargs):
-        width, group = weight.shape[-1] - 1, _cp_group(call)
-        nbytes = halo_bytes(hidden_states[..., :width])
+        width, group = weight.shape[-1] - 1, cp_group(call)
+        nbytes = tensor_bytes(hidden_states[..., :width])  # the halo, [B, channels, kernel - 1]
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         for phase in ("forward",) * (rank < size - 1) + ("backward",) * (rank > 0):  # one step on, one back
             expect(self.module, "send", phase, 1, nbytes)
@@ -411,7 +209,7 @@ def _cut_mask(module, args, kwargs):
 
 def _take(slots: dict, name: str, kind: type, path: str) -> None:
     current = slots[name]
-    original = current.original if isinstance(current, _Slot) else current  # installed before: re-taken
+    original = current.original if isinstance(current, Slot) else current  # installed before: re-taken
     slots[name] = kind(original, path, name)
 
 

@@ -1,0 +1,73 @@
+"""One kernel slot of a recurrent mixer, taken by cpshard: what every served slot shares.
+
+transformers 5.25 calls a mixer's kernels through slots the kernels package keeps per module
+(``module._kernel_funcs``, filled by ``@use_kernelized_func``). cpshard puts a :class:`Slot` into each it
+serves: inside a cp call it serves this rank's slice, in a cp decode step it continues the carried state,
+outside both it calls the model's own function, so the model is unchanged outside cp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpshard.call import CallPlan, active_decode, split_call
+
+
+class Slot:
+    """One slot of one mixer, taken by cpshard. ``serve`` runs inside a cp call, ``decode`` in a cp decode
+    step; outside both, the model's own function (``original``) runs."""
+
+    def __init__(self, original, module: str, name: str):
+        self.original, self.module, self.path = original, module, f"{module} {name}"
+
+    def forward(self, *args, **kwargs):
+        if not isinstance(self, Slot):  # the kernels package calls slots so under torch.compile
+            raise RuntimeError(
+                "cpshard's linear-attention slots do not run under torch.compile; compile a model that "
+                "no cp_forward has prepared (or run this one eagerly)"
+            )
+        call = split_call()
+        if call is not None:
+            return self.serve(call, *args, **kwargs)
+        step = active_decode()
+        if step is not None:
+            return self.decode(step, *args, **kwargs)
+        return self.original(*args, **kwargs)
+
+    __call__ = forward
+
+    def serve(self, call: CallPlan, *args, **kwargs):
+        raise NotImplementedError
+
+    def decode(self, step, *args, **kwargs):
+        raise NotImplementedError
+
+    def sink(self, call: CallPlan, state: torch.Tensor) -> None:
+        """Leave the state this slot hands on after the prompt in a prefill's sink (once per forward)."""
+        if self.path in call.state_sink:
+            raise ValueError(
+                f"{self.path} ran twice in one forward; cp generation carries one state per slot and call"
+            )
+        call.state_sink[self.path] = state
+
+    def carried(self, step) -> torch.Tensor:
+        """The state a decode step hands this slot, from the cache of the prefill or the last step."""
+        if self.path not in step.states:
+            raise ValueError(
+                f"{self.path}: the cache holds no state for this layer; give cp_decode the cache that "
+                "cp_prefill (or the last cp_decode) of this model returned"
+            )
+        return step.states[self.path]
+
+
+def _cp_group(call: CallPlan):
+    return call.mesh.get_group("cp")
+
+
+def cp_group(call: CallPlan):
+    return call.mesh.get_group("cp")
+
+
+def tensor_bytes(x: torch.Tensor) -> int:
+    """What ``x`` puts into a collective: its elements in its dtype."""
+    return x.numel() * x.element_size()

@@ -1,0 +1,155 @@
+"""State-space scans under cp: Mamba2's SSD by state passing, Mamba1's selective scan split over channels.
+
+Their slots (``mamba_chunk_scan_combined``, ``selective_scan_fn``) are taken as the delta rules' are
+(:mod:`cpshard.recurrent.slots`, which installs them), and so is the fused slot that would do a whole Mamba2
+mixer in one call, which steps aside under cp. Their convolutions take the halo of :mod:`cpshard.recurrent.
+halo`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cpshard.comm.collectives import all_gather_shards, all_to_all, sum_over_group
+from cpshard.comm.record import expect
+from cpshard.recurrent.affine import correct_outputs, fold_states, outgoing_state, ssd_summary
+from cpshard.recurrent.exchange import gathered_summaries
+from cpshard.recurrent.slot import Slot, cp_group, tensor_bytes
+
+
+class SSDScan(Slot):
+    """Mamba2's chunked scan slot (``mamba_chunk_scan_combined``), by state passing: the slice scanned
+    from a zero state with the model's own kernel (:func:`~cpshard.recurrent.affine.ssd_summary`), the
+    summaries gathered, the incoming state folded (a scalar decay per row and head) and the outputs
+    corrected before the mixer's gate and norm."""
+
+    def serve(self, call, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
+        packed = [name for name in ("seq_idx", "cu_seqlens") if kwargs.pop(name, None) is not None]
+        if packed:
+            raise ValueError(
+                f"{self.path}: packed documents ({packed[0]}) in a state-space layer; cp does not yet keep "
+                "their states apart across ranks: pass one document per row"
+            )
+        if call.recurrent == "head_split":
+            raise ValueError(
+                f"{self.path}: recurrent='head_split' is not served for Mamba2 layers yet; use "
+                "recurrent='state_passing' or 'auto'"
+            )
+        wants_final = kwargs.pop("return_final_states", False)
+        if kwargs.pop("z", None) is not None:  # transformers' mixers gate after the scan, in their norm
+            raise ValueError(
+                f"{self.path}: a gate z inside the scan (applied to its outputs before cp's correction) is "
+                "not served; cp serves mixers that gate after the scan, as transformers' Mamba2 mixers do"
+            )
+        group = cp_group(call)
+        rank, (batch, _, heads, width) = dist.get_rank(group), hidden_states.shape
+        summary = ssd_summary(self.original, hidden_states, dt, A, B, C, chunk_size, **kwargs)
+        nbytes = batch * heads * (B.shape[-1] * width + 1) * 4
+        every = gathered_summaries((summary.transition, summary.state_local), group, self.path, nbytes)
+        incoming = None if initial_states is None else initial_states.transpose(-1, -2)
+        states = fold_states(*zip(*every, strict=True), incoming)
+        state_in = states[rank] + 0 * states[-1]  # every rank's outputs read every summary (see DeltaRule)
+        outputs = correct_outputs(summary.o_zero, summary.q_eff, state_in, summary.o_zero.dtype)
+        if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
+            inputs = (hidden_states, dt, A, B, C, chunk_size)
+            self.sink(call, self.state_at(call.length, inputs, states, group, kwargs).transpose(-1, -2))
+        return (outputs, states[-1].transpose(-1, -2)) if wants_final else outputs
+
+    def state_at(self, length: int, inputs: tuple, states: list, group, kwargs) -> torch.Tensor:
+        """The state after position ``length - 1`` (before the positions cp padded past the sequence), on
+        every rank: the rank that holds that position scans its slice up to it from its incoming state, one
+        all-reduce brings it to the others. (A delta rule makes its padding a no-op instead; the scan's
+        time step cannot be zeroed through its inputs where ``dt_limit`` floors it.)"""
+        rank, held = dist.get_rank(group), inputs[0].shape[1]
+        end = length - rank * held
+        if 0 < end < held:
+            x, dt, A, B, C, chunk_size = inputs
+            cut = ssd_summary(
+                self.original, x[:, :end], dt[:, :end], A, B[:, :end], C[:, :end], chunk_size, **kwargs
+            )
+            mine = outgoing_state(cut.transition, cut.state_local, states[rank])
+        else:
+            mine = states[rank + 1] if end == held else torch.zeros_like(states[rank])
+        expect(self.module, "all_reduce", "forward", 1, mine.numel() * 4)
+        return sum_over_group(mine, group, name=f"{self.path} final state")
+
+    def decode(self, step, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
+        """One token per row from the carried state (the model's own scan, every rank alike)."""
+        kwargs.pop("return_final_states", None)
+        outputs, state = self.original(
+            hidden_states,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            initial_states=self.carried(step),
+            return_final_states=True,
+            **kwargs,
+        )
+        step.new_states[self.path] = state
+        return outputs
+
+
+class ChannelSplit(Slot):
+    """Mamba1's selective scan slot (``selective_scan_fn``), split over channels: its per-channel inputs
+    (``x``, ``dt``, the gate ``z``; ``[B, D, T]``) go from sequence-split to channel-split by all-to-all,
+    ``B`` and ``C`` (``[B, N, T]``, shared by every channel) are all-gathered, the model's own scan runs on
+    whole sequences for ``D / cp`` channels (so on one process's arithmetic) and its output comes back. The
+    scan takes no incoming state, so state passing would rebuild its decays outside the model's code; the
+    split needs none, and ``D`` (the inner width) is large."""
+
+    def serve(self, call, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
+        group = cp_group(call)
+        size, rank, channels = dist.get_world_size(group), dist.get_rank(group), hidden_states.shape[1]
+        if call.recurrent == "state_passing" or channels % size:
+            raise ValueError(
+                f"{self.path}: Mamba1's selective scan is served by a split of its {channels} channels over "
+                f"cp={size} ranks (recurrent='auto' or 'head_split'), which cp must divide"
+            )
+        if kwargs.get("return_last_state"):
+            raise ValueError(f"{self.path}: the channel split hands on no state")
+        share = slice(rank * channels // size, (rank + 1) * channels // size)
+        split = [
+            None if x is None else all_to_all(x, 1, 2, group, f"{self.path} {name}")
+            for name, x in (("x", hidden_states), ("dt", dt), ("z", z))
+        ]
+        whole_b, whole_c = self.gathered((B, C), group)
+        own = [None if p is None else p[share] for p in (A, D, delta_bias)]
+        outputs = self.original(
+            split[0], split[1], own[0], whole_b, whole_c, D=own[1], z=split[2], delta_bias=own[2], **kwargs
+        )
+        exchanged = [x for x in (hidden_states, dt, z) if x is not None]
+        for phase, gather in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+            # each per-channel input and the output, there and back; B and C gathered, their gradients back
+            nbytes = sum(tensor_bytes(x) for x in exchanged) + tensor_bytes(outputs)
+            expect(self.module, "all_to_all", phase, len(exchanged) + 1, nbytes)
+            expect(
+                self.module,
+                gather,
+                phase,
+                1,
+                (tensor_bytes(B) + tensor_bytes(C)) * (size if gather == "reduce_scatter" else 1),
+            )
+        return all_to_all(outputs, 2, 1, group, f"{self.path} output")
+
+    def gathered(self, inputs: tuple, group) -> list[torch.Tensor]:
+        """``inputs`` ``[B, N, T]`` of this rank's positions, whole along the sequence on every rank (one
+        all-gather)."""
+        size = dist.get_world_size(group)
+        tokens = [x.permute(2, 0, 1).contiguous() for x in inputs]
+        whole = all_gather_shards(tokens, [t.shape[0] * size for t in tokens], group, f"{self.path} B C")
+        return [x.permute(1, 2, 0) for x in whole]
+
+
+class Unfused(Slot):
+    """A fused kernel that does a whole mixer in one call (``mamba_split_conv1d_scan_combined``): inside a
+    cp call or decode step it answers None, as transformers' torch fallback does, so the mixer takes its
+    unfused path through the slots cpshard serves; outside both, the model's own."""
+
+    def serve(self, call, *args, **kwargs):
+        return None
+
+    def decode(self, step, *args, **kwargs):
+        return None
