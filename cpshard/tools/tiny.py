@@ -29,22 +29,20 @@ SMALL = dict(
     eos_token_id=2,
     is_decoder=True,  # BERT-style models are causal LMs only as decoders (transformers warns otherwise)
 )
-#: multi-head latent attention (DeepSeek-V2/V3 and kin): small latent ranks, a dense first layer
-_LATENT = dict(
+#: multi-head latent attention (DeepSeek-V2/V3 and kin): small latent ranks, few small experts
+_LATENT_ATTENTION = dict(
     num_key_value_heads=4,
-    q_lora_rank=32,
     kv_lora_rank=16,
     qk_rope_head_dim=8,
-    head_dim=8,
     qk_nope_head_dim=8,
     v_head_dim=16,
-    n_routed_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
-    first_k_dense_replace=1,
     n_group=1,
     topk_group=1,
 )
+#: DeepSeek's: a dense first layer
+_LATENT = dict(**_LATENT_ATTENTION, q_lora_rank=32, head_dim=8, n_routed_experts=4, first_k_dense_replace=1)
 #: BART's family sizes its decoder apart (a causal LM of it is that decoder)
 _SEQ2SEQ = dict(
     decoder_layers=2,
@@ -81,18 +79,11 @@ _HYBRID_MOE = dict(
 )
 #: a linear-attention layer, then an attention layer (a hybrid's own default gives two linear layers)
 _HYBRID = dict(layer_types=["linear_attention", "full_attention"])
+#: Kimi's linear hybrid: latent attention (its keys and values have every head) beside delta-rule layers
 _KDA_LATENT = dict(
-    num_key_value_heads=4,  # its latent attention's keys and values have every head
+    **_LATENT_ATTENTION,
     q_lora_rank=None,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=16,
     num_local_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    n_group=1,
-    topk_group=1,
     linear_num_heads=4,
     linear_head_dim=16,
     num_mtp_layers=0,
