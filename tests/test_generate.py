@@ -14,6 +14,8 @@ from cpshard.tools.tiny import tiny_model
 TOLERANCE = 1e-5
 ROWS, LENGTH = 3, 23  # 23: cp pads the prompt (at cp=2 and 4, contiguous and head-tail)
 GEMMA3_MIXED = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+#: models with Mamba1 mixers (a selective scan split over channels under cp)
+MAMBA1 = ("jamba", "mamba", "falcon_mamba")
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ def left_padded(batch: dict) -> dict:
 
 
 def model_for(case: Case):
-    model = tiny_model(case.model_type, **case.config)
+    model = tiny_model(case.model_type, attn_implementation="auto", **case.config)
     model.generation_config.eos_token_id = None  # exactly new_tokens tokens, as cpshard's eos_token_id=None
     return model
 
@@ -70,8 +72,10 @@ def run_generation(case: Case) -> dict:
         logits, cache = report.result
         steps.append(logits)
         step_bytes.append(report.total_bytes)
-    # the prefill passes recurrent states (it hands them on), whatever the training forward would choose
-    forward = cpshard.make_cp_forward(model, implementation=case.implementation, recurrent="state_passing")
+    # the prefill passes recurrent states (it hands them on), whatever the training forward would choose;
+    # Mamba1's channel split is its only scheme
+    scheme = "auto" if case.model_type in MAMBA1 else "state_passing"
+    forward = cpshard.make_cp_forward(model, implementation=case.implementation, recurrent=scheme)
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     prompt = {**batch, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
     forward_bytes = cpshard.debug.trace_comms(forward, params, prompt, mesh).total_bytes
@@ -173,6 +177,10 @@ def check_case(results: list[dict], case: Case):
                 for path, s in result["states"].items()
                 if path.endswith(("conv1d_fn", "scan_combined"))
             )
+            # and each channel split's final states, all-gathered: every rank gives its channels' share
+            conv += sum(
+                s.numel() * 4 // cp for path, s in result["states"].items() if path.endswith("scan_fn")
+            )
             assert (
                 result["prefill_bytes"] == result["forward_bytes"] + ROWS * model.config.vocab_size * 4 + conv
             )
@@ -207,6 +215,7 @@ CASES_CP2 = [
     Case("bamba", 16, pad=None),
     Case("lfm2_moe", 16),  # short convolutions: only their last inputs are carried
     Case("falcon_h1", 16),  # attention and Mamba2 side by side: split keys and values, whole states
+    Case("jamba", 16),  # Mamba1 split over channels: its final states gathered, then continued whole
 ]
 CASES_CP4 = [
     Case("llama", 64),
@@ -216,6 +225,7 @@ CASES_CP4 = [
     Case("gemma3_text", 64, config=GEMMA3_MIXED),
     Case("qwen3_5_text", 16),  # rank 3 holds the prompt's last token and one position of cp padding
     Case("granitemoehybrid", 16),
+    Case("falcon_mamba", 16),
 ]
 
 
@@ -389,7 +399,6 @@ def _recurrent_refusals() -> list[str]:
             params, torch.full((ROWS,), 3), replace(cache, recurrent={}), mesh
         ),
         lambda: cpshard.make_cp_prefill(model_for(Case("minimax"))),
-        lambda: cpshard.make_cp_prefill(model_for(Case("jamba"))),
     ]
     return error_messages(attempts)
 
@@ -399,7 +408,6 @@ def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks
         "rows [1, 2] of the prompt have padding after a real token",
         "model.layers.0.linear_attn causal_conv1d_fn: the cache holds no state for this layer",
         "lightning-attention layers (self_attn) keep their state inside their module",
-        "its Mamba1 layers (mamba) run split over channels under cp, which hands on no state",
     ]
     check_refused(ranks2.run(_recurrent_refusals), expected)
 

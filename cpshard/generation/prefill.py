@@ -44,12 +44,6 @@ def check_servable(model, layout) -> None:
             "state inside their module, where cp generation cannot carry it from prefill to decode; generate "
             "without cp"
         )
-    split = sorted({row.module for row in layout.recurrent if row.decay == "diagonal"})
-    if split:
-        raise ValueError(
-            f"{type(model).__name__}: its Mamba1 layers ({', '.join(split)}) run split over channels under "
-            "cp, which hands on no state for decode; generate without cp"
-        )
     if layout.per_head_params:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "
@@ -203,7 +197,8 @@ def make_cp_prefill(model, *, layout="auto", implementation="auto") -> CPPrefill
     logits ``[B, V]`` of each row's last real token, the same on every rank, and the
     :class:`~cpshard.attention.kv_cache.ShardedKVCache` split over the cp ranks. ``batch``: ``input_ids``
     and optionally a 2-D ``attention_mask`` (left or right padding). Inference: nothing is differentiated."""
-    # checked before the layout is resolved; a prefill hands on each recurrent layer's state, which state
-    # passing computes on every rank (the head split would gather it again)
-    options = CPOptions(implementation=implementation, recurrent="state_passing")
+    # checked before the layout is resolved. A prefill hands on each recurrent layer's state: its delta rules
+    # and SSD scans pass states whatever the scheme (the head split would gather them again), Mamba1's
+    # channel split gathers its final states
+    options = CPOptions(implementation=implementation)
     return CPPrefill(model, resolve_layout(model, layout), options)

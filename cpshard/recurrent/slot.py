@@ -17,8 +17,10 @@ class Slot:
     """One slot of one mixer, taken by cpshard. ``serve`` runs inside a cp call, ``decode`` in a cp decode
     step; outside both, the model's own function (``original``) runs."""
 
-    def __init__(self, original, module: str, name: str):
+    def __init__(self, original, module: str, name: str, siblings: dict):
         self.original, self.module, self.path = original, module, f"{module} {name}"
+        #: the mixer's kernel slots, where a decode finds the model's own one-token update
+        self.siblings = siblings
 
     def forward(self, *args, **kwargs):
         if not isinstance(self, Slot):  # the kernels package calls slots so under torch.compile
@@ -58,10 +60,6 @@ class Slot:
                 "cp_prefill (or the last cp_decode) of this model returned"
             )
         return step.states[self.path]
-
-
-def _cp_group(call: CallPlan):
-    return call.mesh.get_group("cp")
 
 
 def cp_group(call: CallPlan):

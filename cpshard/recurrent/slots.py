@@ -210,7 +210,7 @@ def _cut_mask(module, args, kwargs):
 def _take(slots: dict, name: str, kind: type, path: str) -> None:
     current = slots[name]
     original = current.original if isinstance(current, Slot) else current  # installed before: re-taken
-    slots[name] = kind(original, path, name)
+    slots[name] = kind(original, path, name, slots)
 
 
 def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers_path: str) -> list[Hook]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from cpshard.comm.collectives import all_gather_shards, all_to_all, sum_over_group
 from cpshard.comm.record import expect
@@ -98,7 +99,9 @@ class ChannelSplit(Slot):
     ``B`` and ``C`` (``[B, N, T]``, shared by every channel) are all-gathered, the model's own scan runs on
     whole sequences for ``D / cp`` channels (so on one process's arithmetic) and its output comes back. The
     scan takes no incoming state, so state passing would rebuild its decays outside the model's code; the
-    split needs none, and ``D`` (the inner width) is large."""
+    split needs none, and ``D`` (the inner width) is large. A prefill scans up to the prompt's last token
+    and gathers the channels' final states; decode continues them with the model's own one-token update
+    (its ``selective_state_update`` slot)."""
 
     def serve(self, call, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
         group = cp_group(call)
@@ -108,18 +111,35 @@ class ChannelSplit(Slot):
                 f"{self.path}: Mamba1's selective scan is served by a split of its {channels} channels over "
                 f"cp={size} ranks (recurrent='auto' or 'head_split'), which cp must divide"
             )
-        if kwargs.get("return_last_state"):
-            raise ValueError(f"{self.path}: the channel split hands on no state")
+        if kwargs.pop("return_last_state", False):
+            raise ValueError(f"{self.path}: a cp call hands on its state only to cp decode (cp_prefill)")
         share = slice(rank * channels // size, (rank + 1) * channels // size)
         split = [
             None if x is None else all_to_all(x, 1, 2, group, f"{self.path} {name}")
             for name, x in (("x", hidden_states), ("dt", dt), ("z", z))
         ]
-        whole_b, whole_c = self.gathered((B, C), group)
+        whole = [*split, *self.gathered((B, C), group)]
         own = [None if p is None else p[share] for p in (A, D, delta_bias)]
+        prefill = call.state_sink is not None
+        if prefill:  # the prompt only, not cp's padding after it: the final state is the one handed on
+            whole = [None if x is None else x[..., : call.length] for x in whole]
+        x, dt_split, z_split, whole_b, whole_c = whole
         outputs = self.original(
-            split[0], split[1], own[0], whole_b, whole_c, D=own[1], z=split[2], delta_bias=own[2], **kwargs
+            x,
+            dt_split,
+            own[0],
+            whole_b,
+            whole_c,
+            D=own[1],
+            z=z_split,
+            delta_bias=own[2],
+            return_last_state=prefill,
+            **kwargs,
         )
+        if prefill:
+            outputs, state = outputs
+            self.sink(call, self.channels_gathered(state, group))
+            outputs = F.pad(outputs, (0, hidden_states.shape[-1] * size - call.length))
         exchanged = [x for x in (hidden_states, dt, z) if x is not None]
         for phase, gather in (("forward", "all_gather"), ("backward", "reduce_scatter")):
             # each per-channel input and the output, there and back; B and C gathered, their gradients back
@@ -133,6 +153,33 @@ class ChannelSplit(Slot):
                 (tensor_bytes(B) + tensor_bytes(C)) * (size if gather == "reduce_scatter" else 1),
             )
         return all_to_all(outputs, 2, 1, group, f"{self.path} output")
+
+    def channels_gathered(self, state: torch.Tensor, group) -> torch.Tensor:
+        """``[B, D, N]`` on every rank from each rank's ``[B, D / cp, N]`` (one all-gather)."""
+        shard = state.transpose(0, 1).contiguous()
+        rows = shard.shape[0] * dist.get_world_size(group)
+        expect(self.module, "all_gather", "forward", 1, tensor_bytes(shard))
+        return all_gather_shards([shard], [rows], group, f"{self.path} final state")[0].transpose(0, 1)
+
+    def decode(self, step, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
+        """One token per row from the carried state, by the model's own one-token update (every rank
+        alike)."""
+        state = self.carried(step).clone()  # the update writes its state in place
+        update = self.siblings["selective_state_update"]
+        outputs = update(
+            state,
+            hidden_states[..., 0],
+            dt[..., 0],
+            A,
+            B[..., 0],
+            C[..., 0],
+            D,
+            z=None if z is None else z[..., 0],
+            dt_bias=delta_bias,
+            dt_softplus=kwargs.get("delta_softplus", False),
+        )
+        step.new_states[self.path] = state
+        return outputs.unsqueeze(-1)
 
     def gathered(self, inputs: tuple, group) -> list[torch.Tensor]:
         """``inputs`` ``[B, N, T]`` of this rank's positions, whole along the sequence on every rank (one
