@@ -399,6 +399,7 @@ def _recurrent_refusals() -> list[str]:
             params, torch.full((ROWS,), 3), replace(cache, recurrent={}), mesh
         ),
         lambda: cpshard.make_cp_prefill(model_for(Case("minimax"))),
+        lambda: cpshard.make_cp_prefill(model_for(Case("recurrent_gemma"))),
     ]
     return error_messages(attempts)
 
@@ -407,7 +408,8 @@ def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks
     expected = [
         "rows [1, 2] of the prompt have padding after a real token",
         "model.layers.0.linear_attn causal_conv1d_fn: the cache holds no state for this layer",
-        "lightning-attention layers (self_attn) keep their state inside their module",
+        "recurrent layers (lightning: self_attn) keep their state inside their module",
+        "recurrent layers (rg_lru: temporal_block) keep their state inside their module",
     ]
     check_refused(ranks2.run(_recurrent_refusals), expected)
 

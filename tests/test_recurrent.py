@@ -1,6 +1,7 @@
 """Linear-attention and state-space layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid;
 KDA: kimi_linear; lightning attention: minimax; Mamba2: bamba, granitemoehybrid, nemotron_h, falcon_h1,
-zamba2; Mamba1, split over channels: jamba, falcon_mamba; LFM2's short convolutions: lfm2_moe),
+zamba2; Mamba1, split over channels: jamba, falcon_mamba; LFM2's short convolutions: lfm2_moe; RG-LRU:
+recurrent_gemma),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain, left- and right-padded batches, and value heads that cp does not
@@ -42,6 +43,7 @@ MODELS = {
     "lfm2_moe": {},  # LFM2's short convolution alone: a halo, no state
     "jamba": {},  # Mamba1's selective scan, split over channels
     "falcon_mamba": {"attn_implementation": "auto"},  # Mamba1 layers only (no attention to implement)
+    "recurrent_gemma": {},  # RG-LRU: a decay per channel; its scan a method, its convolution a module
 }
 CHUNK = 64  # the torch kernels' chunk
 #: the models that pass no state between ranks: a convolution alone, Mamba1 split over channels
@@ -100,8 +102,9 @@ def test_the_head_split_is_exact_at_cp2(ranks2, name, length):
             assert result["head exchanges"] >= 6 and result["state gathers"] == 0, (recurrent, rank, result)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads"])
-def test_linear_attention_is_exact_at_cp4_with_heads_cp_does_not_divide(ranks4, name):
+@pytest.mark.parametrize("name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads", "recurrent_gemma"])
+def test_recurrent_layers_are_exact_at_cp4(ranks4, name):
+    """Heads that cp does not divide; RG-LRU's summaries folded over four ranks."""
     for result in ranks4.run(failing_against_own_code, name, 4 * 2 * CHUNK, "left"):
         assert result["failing"] == [], result
 
@@ -187,9 +190,14 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
             ["mixer mamba_chunk_scan_combined", "not served for Mamba2"],
         ),
         ("jamba", {"recurrent": "state_passing"}, ["mamba selective_scan_fn", "split of its 128 channels"]),
+        (
+            "recurrent_gemma",
+            {"recurrent": "head_split"},
+            ["temporal_block _rnn_scan", "not served for RG-LRU"],
+        ),
         ("nemotron_h", {"packed": True}, ["packed documents", "(mixer) carry", "one document per row"]),
     ],
-    ids=["mamba2-head-split", "mamba1-state-passing", "mamba2-packed"],
+    ids=["mamba2-head-split", "mamba1-state-passing", "rg-lru-head-split", "mamba2-packed"],
 )
 def test_what_state_space_layers_do_not_serve_is_refused_on_every_rank(ranks2, name, options, words):
     messages = ranks2.run(refusal, name, 16, **options)
@@ -212,6 +220,17 @@ def test_lightning_attention_of_other_code_is_refused(monkeypatch):
         cpshard.LayoutError, match="MiniMaxLightningAttention .* other code in MiniMaxDecoderLayer"
     ):
         lightning.check_lightning_unchanged()
+
+
+def test_rg_lru_of_other_code_is_refused(monkeypatch):
+    from cpshard.recurrent import rg_lru
+
+    module, pieces = rg_lru.WRITTEN_AGAINST
+    monkeypatch.setattr(rg_lru, "WRITTEN_AGAINST", (module, {**pieces, "RecurrentGemmaRglru": "0" * 16}))
+    with pytest.raises(
+        cpshard.LayoutError, match="RecurrentGemmaRecurrentBlock .* other code in RecurrentGemmaRglru"
+    ):
+        rg_lru.check_rg_lru_unchanged()
 
 
 def test_the_head_split_refuses_heads_cp_does_not_divide(ranks2):
@@ -278,6 +297,7 @@ def failing_with(name: str, case: str) -> list[str]:
         ("falcon_h1", "inputs_embeds"),
         ("jamba", "logits=False"),
         ("minimax", "checkpointing"),  # the recomputed layer runs the lightning hooks again
+        ("recurrent_gemma", "checkpointing"),  # and RG-LRU's scan slot and convolution hooks
     ],
 )
 def test_linear_attention_with_more_than_a_plain_batch(ranks2, name, case):
@@ -487,6 +507,7 @@ GENERATES = ("qwen3_next",)
         ("minimax", "auto"),
         ("nemotron_h", "auto"),
         ("jamba", "auto"),
+        ("recurrent_gemma", "auto"),
     ],
 )
 def test_trace_comms_sets_each_linear_layer_beside_its_scheme_s_optimum(ranks2, name, recurrent):

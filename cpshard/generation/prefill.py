@@ -19,6 +19,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.family_attention import score_bias
+from cpshard.layouts.layout import HOOKED
 from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.mesh import cp_rank
 from cpshard.runtime.batch import BatchError, validate
@@ -37,12 +38,11 @@ PROMPT_KEYS = ("input_ids", "attention_mask")
 def check_servable(model, layout) -> None:
     """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
     prepares the same model, so every rank raises alike)."""
-    lightning = sorted({row.module for row in layout.recurrent if row.kernel == "lightning"})
-    if lightning:
+    hooked = sorted({f"{row.kernel}: {row.module}" for row in layout.recurrent if row.kernel in HOOKED})
+    if hooked:
         raise ValueError(
-            f"{type(model).__name__}: its lightning-attention layers ({', '.join(lightning)}) keep their "
-            "state inside their module, where cp generation cannot carry it from prefill to decode; generate "
-            "without cp"
+            f"{type(model).__name__}: its recurrent layers ({', '.join(hooked)}) keep their state inside "
+            "their module, where cp generation cannot carry it from prefill to decode; generate without cp"
         )
     if layout.per_head_params:
         raise ValueError(

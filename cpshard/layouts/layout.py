@@ -31,6 +31,7 @@ RECURRENT_KERNELS = MappingProxyType(
         "chunk_gated_delta_rule": "matrix",
         "chunk_kda": "matrix",
         "lightning": "constant",
+        "rg_lru": "diagonal",  # RecurrentGemma's RG-LRU: a decay per channel
         "mamba_chunk_scan_combined": "scalar",  # Mamba2's SSD scan
         "selective_scan_fn": "diagonal",  # Mamba1's selective scan: a decay per channel and state dim
         "causal_conv1d_fn": "none",  # a short convolution alone (LFM2's ShortConv): no state past its window
@@ -40,6 +41,11 @@ RECURRENT_KERNELS = MappingProxyType(
 FUSED_SLOTS = frozenset({"mamba_split_conv1d_scan_combined"})
 #: MiniMax's lightning attention: no kernel slot, its block loop inline; served by hooks (kernel "lightning")
 LIGHTNING = "MiniMaxLightningAttention"
+#: RecurrentGemma's recurrent block: its scan a method, its convolution a module; served by a slot on the
+#: method and hooks (kernel "rg_lru")
+RG_LRU = "RecurrentGemmaRecurrentBlock"
+#: the recurrent kernels served by hooks on a mixer of a known class, not by a kernel slot
+HOOKED = MappingProxyType({"lightning": LIGHTNING, "rg_lru": RG_LRU})
 #: the slot of the short causal convolution in front of them
 CONV_SLOT = "causal_conv1d_fn"
 
@@ -53,7 +59,7 @@ class Recurrent:
 
     #: the mixer's path inside a decoder layer
     module: str
-    #: the slot of its chunked kernel, one of :data:`RECURRENT_KERNELS` ("lightning": the module itself)
+    #: the slot of its chunked kernel, one of :data:`RECURRENT_KERNELS` (one of :data:`HOOKED`: the module)
     kernel: str
     #: the slot of its short causal convolution (:data:`CONV_SLOT`), None where it has none
     conv: str | None
@@ -62,8 +68,8 @@ class Recurrent:
     #: how the state carried into a slice reaches its end: "matrix" (delta rules: ``M S_in``), "scalar"
     #: (SSD: ``exp(A sum(dt))`` per row and head, its state ``[P, N]`` read as ``v k``), "constant"
     #: (lightning attention: ``e^{-s T} S_in``, known without data), "diagonal" (Mamba1: per channel and
-    #: state dim; served split over channels) or "none" (a convolution alone, whose kernel is its ``conv``:
-    #: only its halo crosses ranks)
+    #: state dim, served split over channels; RG-LRU: per channel, by state passing) or "none" (a
+    #: convolution alone, whose kernel is its ``conv``: only its halo crosses ranks)
     decay: str = "matrix"
 
 
@@ -74,9 +80,9 @@ def kernel_slots(module: nn.Module) -> dict:
 
 
 def serves(module: nn.Module, kernel: str) -> bool:
-    """Whether ``module`` is a recurrent mixer of ``kernel``: one that holds its slot, or for "lightning",
-    MiniMax's lightning attention."""
-    return type(module).__name__ == LIGHTNING if kernel == "lightning" else kernel in kernel_slots(module)
+    """Whether ``module`` is a recurrent mixer of ``kernel``: one that holds its slot, or for a
+    :data:`HOOKED` kernel, one of its class."""
+    return type(module).__name__ == HOOKED[kernel] if kernel in HOOKED else kernel in kernel_slots(module)
 
 
 def recurrent_module(layer: nn.Module, rows: tuple[Recurrent, ...]) -> tuple[nn.Module, Recurrent] | None:

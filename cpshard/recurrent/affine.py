@@ -3,7 +3,8 @@
 Every linear-attention mixer updates its state ``[B, H, dk, dv]`` by ``S_t = A_t S_{t-1} + B_t``, so a
 slice acts as ``S_out = M S_in + S_local`` and its outputs are ``o = o_zero + Q_eff S_in``. Mamba2's SSD
 is one of them with its state ``[P, N]`` read transposed (``N`` plays ``dk``, ``P`` plays ``dv``) and ``M``
-a scalar per row and head, kept as a ``1 x 1`` matrix. Each rank
+a scalar per row and head, kept as a ``1 x 1`` matrix; RG-LRU's diagonal recurrence another, each channel a
+head of a ``1 x 1`` state. Each rank
 summarises its slice from a zero state, the ranks gather the summaries, each folds those before it into
 its true ``S_in`` and corrects its outputs. Tensors are laid out ``[B, T, H, d]`` as the kernels take
 them; summaries and the fold are fp32 (bf16 chains drift over long folds).
@@ -80,6 +81,21 @@ def ssd_summary(
     out, state = out.float(), state.float()
     transition = state[:, :, width : width + 1, :1]
     return SliceSummary(out[..., :width], out[..., width:], state[:, :, :width].transpose(-1, -2), transition)
+
+
+def diagonal_summary(scan: Callable, hidden_states, gate, reset, acc_dtype) -> SliceSummary:
+    """One call of the model's own diagonal scan (RG-LRU's ``_rnn_scan``: ``h_t = a_t h_{t-1} + x_t`` per
+    channel, ``[B, T, D]``) summarises a slice: the batch doubled, the copy's inputs zero and its state
+    started from ones, returns ``prod_{s<=t} a_s`` (``Q_eff``) beside the outputs and the slice's decay
+    (``M``) beside ``S_local``. Each channel is a head of a ``1 x 1`` state. Inputs are upcast so that the
+    outputs come back fp32 (the scan accumulates in fp32 whatever it is given)."""
+    x, batch = hidden_states.float(), hidden_states.shape[0]
+    initial = torch.cat([x.new_zeros(x[:, 0].shape), x.new_ones(x[:, 0].shape)])
+    reset = reset.expand(batch, *reset.shape[1:])  # position_ids may be one row for all
+    doubled = [torch.cat([t, t]) for t in (gate.float(), reset)]
+    out, state = scan(torch.cat([x, torch.zeros_like(x)]), *doubled, initial, acc_dtype)
+    out, state = out[..., None].float(), state[..., None, None].float()
+    return SliceSummary(out[:batch], out[batch:], state[:batch], state[batch:])
 
 
 def outgoing_state(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cpshard.comm.record import active_recorder, record
+from cpshard.comm.record import active_recorder, expect, record
 
 
 def _shift(x: torch.Tensor, group, step: int, recorder, name: str, phase: str) -> torch.Tensor:
@@ -48,3 +48,11 @@ def with_halo(x: torch.Tensor, width: int, group, name: str = "") -> torch.Tenso
             f"before each one; use sequences of at least {width} tokens per cp rank"
         )
     return torch.cat([_Halo.apply(x[..., x.shape[-1] - width :], group, name), x], dim=-1)
+
+
+def declare_halo(module: str, halo: torch.Tensor, group) -> None:
+    """Declare the halo's analytic bytes for ``module`` (:func:`cpshard.debug.trace_comms`): ``halo``
+    (``[..., kernel - 1]``) sent one rank on in the forward, its gradient one rank back in the backward."""
+    nbytes, size, rank = halo.numel() * halo.element_size(), dist.get_world_size(group), dist.get_rank(group)
+    for phase in ("forward",) * (rank < size - 1) + ("backward",) * (rank > 0):
+        expect(module, "send", phase, 1, nbytes)

@@ -37,8 +37,9 @@ from cpshard.interfaces import Hook
 from cpshard.layouts.layout import FUSED_SLOTS, RECURRENT_KERNELS, Recurrent, kernel_slots, recurrent_module
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
 from cpshard.recurrent.exchange import gathered_summaries
-from cpshard.recurrent.halo import with_halo
+from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
+from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.slot import Slot, cp_group, tensor_bytes
 from cpshard.recurrent.state_space import ChannelSplit, SSDScan, Unfused
 from cpshard.spec.notation import Spec
@@ -167,10 +168,8 @@ class Halo(Slot):
 
     def serve(self, call, hidden_states, weight, bias=None, activation=None, **kwargs):
         width, group = weight.shape[-1] - 1, cp_group(call)
+        declare_halo(self.module, hidden_states[..., :width], group)
         nbytes = tensor_bytes(hidden_states[..., :width])  # the halo, [B, channels, kernel - 1]
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        for phase in ("forward",) * (rank < size - 1) + ("backward",) * (rank > 0):  # one step on, one back
-            expect(self.module, "send", phase, 1, nbytes)
         widened = with_halo(hidden_states, width, group, f"{self.path} conv halo")
         if call.state_sink is not None:  # a prefill: the last real token's inputs are carried on
             expect(self.module, "all_reduce", "forward", 1, nbytes)
@@ -227,6 +226,10 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
         if row.kernel == "lightning":
             check_lightning_unchanged()
             hooks += lightning_hooks(module, path)
+            continue
+        if row.kernel == "rg_lru":
+            check_rg_lru_unchanged()
+            hooks += rg_lru_hooks(module, path)
             continue
         _take(slots, row.kernel, SCAN_SLOTS[RECURRENT_KERNELS[row.kernel]], path)
         for fused in FUSED_SLOTS.intersection(slots):
