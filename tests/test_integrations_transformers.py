@@ -1,7 +1,7 @@
 """CPTrainer against one process's plain Trainer on the same data: the logged training losses, the eval
-loss and the final weights (saved with save_pretrained) after a few steps of gradient accumulation 2,
-under cp=2 (2 ranks) and fsdp2 x cp2 (4 ranks); Llama, and Qwen3-Next (a Gated DeltaNet layer beside an
-attention layer) at cp=2."""
+loss, the input tokens seen and the final weights (saved with save_pretrained) after a few steps of gradient
+accumulation 2, under cp=2 (2 ranks) and fsdp2 x cp2 (4 ranks); Llama, and Qwen3-Next (a Gated DeltaNet
+layer beside an attention layer) at cp=2."""
 
 import importlib
 import importlib.util
@@ -51,6 +51,7 @@ def _arguments(folder, batch_size: int) -> TrainingArguments:
         logging_steps=1,
         train_sampling_strategy="sequential",
         save_strategy="no",
+        include_num_input_tokens_seen="non_padding",
         report_to=[],
         use_cpu=True,
         seed=0,
@@ -62,6 +63,7 @@ def _losses(trainer) -> dict:
     return {
         "train": [entry["loss"] for entry in history if "loss" in entry],
         "eval": trainer.evaluate()["eval_loss"],
+        "tokens seen": trainer.state.num_input_tokens_seen,
     }
 
 
@@ -107,6 +109,7 @@ def _compare(results, reference, folder, model_type: str = "llama"):
     assert moved > 1e-4 and len(set(ref_losses["train"])) == STEPS, (moved, ref_losses)  # it trained
     for rank, (losses, weights) in enumerate(results):
         assert len(losses["train"]) == len(ref_losses["train"]) == STEPS, (losses, ref_losses)
+        assert losses["tokens seen"] == ref_losses["tokens seen"] > 0, (losses, ref_losses)
         checks[f"rank {rank} train"] = max(abs(a - b) for a, b in zip(losses["train"], ref_losses["train"]))
         checks[f"rank {rank} eval"] = abs(losses["eval"] - ref_losses["eval"])
         checks[f"rank {rank} weights"] = max(

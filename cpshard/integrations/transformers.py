@@ -9,6 +9,7 @@ What the plain ``Trainer`` gets wrong under context parallelism, and what change
   ranks that hold other tokens (plain autograd, see ``cpshard.value_and_grad``), so nothing wraps it;
 - it counts ``num_items_in_batch`` over every rank, cp times too many; here over the dp groups only
   (``cpshard.count_label_tokens``), and the loss is the step's token-loss sum over that count;
+- so it counts ``num_input_tokens_seen`` (``include_num_input_tokens_seen``); here each dp group's once;
 - it saves each rank's own weights; here ``cpshard.save_pretrained`` gathers sharded ones first.
 
 Evaluation reports the loss alone (``prediction_step`` returns no logits). Resuming from a
@@ -119,6 +120,14 @@ class CPTrainer(Trainer):
         if not batch_samples or "labels" not in batch_samples[0] and "shift_labels" not in batch_samples[0]:
             return None
         return count_label_tokens(batch_samples, self.mesh).to(device)
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Trainer's count of the input tokens seen, each dp group's once: its gather sums every rank's
+        count, and the ranks of a dp group (its cp and tp ranks) hold the same batch."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        copies = torch.distributed.get_world_size() // dp_group_of(self.mesh)[1]
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // copies
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """cp_forward's loss: the same on every rank, over the step's ``num_items_in_batch`` when given."""
