@@ -1,7 +1,7 @@
 """Linear-attention and state-space layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid;
 KDA: kimi_linear; lightning attention: minimax; Mamba2: bamba, granitemoehybrid, nemotron_h, falcon_h1,
 zamba2; Mamba1, split over channels: jamba, falcon_mamba; LFM2's short convolutions: lfm2_moe; RG-LRU:
-recurrent_gemma),
+recurrent_gemma; RWKV: rwkv),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain, left- and right-padded batches, and value heads that cp does not
@@ -44,6 +44,7 @@ MODELS = {
     "jamba": {},  # Mamba1's selective scan, split over channels
     "falcon_mamba": {"attn_implementation": "auto"},  # Mamba1 layers only (no attention to implement)
     "recurrent_gemma": {},  # RG-LRU: a decay per channel; its scan a method, its convolution a module
+    "rwkv": {"attn_implementation": "auto"},  # RWKV's WKV (a running max beside its state), token shifts
 }
 CHUNK = 64  # the torch kernels' chunk
 #: the models that pass no state between ranks: a convolution alone, Mamba1 split over channels
@@ -69,7 +70,7 @@ def failing_against_own_code(name: str, length: int, pad: str | None, recurrent:
     return {
         "failing": failing,
         "state gathers": sum(n for key, n in names.items() if key.endswith(" state")),
-        "halo sends": sum(n for key, n in names.items() if key.endswith(" conv halo")),
+        "halo sends": sum(n for key, n in names.items() if key.endswith(" halo")),
         "head exchanges": sum(
             n for key, n in names.items() if " chunk_" in key and key.endswith((" q", " beta", " output"))
         ),
@@ -102,7 +103,9 @@ def test_the_head_split_is_exact_at_cp2(ranks2, name, length):
             assert result["head exchanges"] >= 6 and result["state gathers"] == 0, (recurrent, rank, result)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads", "recurrent_gemma"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads", "recurrent_gemma", "rwkv"]
+)
 def test_recurrent_layers_are_exact_at_cp4(ranks4, name):
     """Heads that cp does not divide; RG-LRU's summaries folded over four ranks."""
     for result in ranks4.run(failing_against_own_code, name, 4 * 2 * CHUNK, "left"):
@@ -195,9 +198,16 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
             {"recurrent": "head_split"},
             ["temporal_block _rnn_scan", "not served for RG-LRU"],
         ),
+        ("rwkv", {"recurrent": "head_split"}, ["blocks.0.attention: cp serves RWKV's WKV", "state passing"]),
         ("nemotron_h", {"packed": True}, ["packed documents", "(mixer) carry", "one document per row"]),
     ],
-    ids=["mamba2-head-split", "mamba1-state-passing", "rg-lru-head-split", "mamba2-packed"],
+    ids=[
+        "mamba2-head-split",
+        "mamba1-state-passing",
+        "rg-lru-head-split",
+        "rwkv-head-split",
+        "mamba2-packed",
+    ],
 )
 def test_what_state_space_layers_do_not_serve_is_refused_on_every_rank(ranks2, name, options, words):
     messages = ranks2.run(refusal, name, 16, **options)
@@ -231,6 +241,30 @@ def test_rg_lru_of_other_code_is_refused(monkeypatch):
         cpshard.LayoutError, match="RecurrentGemmaRecurrentBlock .* other code in RecurrentGemmaRglru"
     ):
         rg_lru.check_rg_lru_unchanged()
+
+
+def rescaled_rwkv_refusal() -> str:
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    model = tiny_model("rwkv", attn_implementation="auto", rescale_every=6)
+    try:
+        cpshard.make_cp_forward(model)(cpshard.params_of(model), tiny_batch(128, 2, 16), mesh)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_rwkv_that_rescales_its_weights_in_place_is_refused_on_every_rank(ranks2):
+    messages = ranks2.run(rescaled_rwkv_refusal)
+    assert messages[0] == messages[1] and "set model.config.rescale_every = 0" in messages[0], messages
+
+
+def test_rwkv_of_other_code_is_refused(monkeypatch):
+    from cpshard.recurrent import rwkv
+
+    module, pieces = rwkv.WRITTEN_AGAINST
+    monkeypatch.setattr(rwkv, "WRITTEN_AGAINST", (module, {**pieces, "RwkvFeedForward": "0" * 16}))
+    with pytest.raises(cpshard.LayoutError, match="RwkvSelfAttention .* other code in RwkvFeedForward"):
+        rwkv.check_rwkv_unchanged()
 
 
 def test_the_head_split_refuses_heads_cp_does_not_divide(ranks2):
@@ -298,6 +332,7 @@ def failing_with(name: str, case: str) -> list[str]:
         ("jamba", "logits=False"),
         ("minimax", "checkpointing"),  # the recomputed layer runs the lightning hooks again
         ("recurrent_gemma", "checkpointing"),  # and RG-LRU's scan slot and convolution hooks
+        ("rwkv", "checkpointing"),  # and RWKV's shadowed WKV and token shift hooks
     ],
 )
 def test_linear_attention_with_more_than_a_plain_batch(ranks2, name, case):
@@ -479,8 +514,8 @@ def traced_linear_layers(name: str, recurrent: str) -> list[dict]:
     if name in GENERATES:
         prompt = {key: value for key, value in batch.items() if key != "labels"}
         reports.append(cpshard.debug.trace_comms(cpshard.make_cp_prefill(model), params, prompt, mesh))
-    index = model.config.layer_types.index("linear_attention")
-    linear = f"model.layers.{index}.{derive_layout(model).recurrent[0].module}"
+    layout, kinds = derive_layout(model), getattr(model.config, "layer_types", None) or ["linear_attention"]
+    linear = f"{layout.decoder_layers}.{kinds.index('linear_attention')}.{layout.recurrent[0].module}"
     return [
         {
             "matches": report.matches_optimum,
@@ -508,6 +543,7 @@ GENERATES = ("qwen3_next",)
         ("nemotron_h", "auto"),
         ("jamba", "auto"),
         ("recurrent_gemma", "auto"),
+        ("rwkv", "auto"),
     ],
 )
 def test_trace_comms_sets_each_linear_layer_beside_its_scheme_s_optimum(ranks2, name, recurrent):

@@ -40,6 +40,7 @@ from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
 from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
+from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
 from cpshard.recurrent.slot import Slot, cp_group, tensor_bytes
 from cpshard.recurrent.state_space import ChannelSplit, SSDScan, Unfused
 from cpshard.spec.notation import Spec
@@ -230,6 +231,10 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
         if row.kernel == "rg_lru":
             check_rg_lru_unchanged()
             hooks += rg_lru_hooks(module, path)
+            continue
+        if row.kernel == "rwkv":
+            check_rwkv_unchanged()
+            hooks += rwkv_hooks(layer, f"{layers_path}.{index}", row.module)
             continue
         _take(slots, row.kernel, SCAN_SLOTS[RECURRENT_KERNELS[row.kernel]], path)
         for fused in FUSED_SLOTS.intersection(slots):

@@ -43,11 +43,11 @@ def attention_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
 
 def install_attention(model: nn.Module, layout: Layout) -> None:
     """Make the model dispatch to cpshard's attention around the function it uses now (nothing when it
-    does)."""
-    in_use = {
-        getattr(getattr(m, "config", None), "_attn_implementation", None)
-        for m in attention_modules(model, layout)
-    }
+    does, or when no layer attends: RWKV's)."""
+    modules = attention_modules(model, layout)
+    if not modules:
+        return
+    in_use = {getattr(getattr(m, "config", None), "_attn_implementation", None) for m in modules}
     in_use = {name for name in in_use | {model.config._attn_implementation} if name is not None}
     unwrapped = sorted(name for name in in_use if not name.startswith(ATTENTION_PREFIX))
     if len(unwrapped) > 1:

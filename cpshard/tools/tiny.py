@@ -99,6 +99,8 @@ PER_TYPE = {
     "codegen": dict(rotary_dim=8),
     "gpt_neo": dict(**_ABSOLUTE, attention_types=[[["global", "local"], 1]], window_size=4),
     "falcon": dict(head_dim=None),
+    # RWKV's inference-time rescaling divides weights in place in eval mode: cp refuses it (its probe runs so)
+    "rwkv": dict(rescale_every=0),
     # a recurrent (RG-LRU) layer, then a sliding-window attention layer (its own default: two recurrent)
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=16),
     # its indexer scores keys with the q heads of k/v head 0 (two here); a sliding and an indexed layer, whose
