@@ -105,7 +105,7 @@ def test_local_folders_with_and_without_weights(ranks2, tmp_path):
         (["llama", "--pad", "left", "--seq", "1"], "--pad left needs --seq of at least 4"),
         (["llama", "--implementation", "hybrid"], "hybrid needs a Ulysses degree"),
         (["llama", "--cp", "3", "--implementation", "ulysses"], "not divisible by cp=3"),
-        (["xlstm"], "cpshard cannot serve model type 'xlstm'"),
+        (["xlm"], "cpshard cannot serve model type 'xlm'"),
         (["t5"], "model type 't5' has no causal LM"),
         (["llama", "--dtype", "float16"], "invalid choice: 'float16'"),
         (["llama", "--set", "num_hidden_layers"], "write --set key=value"),

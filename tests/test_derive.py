@@ -76,9 +76,8 @@ def test_kv_heads_fall_back_to_heads():
 @pytest.mark.parametrize(
     "model_type, words",
     [
-        ("rwkv", ["rwkv.blocks.0.attention (RwkvSelfAttention)", "attention registry"]),
         ("zaya", ["conv_qk_depthwise (Conv1d: a convolution along the sequence)", "outside the attention"]),
-        ("xlstm", ["backbone.blocks (xLSTMBlock) has an attention module"]),
+        ("xlm", ["transformer.attentions (MultiHeadAttention) has an attention module"]),
         ("hy_v4", ["model.layers.0 receives a residual stream of shape [1, 13, 4, 64]"]),
         ("dory", ["model.layers.0 runs 2 times in one forward (looped layers)"]),
         ("kolibri1_1", ["model.layers.1.self_attn.indexer (Kolibri1_1Indexer)", "sparse attention"]),

@@ -61,7 +61,11 @@ def test_other_decoders_get_the_generic_layout(models, model_type):
 @pytest.mark.parametrize(
     "model, model_type, why",
     [
-        ("xlstm", "'xlstm' (xLSTMForCausalLM)", "backbone.blocks (xLSTMBlock) has an attention module"),
+        (
+            "xlm",
+            "'xlm' (XLMWithLMHeadModel)",
+            "transformer.attentions (MultiHeadAttention) has an attention module",
+        ),
         (torch.nn.Linear(2, 2), "'Linear' (Linear)", "not a transformers model"),
         (torch.nn.Module(), "'Module' (Module)", "not a transformers model"),
     ],

@@ -1,7 +1,7 @@
 """Linear-attention and state-space layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid;
 KDA: kimi_linear; lightning attention: minimax; Mamba2: bamba, granitemoehybrid, nemotron_h, falcon_h1,
 zamba2; Mamba1, split over channels: jamba, falcon_mamba; LFM2's short convolutions: lfm2_moe; RG-LRU:
-recurrent_gemma; RWKV: rwkv),
+recurrent_gemma; RWKV: rwkv; xLSTM's mLSTM: xlstm),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain, left- and right-padded batches, and value heads that cp does not
@@ -45,11 +45,14 @@ MODELS = {
     "falcon_mamba": {"attn_implementation": "auto"},  # Mamba1 layers only (no attention to implement)
     "recurrent_gemma": {},  # RG-LRU: a decay per channel; its scan a method, its convolution a module
     "rwkv": {"attn_implementation": "auto"},  # RWKV's WKV (a running max beside its state), token shifts
+    "xlstm": {"attn_implementation": "auto"},  # mLSTM: a matrix memory, its stabiliser folded across ranks
 }
 CHUNK = 64  # the torch kernels' chunk
 #: the models that pass no state between ranks: a convolution alone, Mamba1 split over channels
 SPLIT_OVER_CHANNELS = ("jamba", "falcon_mamba")
 STATELESS = ("lfm2_moe", *SPLIT_OVER_CHANNELS)
+#: the models whose recurrent layers have no convolution or token shift (no halo)
+NO_CONVOLUTION = ("minimax", "xlstm")
 
 
 def _model(name: str):
@@ -85,7 +88,7 @@ def test_linear_attention_is_exact_at_cp2(ranks2, name, pad):
         assert result["failing"] == [], (rank, result)
         # forward and backward, on every linear layer (one in the tiny models): the chain really ran
         assert result["state gathers"] >= (0 if name in STATELESS else 2), (rank, result)
-        assert (result["halo sends"] >= 1) == (name != "minimax"), (rank, result)
+        assert (result["halo sends"] >= 1) == (name not in NO_CONVOLUTION), (rank, result)
         if name in SPLIT_OVER_CHANNELS:  # x, dt, z and the output, forward and backward
             assert result["channel exchanges"] >= 8, (rank, result)
         else:
@@ -104,7 +107,7 @@ def test_the_head_split_is_exact_at_cp2(ranks2, name, length):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads", "recurrent_gemma", "rwkv"]
+    "name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads", "recurrent_gemma", "rwkv", "xlstm"]
 )
 def test_recurrent_layers_are_exact_at_cp4(ranks4, name):
     """Heads that cp does not divide; RG-LRU's summaries folded over four ranks."""
@@ -258,6 +261,18 @@ def test_rwkv_that_rescales_its_weights_in_place_is_refused_on_every_rank(ranks2
     assert messages[0] == messages[1] and "set model.config.rescale_every = 0" in messages[0], messages
 
 
+def test_xlstm_of_other_code_is_refused(monkeypatch):
+    from cpshard.recurrent import xlstm
+
+    module, pieces = xlstm.WRITTEN_AGAINST
+    changed = {**pieces, "mlstm_chunkwise_recurrent_fw_C": "0" * 16}
+    monkeypatch.setattr(xlstm, "WRITTEN_AGAINST", (module, changed))
+    with pytest.raises(
+        cpshard.LayoutError, match="xLSTMLayer .* other code in mlstm_chunkwise_recurrent_fw_C"
+    ):
+        xlstm.check_xlstm_unchanged()
+
+
 def test_rwkv_of_other_code_is_refused(monkeypatch):
     from cpshard.recurrent import rwkv
 
@@ -333,6 +348,7 @@ def failing_with(name: str, case: str) -> list[str]:
         ("minimax", "checkpointing"),  # the recomputed layer runs the lightning hooks again
         ("recurrent_gemma", "checkpointing"),  # and RG-LRU's scan slot and convolution hooks
         ("rwkv", "checkpointing"),  # and RWKV's shadowed WKV and token shift hooks
+        ("xlstm", "inputs_embeds"),
     ],
 )
 def test_linear_attention_with_more_than_a_plain_batch(ranks2, name, case):
@@ -544,6 +560,7 @@ GENERATES = ("qwen3_next",)
         ("jamba", "auto"),
         ("recurrent_gemma", "auto"),
         ("rwkv", "auto"),
+        ("xlstm", "auto"),
     ],
 )
 def test_trace_comms_sets_each_linear_layer_beside_its_scheme_s_optimum(ranks2, name, recurrent):

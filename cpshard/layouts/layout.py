@@ -33,6 +33,7 @@ RECURRENT_KERNELS = MappingProxyType(
         "lightning": "constant",
         "rg_lru": "diagonal",  # RecurrentGemma's RG-LRU: a decay per channel
         "rwkv": "constant",  # RWKV's WKV: a constant decay per channel
+        "mlstm": "scalar",  # xLSTM's mLSTM: a forget gate per head and token
         "mamba_chunk_scan_combined": "scalar",  # Mamba2's SSD scan
         "selective_scan_fn": "diagonal",  # Mamba1's selective scan: a decay per channel and state dim
         "causal_conv1d_fn": "none",  # a short convolution alone (LFM2's ShortConv): no state past its window
@@ -48,8 +49,10 @@ RG_LRU = "RecurrentGemmaRecurrentBlock"
 #: RWKV's time mixing: its WKV a function of its module, its token shifts inline; served by hooks and the
 #: function shadowed (kernel "rwkv")
 RWKV = "RwkvSelfAttention"
+#: xLSTM's mLSTM layer: its backend a module, whose forward cpshard takes (kernel "mlstm")
+XLSTM = "xLSTMLayer"
 #: the recurrent kernels served by hooks on a mixer of a known class, not by a kernel slot
-HOOKED = MappingProxyType({"lightning": LIGHTNING, "rg_lru": RG_LRU, "rwkv": RWKV})
+HOOKED = MappingProxyType({"lightning": LIGHTNING, "rg_lru": RG_LRU, "rwkv": RWKV, "mlstm": XLSTM})
 #: the slot of the short causal convolution in front of them
 CONV_SLOT = "causal_conv1d_fn"
 

@@ -43,6 +43,7 @@ from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
 from cpshard.recurrent.slot import Slot, cp_group, tensor_bytes
 from cpshard.recurrent.state_space import ChannelSplit, SSDScan, Unfused
+from cpshard.recurrent.xlstm import check_xlstm_unchanged, mlstm_hooks
 from cpshard.spec.notation import Spec
 
 #: how a linear-attention layer runs under cp (``make_cp_forward``'s ``recurrent``)
@@ -235,6 +236,10 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
         if row.kernel == "rwkv":
             check_rwkv_unchanged()
             hooks += rwkv_hooks(layer, f"{layers_path}.{index}", row.module)
+            continue
+        if row.kernel == "mlstm":
+            check_xlstm_unchanged()
+            hooks += mlstm_hooks(module, path)
             continue
         _take(slots, row.kernel, SCAN_SLOTS[RECURRENT_KERNELS[row.kernel]], path)
         for fused in FUSED_SLOTS.intersection(slots):

@@ -1,0 +1,123 @@
+"""xLSTM's mLSTM under cp: its matrix memory by state passing, the stabiliser folded across ranks.
+
+The mLSTM keeps a matrix memory ``C``, a normaliser ``n`` and a stabiliser ``m`` per head; the true state
+``C e^m`` decays by ``f_t = sigmoid(fgate_t)`` and gains ``e^{i_t} k_t v_t^T``, so it is affine, and ``m`` is
+a max-plus recurrence that composes as well: over a slice ``m_out = max(G + m_in, A)``, with ``G`` the sum of
+``log f_t`` and ``A`` what the slice reaches from a stabiliser of minus infinity. The output reads ``m`` (its
+normaliser floor ``e^{-m}``), so each rank must enter its slice with one process's ``(C, n, m)``, in the same
+stabilised form. The layer calls its backend (an ``nn.Module`` running the model's chunkwise and step
+kernels) with initial states, and cpshard takes its ``forward`` (:class:`MLSTMScan`): inside a cp call the
+backend runs once on the slice from a zero memory and a stabiliser far below any reachable (giving ``A``), the
+summaries ``(C, n, A, G)`` are all-gathered (fp32), those before the rank are folded (:func:`fold_mlstm`) and
+the backend runs again from the folded state for the outputs. Where each slice starts on the kernel's chunk
+grid (a multiple of ``chunk_size`` tokens a rank) the arithmetic is one process's.
+
+Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
+Generation (its states in the model's own cache) is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.layout import XLSTM
+from cpshard.recurrent.exchange import gathered_summaries
+from cpshard.recurrent.slot import Slot, cp_group
+
+#: what the backend's slot was written against in transformers 5.25.0 (the kernels whose stabiliser it folds)
+WRITTEN_AGAINST = (
+    "transformers.models.xlstm.modeling_xlstm",
+    {
+        "xLSTMLayer": "834327071734877e",
+        "xLSTMBackend": "1eaea5843ca2a30d",
+        "wrap_chunkwise_arbitrary_sequence_length": "a9192eb5fa3e737e",
+        "mlstm_chunkwise_native_autograd": "998f7611b6bd1287",
+        "mlstm_chunkwise_recurrent_fw_C": "3dcc1c83f3a044d4",
+        "mlstm_recurrent_sequence_native": "8852a3f68f3e66c2",
+        "mlstm_recurrent_step_native": "c0f16427acd04d50",
+    },
+)
+#: the stabiliser a slice's own run starts from: below anything the gates reach (they are soft-capped), so
+#: that its final stabiliser is ``A``
+FLOOR = -1e30
+
+
+def check_xlstm_unchanged() -> None:
+    check_written_for(f"{XLSTM} (its backend served by cpshard)", *WRITTEN_AGAINST)
+
+
+def fold_mlstm(previous: tuple, summary: tuple) -> tuple:
+    """The stabilised state ``(C, n, m)`` after a slice entered with ``previous``, from its summary
+    ``(C, n, A, G)`` (its own run's state, stabilised at ``A``, and its total log forget gate ``G``)."""
+    (memory_1, normaliser_1, max_1), (memory_2, normaliser_2, max_2, forget) = previous, summary
+    carried = max_1 + forget
+    new_max = torch.maximum(carried, max_2)
+    old, new = torch.exp(carried - new_max), torch.exp(max_2 - new_max)
+    return (
+        old[..., None] * memory_1 + new[..., None] * memory_2,
+        old * normaliser_1 + new * normaliser_2,
+        new_max,
+    )
+
+
+class MLSTMScan(Slot):
+    """The mLSTM backend's ``forward`` (see the module's docstring); outside a cp call, the model's."""
+
+    def serve(
+        self,
+        call,
+        query,
+        key,
+        value,
+        igate,
+        fgate,
+        c_initial=None,
+        n_initial=None,
+        m_initial=None,
+        return_last_states=None,
+        mode=None,
+    ):
+        if c_initial is not None or call.recurrent == "head_split":
+            raise ValueError(
+                f"{self.path}: cp serves xLSTM's mLSTM by state passing, from no state (no cache; at most "
+                "max_inference_chunksize tokens a rank in eval mode; recurrent='state_passing' or 'auto')"
+            )
+        batch, heads, _, width = key.shape
+        floor = torch.full((batch, heads, 1), FLOOR, device=key.device)
+        zeros = (
+            key.new_zeros(batch, heads, width, value.shape[-1], dtype=torch.float32),
+            key.new_zeros(batch, heads, width, dtype=torch.float32),
+        )
+        _, own = self.original(
+            query, key, value, igate, fgate, *zeros, floor, return_last_states=True, mode=mode
+        )
+        forget = F.logsigmoid(fgate.float()).sum(-1, keepdim=True)
+        summary = (*(part.float() for part in own), forget)
+        nbytes = batch * heads * (width * value.shape[-1] + width + 2) * 4
+        group = cp_group(call)
+        every = gathered_summaries(summary, group, self.path, nbytes)
+        states = [(*zeros, torch.zeros_like(floor))]  # one process's start: the model's default
+        for entry in every:
+            states.append(fold_mlstm(states[-1], entry))
+        rank = dist.get_rank(group)
+        # every rank's outputs read every summary, so that every rank runs the gather's backward
+        incoming = [part + 0 * last for part, last in zip(states[rank], states[-1], strict=True)]
+        return self.original(
+            query, key, value, igate, fgate, *incoming, return_last_states=return_last_states, mode=mode
+        )
+
+    def decode(self, step, *args, **kwargs):  # generation is refused at setup (cpshard.generation.prefill)
+        raise NotImplementedError(f"{self.path}: cp generation does not carry mLSTM states")
+
+
+def mlstm_hooks(layer: nn.Module, path: str) -> list:
+    """Take the backend's ``forward`` of the mLSTM layer ``layer`` at ``path`` (idempotent); no hooks."""
+    backend = layer.mlstm_backend
+    current = backend.__dict__.get("forward")
+    original = current.original if isinstance(current, Slot) else backend.forward
+    backend.forward = MLSTMScan(original, path, "mlstm_backend", {})
+    return []
