@@ -38,6 +38,7 @@ MODELS = {
     "granitemoehybrid": {},
     "nemotron_h": {},  # Mamba2, MoE, attention and MLP layers
     "nemotron_h-3-heads": {"mamba_num_heads": 3, "n_groups": 1},
+    "nemotron_h-1-group": {"n_groups": 1},
     "falcon_h1": {},  # attention and a Mamba2 mixer side by side in every layer
     "zamba2": {},  # Mamba2 layers, and hybrid layers with a shared attention block before a Mamba2 mixer
     "lfm2_moe": {},  # LFM2's short convolution alone: a halo, no state
@@ -78,6 +79,11 @@ def failing_against_own_code(name: str, length: int, pad: str | None, recurrent:
             n for key, n in names.items() if " chunk_" in key and key.endswith((" q", " beta", " output"))
         ),
         "channel exchanges": sum(n for key, n in names.items() if " selective_scan_fn " in key),
+        "ssd head exchanges": sum(
+            n
+            for key, n in names.items()
+            if " mamba_chunk_scan_combined " in key and key.endswith((" x", " output"))
+        ),
     }
 
 
@@ -104,6 +110,26 @@ def test_the_head_split_is_exact_at_cp2(ranks2, name, length):
         for rank, result in enumerate(ranks2.run(failing_against_own_code, name, length, "left", recurrent)):
             assert result["failing"] == [], (recurrent, rank, result)
             assert result["head exchanges"] >= 6 and result["state gathers"] == 0, (recurrent, rank, result)
+
+
+@pytest.mark.parametrize("length", [2 * 2 * CHUNK + 3, 13])
+@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h-1-group"])
+def test_the_mamba2_head_split_is_exact_at_cp2(ranks2, name, length):
+    """The model's scan on whole sequences for half the heads, B and C split with their groups (two) or
+    gathered whole (one group); at 7 tokens a rank "auto" takes it too (fewer bytes than the summaries)."""
+    for recurrent in ("head_split", "auto") if length == 13 else ("head_split",):
+        for rank, result in enumerate(ranks2.run(failing_against_own_code, name, length, "left", recurrent)):
+            assert result["failing"] == [], (recurrent, rank, result)
+            assert result["ssd head exchanges"] >= 4 and result["state gathers"] == 0, (
+                recurrent,
+                rank,
+                result,
+            )
+
+
+def test_the_mamba2_head_split_is_exact_at_cp4_with_fewer_groups_than_ranks(ranks4):
+    for result in ranks4.run(failing_against_own_code, "nemotron_h", 4 * 2 * CHUNK, "left", "head_split"):
+        assert result["failing"] == [] and result["ssd head exchanges"] >= 4, result
 
 
 @pytest.mark.parametrize(
@@ -191,9 +217,9 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
     "name, options, words",
     [
         (
-            "nemotron_h",
+            "nemotron_h-3-heads",
             {"recurrent": "head_split"},
-            ["mixer mamba_chunk_scan_combined", "not served for Mamba2"],
+            ["mixer mamba_chunk_scan_combined", "splits 3 heads in 1 groups of B and C over cp=2"],
         ),
         ("jamba", {"recurrent": "state_passing"}, ["mamba selective_scan_fn", "split of its 128 channels"]),
         (
@@ -205,7 +231,7 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
         ("nemotron_h", {"packed": True}, ["packed documents", "(mixer) carry", "one document per row"]),
     ],
     ids=[
-        "mamba2-head-split",
+        "mamba2-head-split-of-3-heads",
         "mamba1-state-passing",
         "rg-lru-head-split",
         "rwkv-head-split",
@@ -557,6 +583,8 @@ GENERATES = ("qwen3_next",)
         ("qwen3_next", "head_split"),
         ("minimax", "auto"),
         ("nemotron_h", "auto"),
+        ("nemotron_h", "head_split"),
+        ("nemotron_h-1-group", "head_split"),  # B and C gathered whole
         ("jamba", "auto"),
         ("recurrent_gemma", "auto"),
         ("rwkv", "auto"),

@@ -23,7 +23,10 @@ class SSDScan(Slot):
     """Mamba2's chunked scan slot (``mamba_chunk_scan_combined``), by state passing: the slice scanned
     from a zero state with the model's own kernel (:func:`~cpshard.recurrent.affine.ssd_summary`), the
     summaries gathered, the incoming state folded (a scalar decay per row and head) and the outputs
-    corrected before the mixer's gate and norm."""
+    corrected before the mixer's gate and norm. Or by the head split: the scan's per-head inputs exchanged
+    from sequence-split to head-split, ``B`` and ``C`` split with them where cp divides their groups and
+    gathered whole where it does not, the model's scan on whole sequences for a share of the heads, and its
+    output back. The call asks for one, or for the one with fewer analytic bytes; a prefill passes states."""
 
     def serve(self, call, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
         packed = [name for name in ("seq_idx", "cu_seqlens") if kwargs.pop(name, None) is not None]
@@ -32,11 +35,6 @@ class SSDScan(Slot):
                 f"{self.path}: packed documents ({packed[0]}) in a state-space layer; cp does not yet keep "
                 "their states apart across ranks: pass one document per row"
             )
-        if call.recurrent == "head_split":
-            raise ValueError(
-                f"{self.path}: recurrent='head_split' is not served for Mamba2 layers yet; use "
-                "recurrent='state_passing' or 'auto'"
-            )
         wants_final = kwargs.pop("return_final_states", False)
         if kwargs.pop("z", None) is not None:  # transformers' mixers gate after the scan, in their norm
             raise ValueError(
@@ -44,6 +42,10 @@ class SSDScan(Slot):
                 "not served; cp serves mixers that gate after the scan, as transformers' Mamba2 mixers do"
             )
         group = cp_group(call)
+        if call.state_sink is None and self.scheme(call, hidden_states, dt, B, group) == "head_split":
+            if initial_states is not None or wants_final:
+                raise ValueError(f"{self.path}: the head split carries no state in or out of the call")
+            return self.head_split(group, hidden_states, dt, A, B, C, chunk_size, kwargs)
         rank, (batch, _, heads, width) = dist.get_rank(group), hidden_states.shape
         summary = ssd_summary(self.original, hidden_states, dt, A, B, C, chunk_size, **kwargs)
         nbytes = batch * heads * (B.shape[-1] * width + 1) * 4
@@ -56,6 +58,71 @@ class SSDScan(Slot):
             inputs = (hidden_states, dt, A, B, C, chunk_size)
             self.sink(call, self.state_at(call.length, inputs, states, group, kwargs).transpose(-1, -2))
         return (outputs, states[-1].transpose(-1, -2)) if wants_final else outputs
+
+    def scheme(self, call, hidden_states, dt, B, group) -> str:
+        """The scheme of this layer and call: the one asked for, else the one with fewer analytic bytes
+        (state passing where the head split cannot share the heads and their groups out)."""
+        size, (batch, _, heads, width), (groups, state) = group.size(), hidden_states.shape, B.shape[2:]
+        # each rank's heads must read whole groups of B and C, or all lie in one
+        splits = heads % size == 0 and (groups % size == 0 or size % groups == 0)
+        if call.recurrent == "head_split" and not splits:
+            raise ValueError(
+                f"{self.path}: recurrent='head_split' splits {heads} heads in {groups} groups of B and C "
+                f"over cp={size}, which must divide the heads and divide or be divided by the groups; use "
+                "recurrent='state_passing' or 'auto'"
+            )
+        if call.recurrent != "auto":
+            return call.recurrent
+        passing = batch * heads * (state * width + 1) * 4 * (1 + size)
+        return (
+            "head_split"
+            if splits and ssd_head_split_bytes(hidden_states, dt, B, size) < passing
+            else "state_passing"
+        )
+
+    def head_split(self, group, hidden_states, dt, A, B, C, chunk_size, kwargs):
+        """Sequence-split inputs to head-split whole sequences, the model's scan on them, and back."""
+        size, rank = group.size(), dist.get_rank(group)
+        heads, groups = hidden_states.shape[2], B.shape[2]
+        share = slice(rank * heads // size, (rank + 1) * heads // size)
+        whole = [
+            all_to_all(x, 2, 1, group, f"{self.path} {name}")
+            for name, x in (("x", hidden_states), ("dt", dt))
+        ]
+        if groups % size == 0:
+            whole_b, whole_c = (
+                all_to_all(x, 2, 1, group, f"{self.path} {name}") for name, x in (("B", B), ("C", C))
+            )
+        else:  # every rank's heads lie in one group: B and C gathered whole, that group kept
+            tokens = [x.transpose(0, 1).contiguous() for x in (B, C)]
+            gathered = all_gather_shards(
+                tokens, [t.shape[0] * size for t in tokens], group, f"{self.path} B C"
+            )
+            group_of = rank // (size // groups)
+            whole_b, whole_c = (x.transpose(0, 1)[:, :, group_of : group_of + 1] for x in gathered)
+        per_head = {
+            key: value[share]
+            for key, value in kwargs.items()
+            if key in ("D", "dt_bias") and value is not None
+        }
+        outputs = self.original(*whole, A[share], whole_b, whole_c, chunk_size, **{**kwargs, **per_head})
+        for phase in ("forward", "backward"):
+            self.expect_head_split(phase, hidden_states, dt, B, size, outputs)
+        return all_to_all(outputs, 1, 2, group, f"{self.path} output")
+
+    def expect_head_split(self, phase: str, hidden_states, dt, B, size: int, outputs) -> None:
+        """Declare the head split's bytes of one phase: x, dt and the output all-to-all'd, B and C
+        all-to-all'd with them, or gathered (forward) and their gradients reduce-scattered (backward)."""
+        pair, moved = (
+            2 * tensor_bytes(B),
+            tensor_bytes(hidden_states) + tensor_bytes(dt) + tensor_bytes(outputs),
+        )
+        if B.shape[2] % size == 0:
+            expect(self.module, "all_to_all", phase, 5, moved + pair)
+            return
+        expect(self.module, "all_to_all", phase, 3, moved)
+        gather = "all_gather" if phase == "forward" else "reduce_scatter"
+        expect(self.module, gather, phase, 1, pair * (1 if phase == "forward" else size))
 
     def state_at(self, length: int, inputs: tuple, states: list, group, kwargs) -> torch.Tensor:
         """The state after position ``length - 1`` (before the positions cp padded past the sequence), on
@@ -91,6 +158,15 @@ class SSDScan(Slot):
         )
         step.new_states[self.path] = state
         return outputs
+
+
+def ssd_head_split_bytes(hidden_states, dt, B, size: int) -> int:
+    """What one rank puts into collectives for one Mamba2 layer, forward and backward, by the head split:
+    x, dt and the output (fp32, as the scan returns it) all-to-all'd each way; B and C all-to-all'd where cp
+    divides their groups, else gathered and their gradients reduce-scattered."""
+    pair = 2 * tensor_bytes(B)
+    moved = 2 * (tensor_bytes(hidden_states) + hidden_states.numel() * 4 + tensor_bytes(dt))
+    return moved + (2 * pair if B.shape[2] % size == 0 else pair * (1 + size))
 
 
 class ChannelSplit(Slot):
