@@ -76,7 +76,10 @@ def test_kv_heads_fall_back_to_heads():
 @pytest.mark.parametrize(
     "model_type, words",
     [
-        ("zaya", ["conv_qk_depthwise (Conv1d: a convolution along the sequence)", "outside the attention"]),
+        (
+            "inkling2_text",
+            ["k_proj.sconv.conv1d (Conv1d: a convolution along the sequence)", "outside the attention"],
+        ),
         ("xlm", ["transformer.attentions (MultiHeadAttention) has an attention module"]),
         ("hy_v4", ["model.layers.0 receives a residual stream of shape [1, 13, 4, 64]"]),
         ("dory", ["model.layers.0 runs 2 times in one forward (looped layers)"]),

@@ -1,7 +1,7 @@
 """Linear-attention and state-space layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid;
 KDA: kimi_linear; lightning attention: minimax; Mamba2: bamba, granitemoehybrid, nemotron_h, falcon_h1,
 zamba2; Mamba1, split over channels: jamba, falcon_mamba; LFM2's short convolutions: lfm2_moe; RG-LRU:
-recurrent_gemma; RWKV: rwkv; xLSTM's mLSTM: xlstm),
+recurrent_gemma; RWKV: rwkv; xLSTM's mLSTM: xlstm; ZAYA's convolving attention projection: zaya),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain, left- and right-padded batches, and value heads that cp does not
@@ -47,11 +47,12 @@ MODELS = {
     "recurrent_gemma": {},  # RG-LRU: a decay per channel; its scan a method, its convolution a module
     "rwkv": {"attn_implementation": "auto"},  # RWKV's WKV (a running max beside its state), token shifts
     "xlstm": {"attn_implementation": "auto"},  # mLSTM: a matrix memory, its stabiliser folded across ranks
+    "zaya": {},  # attention whose projection convolves q and k and delays half of v: halos, no state
 }
 CHUNK = 64  # the torch kernels' chunk
 #: the models that pass no state between ranks: a convolution alone, Mamba1 split over channels
 SPLIT_OVER_CHANNELS = ("jamba", "falcon_mamba")
-STATELESS = ("lfm2_moe", *SPLIT_OVER_CHANNELS)
+STATELESS = ("lfm2_moe", "zaya", *SPLIT_OVER_CHANNELS)
 #: the models whose recurrent layers have no convolution or token shift (no halo)
 NO_CONVOLUTION = ("minimax", "xlstm")
 
@@ -133,7 +134,7 @@ def test_the_mamba2_head_split_is_exact_at_cp4_with_fewer_groups_than_ranks(rank
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads", "recurrent_gemma", "rwkv", "xlstm"]
+    "name", ["qwen3_next-3-value-heads", "nemotron_h-3-heads", "recurrent_gemma", "rwkv", "xlstm", "zaya"]
 )
 def test_recurrent_layers_are_exact_at_cp4(ranks4, name):
     """Heads that cp does not divide; RG-LRU's summaries folded over four ranks."""
@@ -297,6 +298,15 @@ def test_xlstm_of_other_code_is_refused(monkeypatch):
         cpshard.LayoutError, match="xLSTMLayer .* other code in mlstm_chunkwise_recurrent_fw_C"
     ):
         xlstm.check_xlstm_unchanged()
+
+
+def test_zaya_of_other_code_is_refused(monkeypatch):
+    from cpshard.recurrent import zaya
+
+    module, pieces = zaya.WRITTEN_AGAINST
+    monkeypatch.setattr(zaya, "WRITTEN_AGAINST", (module, {**pieces, "ZayaAttention.forward": "0" * 16}))
+    with pytest.raises(cpshard.LayoutError, match="ZayaCCAProjection .* other code in ZayaAttention.forward"):
+        zaya.check_zaya_unchanged()
 
 
 def test_rwkv_of_other_code_is_refused(monkeypatch):

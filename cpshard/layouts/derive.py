@@ -246,8 +246,9 @@ class _Recording:
 
 def _record(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_path: str, top: str):
     """Run the model once on a short sequence and read off what each layer receives per position; ``top``
-    is the decoder's child that holds the layers."""
-    seen, calls, children = {}, [], []
+    is the decoder's child that holds the layers. A value a layer returns and the next receives (ZAYA's
+    router states) is carried on each rank's slice, not an input to cut."""
+    seen, calls, children, produced = {}, [], [], {}  # produced: by id, held so that no id is reused
 
     def record(module, args, kwargs):
         calls.append(module)
@@ -261,11 +262,17 @@ def _record(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_
             parts = value if isinstance(value, tuple) else (value,)
             if "mask" in key or key in PER_KEY_INPUTS or not all(isinstance(v, torch.Tensor) for v in parts):
                 continue
+            if any(id(v) in produced for v in parts):
+                continue
             pair = _sequence_spec(parts[0])
             if pair is not None and all(_sequence_spec(v) == pair for v in parts):
                 seen.setdefault("inputs", {})[key] = pair
 
+    def carried(module, args, output):
+        produced.update((id(v), v) for v in (output if isinstance(output, tuple) else (output,)))
+
     handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    handles += [layer.register_forward_hook(carried) for layer in layers]
     handles += [
         child.register_forward_hook(lambda *_, name=name: children.append(name))
         for name, child in decoder.named_children()

@@ -34,6 +34,7 @@ RECURRENT_KERNELS = MappingProxyType(
         "rg_lru": "diagonal",  # RecurrentGemma's RG-LRU: a decay per channel
         "rwkv": "constant",  # RWKV's WKV: a constant decay per channel
         "mlstm": "scalar",  # xLSTM's mLSTM: a forget gate per head and token
+        "zaya_cca": "none",  # ZAYA's attention projection: short convolutions and a delayed value, no state
         "mamba_chunk_scan_combined": "scalar",  # Mamba2's SSD scan
         "selective_scan_fn": "diagonal",  # Mamba1's selective scan: a decay per channel and state dim
         "causal_conv1d_fn": "none",  # a short convolution alone (LFM2's ShortConv): no state past its window
@@ -51,8 +52,12 @@ RG_LRU = "RecurrentGemmaRecurrentBlock"
 RWKV = "RwkvSelfAttention"
 #: xLSTM's mLSTM layer: its backend a module, whose forward cpshard takes (kernel "mlstm")
 XLSTM = "xLSTMLayer"
+#: ZAYA's attention projection: convolutions of q and k and a delayed value inline (kernel "zaya_cca")
+ZAYA_CCA = "ZayaCCAProjection"
 #: the recurrent kernels served by hooks on a mixer of a known class, not by a kernel slot
-HOOKED = MappingProxyType({"lightning": LIGHTNING, "rg_lru": RG_LRU, "rwkv": RWKV, "mlstm": XLSTM})
+HOOKED = MappingProxyType(
+    {"lightning": LIGHTNING, "rg_lru": RG_LRU, "rwkv": RWKV, "mlstm": XLSTM, "zaya_cca": ZAYA_CCA}
+)
 #: the slot of the short causal convolution in front of them
 CONV_SLOT = "causal_conv1d_fn"
 

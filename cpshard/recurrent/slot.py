@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from cpshard.call import CallPlan, active_decode, split_call
+from cpshard.comm.redistribute import redistribute
+from cpshard.spec.notation import Spec
 
 
 class Slot:
@@ -69,3 +71,12 @@ def cp_group(call: CallPlan):
 def tensor_bytes(x: torch.Tensor) -> int:
     """What ``x`` puts into a collective: its elements in its dtype."""
     return x.numel() * x.element_size()
+
+
+#: a padding mask ``[B, L]``, whole and as each rank keeps it
+_MASK = (Spec("b s"), Spec("b s@cp"))
+
+
+def cut_to_rank(mask: torch.Tensor, call: CallPlan) -> torch.Tensor:
+    """The whole sequence's padding mask ``[B, L]`` cut to this rank's positions."""
+    return redistribute(mask, *_MASK, call.mesh)

@@ -32,7 +32,6 @@ from torch import nn
 from cpshard.call import split_call
 from cpshard.comm.collectives import all_to_all, sum_over_group
 from cpshard.comm.record import expect
-from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import FUSED_SLOTS, RECURRENT_KERNELS, Recurrent, kernel_slots, recurrent_module
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
@@ -41,10 +40,10 @@ from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
 from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
-from cpshard.recurrent.slot import Slot, cp_group, tensor_bytes
+from cpshard.recurrent.slot import Slot, cp_group, cut_to_rank, tensor_bytes
 from cpshard.recurrent.state_space import ChannelSplit, SSDScan, Unfused
 from cpshard.recurrent.xlstm import check_xlstm_unchanged, mlstm_hooks
-from cpshard.spec.notation import Spec
+from cpshard.recurrent.zaya import check_zaya_unchanged, zaya_hooks
 
 #: how a linear-attention layer runs under cp (``make_cp_forward``'s ``recurrent``)
 RECURRENT_SCHEMES = ("auto", "state_passing", "head_split")
@@ -196,16 +195,12 @@ def last_inputs(widened: torch.Tensor, width: int, length: int, group, name: str
     return sum_over_group(mine, group, name=name)
 
 
-#: the padding mask a mixer takes, whole (``b s``), and as each rank keeps it
-_MASK = (Spec("b s"), Spec("b s@cp"))
-
-
 def _cut_mask(module, args, kwargs):
     call = split_call()
     mask = kwargs.get("attention_mask")
     if call is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return None
-    return args, {**kwargs, "attention_mask": redistribute(mask, *_MASK, call.mesh)}
+    return args, {**kwargs, "attention_mask": cut_to_rank(mask, call)}
 
 
 def _take(slots: dict, name: str, kind: type, path: str) -> None:
@@ -240,6 +235,10 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
         if row.kernel == "mlstm":
             check_xlstm_unchanged()
             hooks += mlstm_hooks(module, path)
+            continue
+        if row.kernel == "zaya_cca":
+            check_zaya_unchanged()
+            hooks += zaya_hooks(module, path)
             continue
         _take(slots, row.kernel, SCAN_SLOTS[RECURRENT_KERNELS[row.kernel]], path)
         for fused in FUSED_SLOTS.intersection(slots):
