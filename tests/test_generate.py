@@ -260,18 +260,27 @@ def test_mixture_of_experts_cp2(ranks2):
     check_case(ranks2.run(run_generation, case), case)
 
 
-def run_sampling(seed: int | None) -> torch.Tensor:
+SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+
+
+def run_sampling(seed: int | None, from_config: bool = False) -> torch.Tensor:
+    """Sampled tokens, the settings given to generate or (``from_config``) in the model's generation config
+    as a released model's sets them, with a penalty that changes nothing."""
     model = model_for(Case("llama"))
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    options = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, generator=generator)
+    options = {"generator": generator}
+    if from_config:
+        model.generation_config.update(**SAMPLING, repetition_penalty=1.0)
+    else:
+        options |= SAMPLING
     return cpshard.generate(model, prompts("left"), mesh, max_new_tokens=12, eos_token_id=None, **options)
 
 
 def sampled_by_one_process(seed: int) -> torch.Tensor:
     """transformers' forward with its own cache, and cpshard's token choice with the same generator."""
     model, batch = model_for(Case("llama")), prompts("left")
-    sampling = Sampling(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    sampling = Sampling(**SAMPLING)
     generator, mask = torch.Generator().manual_seed(seed), batch["attention_mask"]
     positions, inputs, cache, tokens = (mask.cumsum(1) - 1).clamp(min=0), batch["input_ids"], None, []
     with torch.no_grad():
@@ -291,6 +300,18 @@ def test_sampling_draws_the_same_tokens_on_every_rank(ranks2):
     assert torch.equal(seeded[0], sampled_by_one_process(7))
     unseeded = ranks2.run(run_sampling, None)  # one seed, rank 0's, for every rank
     assert torch.equal(unseeded[0], unseeded[1])
+    configured = ranks2.run(run_sampling, 7, True)  # what the model's generation config says, as generate
+    assert torch.equal(configured[0], seeded[0]) and torch.equal(configured[1], seeded[0])
+
+
+def test_generate_falls_back_on_transformers_own_defaults():
+    """cpshard's table of transformers' defaults is transformers' (greedy, top-k 50, no-op penalties)."""
+    from transformers import GenerationConfig
+
+    from cpshard.generation.generate import TRANSFORMERS_DEFAULTS
+
+    own = GenerationConfig._get_default_generation_params()
+    assert {name: own[name] for name in TRANSFORMERS_DEFAULTS} == TRANSFORMERS_DEFAULTS
 
 
 def run_until_eos(eos: int) -> torch.Tensor:

@@ -50,9 +50,48 @@ REFUSED_SETTINGS = (
 )
 
 
+#: what transformers' ``generate`` takes for a setting neither the call nor the model's generation config
+#: sets (transformers 5.25's ``GenerationConfig._get_default_generation_params``): the sampling settings,
+#: and the values at which the settings cpshard does not apply change nothing
+TRANSFORMERS_DEFAULTS = {
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+}
+SAMPLING_SETTINGS = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def _no_op(name: str, value) -> bool:
+    return value is None or (name in TRANSFORMERS_DEFAULTS and value == TRANSFORMERS_DEFAULTS[name])
+
+
+def sampling_for(generation_config, given: dict) -> Sampling:
+    """How ``generate`` picks tokens, as ``model.generate`` resolves it: each setting the call gives, else the
+    model's generation config's, else transformers' default (greedy; when sampling, top-k 50)."""
+
+    def resolved(name: str):
+        if given[name] is not _MODELS_OWN:
+            return given[name]
+        own = getattr(generation_config, name, None)
+        return own if own is not None else TRANSFORMERS_DEFAULTS[name]
+
+    return Sampling(*(resolved(name) for name in SAMPLING_SETTINGS))
+
+
 def refuse_unsupported(options: dict, generation_config) -> None:
     """Raise a ValueError naming what ``generate`` would not apply: options beyond its arguments (beam search,
-    speculative decoding, ...) and settings of the model's generation config (leaving a default is fine)."""
+    speculative decoding, ...) and settings of the model's generation config (leaving a default, or a value
+    that changes nothing such as ``repetition_penalty=1.0``, is fine)."""
     default = GenerationConfig()
     for name, value in options.items():
         if name in SPECULATIVE:
@@ -65,7 +104,7 @@ def refuse_unsupported(options: dict, generation_config) -> None:
                 f"beam search (num_beams={value}) is not served by cpshard.generate: greedy "
                 "(do_sample=False) or sampling (do_sample=True, temperature, top_k, top_p)"
             )
-        if value != getattr(default, name, _MODELS_OWN):
+        if value != getattr(default, name, _MODELS_OWN) and not _no_op(name, value):
             raise ValueError(
                 f"cpshard.generate does not take {name}={value!r}; it takes max_new_tokens, do_sample, "
                 "temperature, top_k, top_p, eos_token_id and generator"
@@ -74,6 +113,7 @@ def refuse_unsupported(options: dict, generation_config) -> None:
         name: getattr(generation_config, name)
         for name in REFUSED_SETTINGS
         if getattr(generation_config, name, None) != getattr(default, name, None)
+        and not _no_op(name, getattr(generation_config, name))
     }
     if changed:
         raise ValueError(
@@ -124,27 +164,30 @@ def generate(
     mesh,
     *,
     max_new_tokens: int,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    do_sample=_MODELS_OWN,
+    temperature=_MODELS_OWN,
+    top_k=_MODELS_OWN,
+    top_p=_MODELS_OWN,
     eos_token_id=_MODELS_OWN,
     generator: torch.Generator | None = None,
     **unsupported,
 ) -> torch.Tensor:
     """``[B, L + n]``: the prompt followed by ``n <= max_new_tokens`` new tokens (fewer when every row has
     reached eos), ``pad_token_id`` after a row's eos; the same on every rank. ``eos_token_id=None``
-    generates exactly ``max_new_tokens``. Sampling draws from ``generator``, which must be seeded alike on
-    every rank (``None``: one seeded from rank 0's)."""
+    generates exactly ``max_new_tokens``. ``do_sample``, ``temperature``, ``top_k``, ``top_p`` not given are
+    the model's generation config's, else transformers' defaults, as ``model.generate`` takes them (greedy;
+    when sampling, top-k 50; ``top_k=None``: no top-k). Sampling draws from ``generator``, which must be
+    seeded alike on every rank (``None``: one seeded from rank 0's)."""
     refuse_unsupported(unsupported, model.generation_config)
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: a positive integer")
-    sampling = Sampling(do_sample, temperature, top_k, top_p)
+    given = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = sampling_for(model.generation_config, given)
     eos, pad = stop_and_pad_ids(model, eos_token_id)
     cp_prefill, cp_decode = make_cp_prefill(model), make_cp_decode(model)
     params, group = params_of(model), mesh.get_group("cp")
     logits, cache = cp_prefill(params, batch, mesh)
-    if do_sample and generator is None:
+    if sampling.do_sample and generator is None:
         generator = shared_generator(group)
     unfinished = torch.ones(logits.shape[0], dtype=torch.bool)
     new = []
