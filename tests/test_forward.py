@@ -228,7 +228,12 @@ def bad_call(kind: str):
         "hybrid-degree": dict(implementation="hybrid"),
         "ulysses-order": dict(implementation="ulysses", sequence_order="head_tail"),
     }
-    cpshard.make_cp_forward(model, **forward_options.get(kind, {}))(cpshard.params_of(model), batch, mesh)
+    params = cpshard.params_of(model)
+    if kind == "other-params":  # a model of another vocabulary: it would run on these without a word
+        params = cpshard.params_of(tiny_model("llama", vocab_size=200))
+    elif kind == "unknown-params":
+        params = {**params, "lm_head.scale": torch.ones(1)}
+    cpshard.make_cp_forward(model, **forward_options.get(kind, {}))(params, batch, mesh)
 
 
 BAD_INPUTS = {
@@ -253,6 +258,11 @@ BAD_INPUTS = {
     "world": ("ValueError", "world size 2 != dp_replicate=1 * fsdp=1 * cp=3 * tp=1"),
     "unserved": ("LayoutError", "model type 'xlm'"),
     "implementation": ("ValueError", "implementation='magic'"),
+    "other-params": (
+        "ValueError",
+        "params differ in shape from LlamaForCausalLM's: model.embed_tokens.weight",
+    ),
+    "unknown-params": ("ValueError", "params holds 1 entries that are not LlamaForCausalLM's parameters"),
     "ulysses-order": ("ValueError", "sequence_order='head_tail' balances ring's causal work; Ulysses"),
 }
 

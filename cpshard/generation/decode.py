@@ -21,6 +21,7 @@ from cpshard.comm.collectives import all_gather_rows
 from cpshard.generation.prefill import check_mesh_and_params, check_servable
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.install import attention_modules, ensure_installed, install
+from cpshard.runtime.plan import check_params
 
 
 def check_step(tokens, cache: ShardedKVCache, group) -> None:
@@ -63,6 +64,7 @@ class CPDecode:
         self, params: dict, tokens, cache: ShardedKVCache, mesh
     ) -> tuple[torch.Tensor, ShardedKVCache]:
         check_mesh_and_params(mesh, params)
+        check_params(self.model, params)
         group = mesh.get_group("cp")
         check_step(tokens, cache, group)
         if len(cache.layers) != len(self.layer_of):

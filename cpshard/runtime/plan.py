@@ -187,6 +187,30 @@ def _call_plan(
     )
 
 
+def check_params(model, params: dict) -> None:
+    """Raise unless every entry of ``params`` names a parameter or buffer of ``model`` of the same (global)
+    shape: the forward runs the model's code on them, and another model's would run without a word (the
+    same on every rank: every rank holds the same model)."""
+    own = {name: tensor.shape for name, tensor in (*model.named_parameters(), *model.named_buffers())}
+    unknown = [name for name in params if name not in own]
+    if unknown:
+        raise ValueError(
+            f"params holds {len(unknown)} entries that are not {type(model).__name__}'s parameters (e.g. "
+            f"{unknown[:3]}); pass cpshard.params_of(model) of the model cp_forward was made for"
+        )
+    differing = [
+        f"{name} {tuple(params[name].shape)} (the model's: {tuple(own[name])})"
+        for name in params
+        if params[name].shape != own[name]
+    ]
+    if differing:
+        raise ValueError(
+            f"params differ in shape from {type(model).__name__}'s: {', '.join(differing[:3])}; pass "
+            "cpshard.params_of(model) of the model cp_forward was made for (another model's would run on it "
+            "without a word)"
+        )
+
+
 def plan_call(
     model,
     layout: Layout,
@@ -199,6 +223,7 @@ def plan_call(
     """How one call splits its work, and the batch padded for it: the strategy (checked against the mesh),
     the batch (checked the same on every rank of each dp group, or every rank raises), the order, the
     padding, the meshes and groups."""
+    check_params(model, params)
     implementation, degree = choose_strategy(model, layout, options, mesh, params)
     if layout.labels_shifted:
         batch = labels_read_as_shifted(batch)
