@@ -43,3 +43,18 @@ def test_router_loss_over_the_whole_batch(ranks2, implementation, logits, pad):
         assert parity.scales["loss"] != plain.scales["loss"], "the router loss did not count in the reference"
         sparse = "grad model.layers.1.mlp"  # the router's gradients change with the loss's weight
         assert parity.scales[sparse] != plain.scales[sparse], (parity.scales, plain.scales)
+
+
+def parity_of_routers_without_loss(model_type: str):
+    """A model that returns its router logits but adds no load-balancing loss (DeepSeek-V3, with no
+    coefficient in its config; Llama 4, with one its forward does not use): cp adds none either."""
+    model = tiny_model(model_type, output_router_logits=True)
+    batch = tiny_batch(model.config.vocab_size, 2, 13, pad="left")
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    return check_parity(model, batch, mesh, cpshard.make_cp_forward(model))
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "llama4_text"])
+def test_a_model_that_adds_no_router_loss_gets_none(ranks2, model_type):
+    for parity in ranks2.run(parity_of_routers_without_loss, model_type):
+        assert parity.worst <= TOLERANCE, parity.diffs

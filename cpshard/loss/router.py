@@ -1,7 +1,9 @@
 """The router's load-balancing (aux) loss of mixture-of-experts models, over the whole batch under cp.
 
 transformers adds ``router_aux_loss_coef * E * sum_e(share of picks of e) * (mean router probability
-of e)`` to the loss when ``config.output_router_logits`` is set: a product of means over all tokens,
+of e)`` to the loss when ``config.output_router_logits`` is set, in the models whose forward computes it
+(Mixtral, Qwen3-MoE, ...; DeepSeek-V3 and Llama 4 return their router logits and add nothing): a product
+of means over all tokens,
 so no rank can compute it from its slice. Each rank sums its own picks, probabilities and tokens;
 one all-reduce of ``2E + 1`` floats over the ranks holding other tokens gives every rank the whole
 batch's sums (the backward of that sum is the identity: each rank's router logits get their own
@@ -10,9 +12,19 @@ gradient, which ``value_and_grad`` then sums like every other).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from cpshard.comm.collectives import sum_over_group
+
+
+def adds_router_loss(model, config) -> bool:
+    """Whether ``model``'s own forward adds the load-balancing loss to its loss: ``config`` (its text
+    config) asks for router logits, has the coefficient, and the forward computes the loss from them."""
+    if not getattr(config, "output_router_logits", False) or not hasattr(config, "router_aux_loss_coef"):
+        return False
+    return "load_balancing_loss_func" in inspect.getsource(type(model).forward)
 
 
 def load_balancing_loss(

@@ -41,7 +41,7 @@ from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs
 from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
-from cpshard.loss.router import load_balancing_loss
+from cpshard.loss.router import adds_router_loss, load_balancing_loss
 from cpshard.parallel.experts import (
     expert_counts,
 )
@@ -117,7 +117,7 @@ class CPForward:
         """Whether :func:`cpshard.value_and_grad` may sum the loss with the gradients, in one all-reduce
         after the backward (:meth:`unreduced`): for plain parameters (DTensors reduce in their gather's
         backward) and without the router loss (the same on every rank, not a share)."""
-        routed = bool(getattr(text_config(self.model), "output_router_logits", False))
+        routed = adds_router_loss(self.model, text_config(self.model))
         return not routed and not any(isinstance(value, DTensor) for value in params.values())
 
     def unreduced(self, params: dict, batch: dict, mesh) -> CPOutput:
@@ -160,7 +160,7 @@ class CPForward:
         Such models run their decoder alone and the head here: the model's own forward would add the
         load-balancing loss of this rank's slice, against the mask of the whole sequence."""
         inputs = {**inputs, "use_cache": False}
-        routed = bool(getattr(text_config(self.model), "output_router_logits", False))
+        routed = adds_router_loss(self.model, text_config(self.model))
         if self.options.logits and not routed:
             return torch.func.functional_call(
                 self.model, params, (), inputs, strict=False, tie_weights=True
