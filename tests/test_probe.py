@@ -62,6 +62,29 @@ def test_an_error_in_the_probes_cp_run_is_named_not_blamed_on_token_mixing(ranks
         assert "installed transformers" in message and "mixes tokens" not in message, message
 
 
+def reading_a_missing_field(module, args):
+    raise AttributeError("'LlamaConfig' object has no attribute 'router_aux_loss_coef'")
+
+
+def probe_of_a_model_that_fails_alone() -> str:
+    """A model whose own forward raises, with or without cp (a hand-made config missing a field)."""
+    model = tiny_model("llama", attn_implementation="auto")
+    model.model.layers[1].mlp.register_forward_pre_hook(reading_a_missing_field)
+    forward = cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed"))
+    try:
+        forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 9), cpshard.make_mesh(cp=2))
+    except cpshard.LayoutError as error:
+        return str(error)
+    return "no error"
+
+
+def test_an_error_of_the_model_alone_is_named_as_the_model_s(ranks2):
+    for message in ranks2.run(probe_of_a_model_that_fails_alone):
+        assert "the model's own forward, in one process without cp, raised AttributeError" in message, message
+        assert "router_aux_loss_coef" in message and "reading_a_missing_field" in message, message
+        assert "cp run" not in message and "mixes tokens" not in message, message
+
+
 def test_a_right_layout_passes_the_probe_and_stays_exact(ranks2):
     assert ranks2.run(run_probe_case, "right") == [[], []]
 

@@ -123,9 +123,10 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
 
     def plain():
         inputs = {"input_ids": ids, "use_cache": False}
-        results["plain"] = torch.func.functional_call(
-            model, params, (), inputs, strict=False, tie_weights=True
-        )
+        with one_process():
+            results["plain"] = torch.func.functional_call(
+                model, params, (), inputs, strict=False, tie_weights=True
+            )
 
     def under_cp():
         results["cp"] = cp_forward(params, {"input_ids": ids}, mesh)
@@ -150,13 +151,28 @@ def _first_gradient_difference(cp_forward, params: dict, ids: torch.Tensor, mesh
     model = cp_forward.model
     leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
-    loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
-    theirs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    with one_process():
+        loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
+        theirs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     _, ours = value_and_grad(cp_forward)(params, {"input_ids": ids, "labels": ids}, mesh)
     for (name, leaf), want in zip(leaves.items(), theirs):
         if not _close(ours[name], torch.zeros_like(leaf) if want is None else want):
             return f"the gradient of {name}"
     return None
+
+
+class OneProcessFailed(Exception):
+    """The probe's one-process reference (the model's own forward, no cp) raised: the model does not run
+    as it is configured, whatever cp does."""
+
+
+@contextmanager
+def one_process():
+    """Run the probe's reference: what it raises is the model's own failure, told apart from cp's."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 -- re-raised, marked
+        raise OneProcessFailed(error) from error
 
 
 def _refused_by_cpshard(error: BaseException | None) -> bool:
@@ -170,6 +186,16 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None) -> s
     """Why cpshard cannot vouch for ``subject``: ``what`` differed between cp and one process, or the probe
     raised ``error`` (named with the frame that raised it: a model's code that does not run on a cp slice,
     often another transformers release, is not a module that mixes tokens)."""
+    if isinstance(error, OneProcessFailed):
+        cause = error.__cause__
+        frame = traceback.extract_tb(cause.__traceback__)[-1]
+        return (
+            f"cpshard cannot vouch for {subject}: on a probe sequence the model's own forward, in one "
+            f"process without cp, raised {type(cause).__name__}: {cause} (in "
+            f"{os.path.basename(frame.filename)}:{frame.lineno}, {frame.name}). The model does not run as "
+            "it is configured (a field its code reads, a changed signature): fix the model or its config; "
+            "this is not cp's doing"
+        )
     if error is not None:
         frame = traceback.extract_tb(error.__traceback__)[-1]
         return (
