@@ -5,6 +5,7 @@ private: its names may move between releases.
 """
 
 from cpshard import debug
+from cpshard.comm.arrival import CollectiveError
 from cpshard.generation.decode import make_cp_decode
 from cpshard.generation.generate import generate
 from cpshard.generation.prefill import make_cp_prefill
@@ -35,6 +36,7 @@ __all__ = [
     "BatchError",
     "CPOutput",
     "CheckpointError",
+    "CollectiveError",
     "Layout",
     "LayoutError",
     "LocalRanks",

@@ -154,3 +154,33 @@ def test_meshes_on_ranks(world, request):
         )
         assert "no 'cp' dimension" in errors[3] and "dp" in errors[3] and "make_mesh(cp=N)" in errors[3]
         assert "no 'cp' dimension" in errors[4] and "unnamed" in errors[4]
+
+
+def forward_with_a_rank_absent() -> str:
+    """Rank 1 never comes to the forward; rank 0's first collective gives up after the mesh's timeout."""
+    mesh = cpshard.make_mesh(cp=2, timeout=3)
+    if dist.get_rank() == 1:
+        return "absent"
+    model = cpshard.tiny_model("llama")
+    try:
+        cpshard.make_cp_forward(model)(cpshard.params_of(model), cpshard.tiny_batch(128, 2, 8), mesh)
+    except cpshard.CollectiveError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.ranks
+def test_a_rank_that_never_arrives_is_named_on_the_waiting_ranks():
+    """Its own two ranks: a group a collective timed out on is of no use to later tests."""
+    with cpshard.LocalRanks(2) as ranks:
+        waiting, absent = ranks.run(forward_with_a_rank_absent)
+        ranks.close(force=True)  # their groups would wait out their timeouts on the way down
+    assert absent == "absent"
+    for words in ("did not complete: a rank of its group did not arrive", "over the mesh axis 'cp'"):
+        assert words in waiting, waiting
+    assert "make_mesh(timeout=...)" in waiting and "Timed out" in waiting, waiting
+
+
+def test_make_mesh_refuses_a_timeout_that_is_not_positive():
+    with pytest.raises(ValueError, match="timeout=-1 must be positive seconds"):
+        cpshard.make_mesh(cp=1, timeout=-1)

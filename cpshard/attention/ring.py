@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from cpshard.comm.arrival import arriving
 from cpshard.comm.record import active_recorder, record
 from cpshard.spec.masks import additive_mask
 
@@ -245,9 +246,10 @@ def _exchange(ring: Ring, send: torch.Tensor | None, recv_like: torch.Tensor | N
     return (dist.batch_isend_irecv(ops) if ops else []), buffer
 
 
-def _wait(requests) -> None:
-    for request in requests:
-        request.wait()
+def _wait(requests, ring) -> None:
+    with arriving("send", ring.name, ring.group):
+        for request in requests:
+            request.wait()
 
 
 def _ring_steps(needed, rank: int, size: int):
@@ -276,7 +278,7 @@ def ring_forward(q, k, v, ring: Ring):
         requests, incoming = _exchange(ring, kv if send_on else None, template if expect else None, "forward")
         if source is not None and needed[rank][source]:
             tiled_attention(out, lse, ring.block(qg, kv, source), ring.blocks.tiles[source])
-        _wait(requests)
+        _wait(requests, ring)
         kv = incoming
     return out, lse
 
@@ -298,11 +300,11 @@ def ring_backward(q, k, v, out, lse, grad_output, ring: Ring):
         if source is not None and needed[rank][source]:
             grad_kv = grad_kv.clone() if grad_kv is grad_template else grad_kv
             tiled_grads(grad_q, grad_kv, ring.block(qg, kv, source), merged, ring.blocks.tiles[source])
-        _wait(requests)
+        _wait(requests, ring)
         requests, incoming_grad = _exchange(
             ring, grad_kv if send_on else None, grad_template if expect else None, "backward"
         )
-        _wait(requests)
+        _wait(requests, ring)
         if source is not None and not send_on:
             parked[source] = grad_kv
         kv, grad_kv = incoming, incoming_grad
@@ -337,5 +339,5 @@ def _send_home(ring: Ring, parked: dict, template):
     if last != rank:
         received = torch.empty_like(template)
         ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, last), group))
-    _wait(dist.batch_isend_irecv(ops) if ops else [])
+    _wait(dist.batch_isend_irecv(ops) if ops else [], ring)
     return received if received is not None else parked[rank]

@@ -13,11 +13,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from cpshard.comm.arrival import arriving
 from cpshard.comm.channel import Channel, TracedGroup
 from cpshard.comm.record import active_recorder, record
 
 
-def _all_to_all_single(send: torch.Tensor, group) -> torch.Tensor:
+def _all_to_all_single(send: torch.Tensor, group, name: str = "") -> torch.Tensor:
     """What arrives for ``send``, whose equal chunks of dim 0 go to the ranks in turn: torch's c10d
     collective when eager (the functional one costs a custom operator's dispatch and a wrapper tensor,
     ~0.5 ms a call on CPU, 16 calls a step for 2 layers), the functional one under torch.compile,
@@ -25,7 +26,8 @@ def _all_to_all_single(send: torch.Tensor, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    with arriving("all_to_all", name, group):
+        dist.all_to_all_single(received, send, group=group)
     return received
 
 
@@ -36,7 +38,7 @@ def _exchange(
     size, scatter_dim, gather_dim = dist.get_world_size(group), scatter_dim % x.dim(), gather_dim % x.dim()
     send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()  # a view when x allows
     record(recorder, "all_to_all", name, phase, send, size)
-    received = _all_to_all_single(send, group)
+    received = _all_to_all_single(send, group, name)
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)  # copies only where it must
 
 
@@ -122,7 +124,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: 
 def _summed(x: torch.Tensor, group, recorder, name: str, phase: str) -> torch.Tensor:
     out = x.detach().clone().contiguous()
     record(recorder, "all_reduce", name, phase, out, dist.get_world_size(group))
-    dist.all_reduce(out, group=group)
+    with arriving("all_reduce", name, group):
+        dist.all_reduce(out, group=group)
     return out
 
 
@@ -172,7 +175,8 @@ def _all_reduce_buckets(tensors: list[torch.Tensor], group, recorder, name: str)
     for indices in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
         record(recorder, "all_reduce", name, "backward", flat, size)
-        dist.all_reduce(flat, group=group)
+        with arriving("all_reduce", name, group):
+            dist.all_reduce(flat, group=group)
         for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
             result[i] = piece.view_as(tensors[i])
     return result
@@ -212,7 +216,8 @@ def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
     size = dist.get_world_size(group)
     out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
     record(active_recorder(), "all_gather", name, "forward", x, size)
-    dist.all_gather_single(out, x.contiguous().reshape(-1), group=group)
+    with arriving("all_gather", name, group):
+        dist.all_gather_single(out, x.contiguous().reshape(-1), group=group)
     return out.view(size, *x.shape)
 
 
@@ -246,7 +251,8 @@ class _GatherShards(torch.autograd.Function):
         flat = torch.cat([_padded(shard, chunk).reshape(-1) for shard, chunk in zip(shards, chunks)])
         record(ctx.recorder, "all_gather", name, "forward", flat, size)
         out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_single(out, flat, group=group)
+        with arriving("all_gather", name, group):
+            dist.all_gather_single(out, flat, group=group)
         pieces = out.view(size, -1).split([c * math.prod(s.shape[1:]) for c, s in zip(chunks, shards)], dim=1)
         return tuple(
             torch.cat([piece[r].view(c, *s.shape[1:])[: _rows_of(r, n, c)] for r in range(size)])
@@ -261,7 +267,8 @@ class _GatherShards(torch.autograd.Function):
         ).contiguous()
         record(ctx.recorder, "reduce_scatter", ctx.name, "backward", send, size)
         out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
-        dist.reduce_scatter_single(out, send.view(-1), group=ctx.group)
+        with arriving("reduce_scatter", ctx.name, ctx.group):
+            dist.reduce_scatter_single(out, send.view(-1), group=ctx.group)
         pieces = out.split([c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)])
         local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, ctx.chunks, ctx.local_rows)]
         return (None, None, None, *local)
@@ -294,7 +301,8 @@ def _gather_shares(x: torch.Tensor, rows: int, group, recorder, name: str, phase
     flat = _padded(x, chunk).contiguous()
     record(recorder, "all_gather", name, phase, flat, size)
     out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_single(out, flat.reshape(-1), group=group)
+    with arriving("all_gather", name, group):
+        dist.all_gather_single(out, flat.reshape(-1), group=group)
     pieces = out.view(size, chunk, -1)
     return torch.cat([pieces[r, : _rows_of(r, rows, chunk)] for r in range(size)]).view(rows, *x.shape[1:])
 

@@ -4,6 +4,7 @@ over. (A mesh *axis* is a dimension of the mesh; a *dim* is a tensor's.)"""
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from functools import cache
 
 import torch
@@ -38,9 +39,20 @@ def _init_default_group(device_type: str) -> None:
 
 
 def make_mesh(
-    *, cp: int, dp_replicate: int = 1, fsdp: int = 1, tp: int = 1, ep: int = 1, device_type=None
+    *,
+    cp: int,
+    dp_replicate: int = 1,
+    fsdp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    device_type=None,
+    timeout: float | timedelta | None = None,
 ) -> DeviceMesh:
     """The root mesh ``dp_replicate x fsdp x cp x tp`` over every rank of the default group.
+
+    ``timeout`` (seconds): how long a collective of the mesh's groups waits for a rank that does not
+    arrive before the waiting ranks raise a :class:`~cpshard.comm.arrival.CollectiveError` naming it; None:
+    torch's default (30 minutes for gloo, 10 for nccl).
 
     ``ep`` regroups the ranks of ``fsdp x cp x tp`` (row-major) into expert groups of ``ep``
     consecutive ranks (whole tp groups, or part of one); it is recorded with the mesh
@@ -50,6 +62,10 @@ def make_mesh(
     for name, size in {**sizes, "ep": ep}.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"make_mesh: timeout={timeout!r} must be positive seconds or a timedelta")
+        timeout = timedelta(seconds=timeout)
     if (fsdp * cp * tp) % ep:
         raise ValueError(
             f"make_mesh: ep={ep} must divide fsdp * cp * tp = {fsdp} * {cp} * {tp} = {fsdp * cp * tp}"
@@ -69,7 +85,7 @@ def make_mesh(
             f"world size {world} != dp_replicate={dp_replicate} * fsdp={fsdp} * cp={cp} * tp={tp}"
             f" (= {product}); choose sizes whose product is the number of ranks"
         )
-    return _root_mesh(device_type, tuple(sizes.values()), ep, dist.group.WORLD)
+    return _root_mesh(device_type, tuple(sizes.values()), ep, dist.group.WORLD, timeout)
 
 
 #: the expert degree of each root mesh, by id (root meshes live as long as the cache below)
@@ -77,13 +93,24 @@ _EXPERT_DEGREE: dict[int, int] = {}
 
 
 @cache
-def _root_mesh(device_type: str, shape: tuple[int, ...], ep: int, world) -> DeviceMesh:
-    """One mesh per shape, expert degree and default group: every mesh creates a process group per
-    dimension (each with its own threads), so a training loop or test suite calling make_mesh
+def _root_mesh(
+    device_type: str, shape: tuple[int, ...], ep: int, world, timeout: timedelta | None
+) -> DeviceMesh:
+    """One mesh per shape, expert degree, default group and timeout: every mesh creates a process group
+    per dimension (each with its own threads), so a training loop or test suite calling make_mesh
     again must get the same mesh back, not a new set of groups."""
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    override = None if timeout is None else {axis: _backend_with(device_type, timeout) for axis in MESH_AXES}
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override)
     _EXPERT_DEGREE[id(mesh)] = ep
     return mesh
+
+
+def _backend_with(device_type: str, timeout: timedelta) -> tuple:
+    """The backend of ``device_type``'s groups (gloo on CPU, nccl on CUDA) with ``timeout``."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
 
 
 def expert_degree(mesh: DeviceMesh) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cpshard.comm.arrival import arriving
 from cpshard.comm.record import active_recorder, expect, record
 
 
@@ -23,8 +24,9 @@ def _shift(x: torch.Tensor, group, step: int, recorder, name: str, phase: str) -
         ops.append(dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(group, rank + step), group))
     if 0 <= rank - step < size:
         ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, rank - step), group))
-    for request in dist.batch_isend_irecv(ops) if ops else []:
-        request.wait()
+    with arriving("send", name, group):
+        for request in dist.batch_isend_irecv(ops) if ops else []:
+            request.wait()
     return received
 
 
