@@ -1,6 +1,7 @@
 """The ``cpshard`` command line: one sub-command per job (``demo``, ``check``, ``bench``, ``layout``).
 
-Exit status: 0 on success, 1 when a check fails, 2 on bad usage (one line on stderr saying why).
+Exit status, one rule for every command: 0 on success, 1 when a check fails or cpshard refuses the model
+(a ``LayoutError``), 2 on bad usage (one line on stderr saying why).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from cpshard.bench.measure import run_bench
 from cpshard.bench.packed import packed_report
 from cpshard.bench.report import plot, write_json
 from cpshard.bench.variants import VARIANTS
+from cpshard.layouts.errors import LayoutError
 from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override, run_check
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
@@ -60,7 +62,8 @@ def _add_check(commands) -> None:
         help="check loss, logits and gradients of a model under cp=N against one process",
         description="Run MODEL with its sequence split over N local CPU ranks and on one process; print "
         "one row per tensor group (loss, logits, gradients) with its largest difference and pass/fail. "
-        "Exit status 0 when every row passes, 1 when one differs, 2 on bad usage.",
+        "Exit status 0 when every row passes, 1 when one differs or cpshard refuses the model, 2 on bad "
+        "usage.",
     )
     add = parser.add_argument
     add("model", metavar="MODEL", help="a local model folder (config.json; weights optional) or a model type")
@@ -106,6 +109,9 @@ def _run_check(args, parser: argparse.ArgumentParser) -> int:
         return run_check(CheckConfig(**options))
     except UsageError as error:
         parser.error(str(error))
+    except LayoutError as error:  # cpshard refuses the model: exit status 1, as a failed check
+        print(f"cpshard check: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
 
 
 def _add_bench(commands) -> None:
@@ -247,16 +253,19 @@ def _add_layout(commands) -> None:
         help="print the layout cpshard uses for a model type or config folder, as an editable layout file",
         description="Print the cp layout of MODEL (a model type or a local folder with config.json): its "
         "registered file, else the layout derived from the model, as Python to save, edit and pass as "
-        "make_cp_forward(model, layout=LAYOUT). Exit status 1 when cpshard cannot serve the model.",
+        "make_cp_forward(model, layout=LAYOUT). Exit status 1 when cpshard cannot serve the model, 2 on bad "
+        "usage (a model it cannot build).",
     )
     parser.add_argument("model", metavar="MODEL", help="a model type (llama, gpt2, ...) or a config folder")
-    parser.set_defaults(run=_run_layout)
+    parser.set_defaults(run=partial(_run_layout, parser=parser))
 
 
-def _run_layout(args) -> int:
+def _run_layout(args, parser: argparse.ArgumentParser) -> int:
     try:
         print(layout_for(args.model), end="")
-    except ValueError as error:
+    except UsageError as error:
+        parser.error(str(error))
+    except ValueError as error:  # cpshard refuses the model (a LayoutError): exit status 1
         print(f"cpshard layout: {error}", file=sys.stderr)
         return 1
     return 0

@@ -95,6 +95,12 @@ def test_local_folders_with_and_without_weights(ranks2, tmp_path):
         assert exit_status(config, parities) == 0, format_report(config, parities)
 
 
+def test_a_model_cpshard_refuses_exits_1_as_a_failed_check(capsys):
+    assert main(["check", "xlm"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("cpshard check: cpshard cannot serve model type 'xlm'") and "--help" not in error
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
@@ -105,7 +111,6 @@ def test_local_folders_with_and_without_weights(ranks2, tmp_path):
         (["llama", "--pad", "left", "--seq", "1"], "--pad left needs --seq of at least 4"),
         (["llama", "--implementation", "hybrid"], "hybrid needs a Ulysses degree"),
         (["llama", "--cp", "3", "--implementation", "ulysses"], "not divisible by cp=3"),
-        (["xlm"], "cpshard cannot serve model type 'xlm'"),
         (["t5"], "model type 't5' has no causal LM"),
         (["llama", "--dtype", "float16"], "invalid choice: 'float16'"),
         (["llama", "--set", "num_hidden_layers"], "write --set key=value"),

@@ -18,8 +18,11 @@ def test_the_printed_file_gives_back_the_layout(model_type):
 def test_cli_prints_or_refuses(capsys):
     assert main(["layout", "gpt_neox"]) == 0
     assert "decoder_layers='gpt_neox.layers'," in capsys.readouterr().out
-    assert main(["layout", "zaya"]) == 1
+    assert main(["layout", "inkling2_text"]) == 1  # cpshard refuses it: 1, as cpshard check
     assert "convolution along the sequence" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # bad usage: 2, as cpshard check
+        main(["layout", "no_such_type"])
+    assert exit_.value.code == 2 and "cannot build a tiny no_such_type" in capsys.readouterr().err
 
 
 def test_a_rewritten_attention_is_named_in_the_file():

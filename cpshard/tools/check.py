@@ -216,8 +216,8 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
             f"cannot build {source.describe()}: {type(error).__name__}: {' '.join(str(error).split())}; "
             "set the config fields it needs with --set key=value"
         ) from None
+    chosen = resolve_layout(model, layout)  # a LayoutError: cpshard refuses the model (exit status 1)
     try:
-        chosen = resolve_layout(model, layout)
         heads = getattr(text_config(model), chosen.heads)
         implementation, degree = choose_implementation(config.implementation, heads, config.cp)
     except (ValueError, OSError, KeyError) as error:

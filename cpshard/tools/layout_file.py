@@ -17,6 +17,7 @@ from cpshard.layouts.layout import Layout, attention_layers
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.spec.notation import Spec
 from cpshard.tools.tiny import SMALL, tiny_model
+from cpshard.tools.usage import UsageError
 
 
 def _value(value) -> str:
@@ -59,13 +60,12 @@ def _model_for(source: str):
 
 def layout_for(source: str) -> str:
     """The layout file for ``source`` (a model type or a config folder): registered or derived; a
-    ValueError naming the problem when no model can be built from it."""
+    :class:`UsageError` naming the problem when no model can be built from it, a ``LayoutError`` when
+    cpshard cannot serve the model."""
     try:
         model = _model_for(source)
-    except ValueError:
-        raise
     except Exception as error:  # noqa: BLE001 -- transformers' validators raise many types
-        raise ValueError(f"cannot build a tiny {source}: {type(error).__name__}: {error}") from None
+        raise UsageError(f"cannot build a tiny {source}: {type(error).__name__}: {error}") from None
     layout = resolve_layout(model)
     kind = "the registered file" if layout in REGISTERED.values() else "derived"
     layers = model.get_submodule(layout.decoder_layers)

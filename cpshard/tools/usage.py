@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 class UsageError(ValueError):
-    """Options a subcommand cannot run with: exit status 2 and this one line, before anything starts."""
+    """Options a subcommand cannot run with: exit status 2 and this one line, before anything starts.
+    (cpshard refusing a model it can build, a ``LayoutError``, is exit status 1, as a failed check.)"""
 
 
 def say(text: str) -> None:
