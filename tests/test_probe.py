@@ -43,10 +43,11 @@ def failing_under_cp(module, args):
         raise TypeError("forward() missing 1 required positional argument: 'alibi'")
 
 
-def probe_of_code_that_fails_under_cp() -> str:
-    """A model whose code raises under cp alone (as Falcon's rewrite did on transformers 5.25)."""
+def probe_with(hook, module: str) -> str:
+    """The probe's message for a model with ``hook`` on ``module``: code that raises under cp alone (as
+    Falcon's rewrite did on transformers 5.25), or the model's own code that raises with or without cp."""
     model = tiny_model("llama", attn_implementation="auto")
-    model.model.layers[1].register_forward_pre_hook(failing_under_cp)
+    model.get_submodule(module).register_forward_pre_hook(hook)
     forward = cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed"))
     try:
         forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 9), cpshard.make_mesh(cp=2))
@@ -56,7 +57,7 @@ def probe_of_code_that_fails_under_cp() -> str:
 
 
 def test_an_error_in_the_probes_cp_run_is_named_not_blamed_on_token_mixing(ranks2):
-    for message in ranks2.run(probe_of_code_that_fails_under_cp):
+    for message in ranks2.run(probe_with, failing_under_cp, "model.layers.1"):
         assert "its cp run raised TypeError: forward() missing 1 required" in message, message
         assert "test_probe.py" in message and "failing_under_cp" in message, message
         assert "installed transformers" in message and "mixes tokens" not in message, message
@@ -66,20 +67,8 @@ def reading_a_missing_field(module, args):
     raise AttributeError("'LlamaConfig' object has no attribute 'router_aux_loss_coef'")
 
 
-def probe_of_a_model_that_fails_alone() -> str:
-    """A model whose own forward raises, with or without cp (a hand-made config missing a field)."""
-    model = tiny_model("llama", attn_implementation="auto")
-    model.model.layers[1].mlp.register_forward_pre_hook(reading_a_missing_field)
-    forward = cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed"))
-    try:
-        forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 9), cpshard.make_mesh(cp=2))
-    except cpshard.LayoutError as error:
-        return str(error)
-    return "no error"
-
-
 def test_an_error_of_the_model_alone_is_named_as_the_model_s(ranks2):
-    for message in ranks2.run(probe_of_a_model_that_fails_alone):
+    for message in ranks2.run(probe_with, reading_a_missing_field, "model.layers.1.mlp"):
         assert "the model's own forward, in one process without cp, raised AttributeError" in message, message
         assert "router_aux_loss_coef" in message and "reading_a_missing_field" in message, message
         assert "cp run" not in message and "mixes tokens" not in message, message

@@ -14,6 +14,8 @@ cp is exact at 1e-5; where it does not (a length cp*64 does not divide), cp lies
 variation of the one process, which the test measures on the batch.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -251,28 +253,6 @@ def test_lightning_attention_has_no_head_split(ranks2):
     assert messages[0] == messages[1] and "lightning attention runs its block loop" in messages[0], messages
 
 
-def test_lightning_attention_of_other_code_is_refused(monkeypatch):
-    from cpshard.recurrent import lightning
-
-    module, pieces = lightning.WRITTEN_AGAINST
-    monkeypatch.setattr(lightning, "WRITTEN_AGAINST", (module, {**pieces, "MiniMaxDecoderLayer": "0" * 16}))
-    with pytest.raises(
-        cpshard.LayoutError, match="MiniMaxLightningAttention .* other code in MiniMaxDecoderLayer"
-    ):
-        lightning.check_lightning_unchanged()
-
-
-def test_rg_lru_of_other_code_is_refused(monkeypatch):
-    from cpshard.recurrent import rg_lru
-
-    module, pieces = rg_lru.WRITTEN_AGAINST
-    monkeypatch.setattr(rg_lru, "WRITTEN_AGAINST", (module, {**pieces, "RecurrentGemmaRglru": "0" * 16}))
-    with pytest.raises(
-        cpshard.LayoutError, match="RecurrentGemmaRecurrentBlock .* other code in RecurrentGemmaRglru"
-    ):
-        rg_lru.check_rg_lru_unchanged()
-
-
 def rescaled_rwkv_refusal() -> str:
     mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
     model = tiny_model("rwkv", attn_implementation="auto", rescale_every=6)
@@ -288,34 +268,26 @@ def test_rwkv_that_rescales_its_weights_in_place_is_refused_on_every_rank(ranks2
     assert messages[0] == messages[1] and "set model.config.rescale_every = 0" in messages[0], messages
 
 
-def test_xlstm_of_other_code_is_refused(monkeypatch):
-    from cpshard.recurrent import xlstm
-
-    module, pieces = xlstm.WRITTEN_AGAINST
-    changed = {**pieces, "mlstm_chunkwise_recurrent_fw_C": "0" * 16}
-    monkeypatch.setattr(xlstm, "WRITTEN_AGAINST", (module, changed))
-    with pytest.raises(
-        cpshard.LayoutError, match="xLSTMLayer .* other code in mlstm_chunkwise_recurrent_fw_C"
-    ):
-        xlstm.check_xlstm_unchanged()
-
-
-def test_zaya_of_other_code_is_refused(monkeypatch):
-    from cpshard.recurrent import zaya
-
-    module, pieces = zaya.WRITTEN_AGAINST
-    monkeypatch.setattr(zaya, "WRITTEN_AGAINST", (module, {**pieces, "ZayaAttention.forward": "0" * 16}))
-    with pytest.raises(cpshard.LayoutError, match="ZayaCCAProjection .* other code in ZayaAttention.forward"):
-        zaya.check_zaya_unchanged()
-
-
-def test_rwkv_of_other_code_is_refused(monkeypatch):
-    from cpshard.recurrent import rwkv
-
-    module, pieces = rwkv.WRITTEN_AGAINST
-    monkeypatch.setattr(rwkv, "WRITTEN_AGAINST", (module, {**pieces, "RwkvFeedForward": "0" * 16}))
-    with pytest.raises(cpshard.LayoutError, match="RwkvSelfAttention .* other code in RwkvFeedForward"):
-        rwkv.check_rwkv_unchanged()
+@pytest.mark.parametrize(
+    "hooked, piece, written_for",
+    [
+        ("lightning", "MiniMaxDecoderLayer", "MiniMaxLightningAttention"),
+        ("rg_lru", "RecurrentGemmaRglru", "RecurrentGemmaRecurrentBlock"),
+        ("rwkv", "RwkvFeedForward", "RwkvSelfAttention"),
+        ("xlstm", "mlstm_chunkwise_recurrent_fw_C", "xLSTMLayer"),
+        ("zaya", "ZayaAttention.forward", "ZayaCCAProjection"),
+    ],
+)
+def test_a_hooked_mixer_of_other_code_is_refused(monkeypatch, hooked, piece, written_for):
+    """Each mixer served by hooks checks the code they were written against (one piece changed here)."""
+    module = importlib.import_module(f"cpshard.recurrent.{hooked}")
+    transformers_module, pieces = module.WRITTEN_AGAINST
+    monkeypatch.setattr(module, "WRITTEN_AGAINST", (transformers_module, {**pieces, piece: "0" * 16}))
+    check = next(
+        getattr(module, name) for name in dir(module) if name.startswith("check_") and "unchanged" in name
+    )
+    with pytest.raises(cpshard.LayoutError, match=f"{written_for} .* other code in {piece}"):
+        check()
 
 
 def test_the_head_split_refuses_heads_cp_does_not_divide(ranks2):

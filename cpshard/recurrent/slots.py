@@ -220,25 +220,10 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
         module, row = found
         slots, path = kernel_slots(module), f"{layers_path}.{index}.{row.module}"
         hooks.append(Hook(module, _cut_mask, pre=True))
-        if row.kernel == "lightning":
-            check_lightning_unchanged()
-            hooks += lightning_hooks(module, path)
-            continue
-        if row.kernel == "rg_lru":
-            check_rg_lru_unchanged()
-            hooks += rg_lru_hooks(module, path)
-            continue
-        if row.kernel == "rwkv":
-            check_rwkv_unchanged()
-            hooks += rwkv_hooks(layer, f"{layers_path}.{index}", row.module)
-            continue
-        if row.kernel == "mlstm":
-            check_xlstm_unchanged()
-            hooks += mlstm_hooks(module, path)
-            continue
-        if row.kernel == "zaya_cca":
-            check_zaya_unchanged()
-            hooks += zaya_hooks(module, path)
+        if row.kernel in HOOKED_MIXERS:
+            check_unchanged, mixer_hooks = HOOKED_MIXERS[row.kernel]
+            check_unchanged()
+            hooks += mixer_hooks(layer, f"{layers_path}.{index}", row.module)
             continue
         _take(slots, row.kernel, SCAN_SLOTS[RECURRENT_KERNELS[row.kernel]], path)
         for fused in FUSED_SLOTS.intersection(slots):
@@ -248,5 +233,19 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
     return hooks
 
 
+def _on_mixer(hooks):
+    """``hooks(mixer, path)`` as an installer of a layer's mixer (the layer, its path, the mixer's name)."""
+    return lambda layer, at, name: hooks(layer.get_submodule(name), f"{at}.{name}")
+
+
+#: the kernels served by hooks (:data:`~cpshard.layouts.layout.HOOKED`): the check of the code their hooks
+#: were written against, and the installer of one layer's (RWKV's token shifts sit beside its mixer)
+HOOKED_MIXERS = {
+    "lightning": (check_lightning_unchanged, _on_mixer(lightning_hooks)),
+    "rg_lru": (check_rg_lru_unchanged, _on_mixer(rg_lru_hooks)),
+    "rwkv": (check_rwkv_unchanged, rwkv_hooks),
+    "mlstm": (check_xlstm_unchanged, _on_mixer(mlstm_hooks)),
+    "zaya_cca": (check_zaya_unchanged, _on_mixer(zaya_hooks)),
+}
 #: the slot that serves each decay kind's kernel ("none": the kernel is a convolution, served by its halo)
 SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan, "diagonal": ChannelSplit, "none": Halo}
