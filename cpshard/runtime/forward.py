@@ -82,7 +82,8 @@ class CPOutput:
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters as a flat ``{name: tensor}`` dict (tied weights once)."""
+    """The model's parameters as a flat ``{name: tensor}`` dict (tied weights once): the tensors of this
+    moment; a weight replaced in the model later is not in it (take the dict again)."""
     return dict(model.named_parameters())
 
 
