@@ -228,12 +228,15 @@ def bad_call(kind: str):
         "hybrid-degree": dict(implementation="hybrid"),
         "ulysses-order": dict(implementation="ulysses", sequence_order="head_tail"),
     }
+    cp_forward = cpshard.make_cp_forward(model, **forward_options.get(kind, {}))
+    if kind == "replaced-layer":  # a module cpshard did not set up: it ran, and differed, without a word
+        model.model.layers[0].self_attn = type(model.model.layers[0].self_attn)(model.config, 0)
     params = cpshard.params_of(model)
     if kind == "other-params":  # a model of another vocabulary: it would run on these without a word
         params = cpshard.params_of(tiny_model("llama", vocab_size=200))
     elif kind == "unknown-params":
         params = {**params, "lm_head.scale": torch.ones(1)}
-    cpshard.make_cp_forward(model, **forward_options.get(kind, {}))(params, batch, mesh)
+    cp_forward(params, batch, mesh)
 
 
 BAD_INPUTS = {
@@ -263,6 +266,10 @@ BAD_INPUTS = {
         "params differ in shape from LlamaForCausalLM's: model.embed_tokens.weight",
     ),
     "unknown-params": ("ValueError", "params holds 1 entries that are not LlamaForCausalLM's parameters"),
+    "replaced-layer": (
+        "ValueError",
+        "model.layers.0.self_attn, model.layers.0.self_attn.q_proj, model.layers",
+    ),
     "ulysses-order": ("ValueError", "sequence_order='head_tail' balances ring's causal work; Ulysses"),
 }
 

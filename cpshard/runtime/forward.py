@@ -105,11 +105,12 @@ class CPForward:
 
     def __init__(self, model, layout: Layout, options: CPOptions):
         self.model, self.layout, self.options = model, layout, options
-        self.module_names = {id(module): name for name, module in model.named_modules()}
         check_mlp_tile(model.get_submodule(layout.decoder_layers), layout, options.mlp_tile)
         install(model, layout, options.mlp_tile is not None, options.attention_recompute)
         if options.compile:
             compile_layers(model.get_submodule(layout.decoder_layers), compile_options(options.compile))
+        #: the model's modules as set up (each call checks that none was replaced since)
+        self.module_names = {id(module): name for name, module in model.named_modules()}
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         return self._run(params, batch, mesh, reduced=True)

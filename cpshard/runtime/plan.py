@@ -187,6 +187,19 @@ def _call_plan(
     )
 
 
+def check_modules_unchanged(model, module_names: Mapping[int, str]) -> None:
+    """Raise where a module of ``model`` was replaced (or added) since its cp forward was made: cpshard set
+    the model up then (its hooks, its attention, the layout it verified), and a new module would run
+    without them."""
+    changed = [name for name, module in model.named_modules() if module_names.get(id(module)) != name]
+    if changed:
+        raise ValueError(
+            f"{type(model).__name__}: {', '.join(changed[:3])} changed after make_cp_forward (a module "
+            "replaced or added), which cpshard did not set up: make the cp forward again "
+            "(make_cp_forward(model)) after changing the model's modules"
+        )
+
+
 def check_params(model, params: dict) -> None:
     """Raise unless every entry of ``params`` names a parameter or buffer of ``model`` of the same (global)
     shape: the forward runs the model's code on them, and another model's would run without a word (the
@@ -223,6 +236,7 @@ def plan_call(
     """How one call splits its work, and the batch padded for it: the strategy (checked against the mesh),
     the batch (checked the same on every rank of each dp group, or every rank raises), the order, the
     padding, the meshes and groups."""
+    check_modules_unchanged(model, module_names)
     check_params(model, params)
     implementation, degree = choose_strategy(model, layout, options, mesh, params)
     if layout.labels_shifted:
