@@ -34,7 +34,7 @@ class _TokenLogProbs(torch.autograd.Function):
         blocks = row_blocks(logits.shape[0], logits.shape[1], block_elements)
         for rows in blocks:
             log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
-            torch.gather(log_probs, -1, target[rows], out=picked[rows])
+            picked[rows] = torch.gather(log_probs, -1, target[rows])
         ctx.save_for_backward(logits, target, valid)
         ctx.blocks = blocks
         return torch.where(valid, picked.squeeze(-1), 0.0)
