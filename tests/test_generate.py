@@ -421,6 +421,8 @@ def _recurrent_refusals() -> list[str]:
         ),
         lambda: cpshard.make_cp_prefill(model_for(Case("minimax"))),
         lambda: cpshard.make_cp_prefill(model_for(Case("recurrent_gemma"))),
+        # its shared attention block runs where the split cache does not look: refused at the prefill
+        lambda: cpshard.generate(model_for(Case("zamba2")), prompts("left"), mesh, max_new_tokens=4),
     ]
     return error_messages(attempts)
 
@@ -431,6 +433,7 @@ def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks
         "model.layers.0.linear_attn causal_conv1d_fn: the cache holds no state for this layer",
         "recurrent layers (lightning: self_attn) keep their state inside their module",
         "recurrent layers (rg_lru: temporal_block) keep their state inside their module",
+        "the prefill saw no keys and values at ['model.layers.1.shared_transformer']: cpshard cannot cache",
     ]
     check_refused(ranks2.run(_recurrent_refusals), expected)
 
