@@ -141,16 +141,18 @@ def run_unsupported(option: str, folder: str):
     from cpshard.integrations.transformers import CPTrainer
 
     arguments = _arguments(folder, MICRO)
-    options = {"compute_metrics": dict(compute_metrics=lambda p: {}), "save": {}}[option]
+    options = {"label_smoothing": {}, "save": {}}[option]
     if option == "save":
         arguments.save_strategy, arguments.save_only_model = "steps", False
+    else:
+        arguments.label_smoothing_factor = 0.1
     CPTrainer(tiny_model("llama", vocab_size=VOCAB), arguments, mesh=cpshard.make_mesh(cp=2), **options)
 
 
 @needs_accelerate
 @pytest.mark.parametrize(
     "option, message",
-    [("compute_metrics", "does not take compute_metrics"), ("save", "save_only_model=True")],
+    [("label_smoothing", "does not take label_smoothing_factor"), ("save", "save_only_model=True")],
 )
 def test_what_it_does_not_support_is_an_error(ranks2, tmp_path, option, message):
     with pytest.raises(cpshard.RankError) as caught:
@@ -186,3 +188,57 @@ def test_each_dp_group_its_own_shard_the_same_on_its_ranks_reshuffled_each_epoch
     for epoch in (0, 1):  # the two dp groups: halves of the data, together all of it
         first, second = by_group[0][epoch], by_group[1][epoch]
         assert len(first) == len(second) == ROWS // 2 and sorted(first + second) == every
+
+
+def token_accuracy(prediction) -> dict:
+    """A metric of the predictions (next-token accuracy over labelled tokens) and how many rows it saw."""
+    picked, target = prediction.predictions[:, :-1].argmax(-1), prediction.label_ids[:, 1:]
+    valid = target != -100
+    return {"accuracy": float((picked == target)[valid].mean()), "rows": len(target)}
+
+
+def evaluated(trainer) -> dict:
+    """``evaluate()``'s metrics with ``compute_metrics``, and ``predict()``'s logits on another set."""
+    metrics = trainer.evaluate()
+    predicted = trainer.predict(Rows(3, 6))
+    return {
+        "metrics": {key: metrics[key] for key in ("eval_loss", "eval_accuracy", "eval_rows")},
+        "predictions": torch.as_tensor(predicted.predictions),
+        "labels": torch.as_tensor(predicted.label_ids),
+    }
+
+
+def cp_evaluation(sizes: dict, folder: str) -> dict:
+    from cpshard.integrations.transformers import CPTrainer
+
+    mesh = cpshard.make_mesh(**sizes)
+    model = tiny_model("llama", vocab_size=VOCAB)
+    arguments = _arguments(folder, MICRO)
+    trainer = CPTrainer(model, arguments, mesh=mesh, eval_dataset=Rows(2, 8), compute_metrics=token_accuracy)
+    return evaluated(trainer)
+
+
+@needs_accelerate
+@pytest.mark.parametrize("sizes", [dict(cp=2), dict(fsdp=2, cp=2)], ids=["cp2", "fsdp2xcp2"])
+def test_metrics_and_predictions_are_the_plain_trainer_s(request, tmp_path, sizes):
+    """Each dp group's predictions once (not cp times), the logits whole: evaluate's loss and metrics and
+    predict's logits as one process's Trainer gives them (predictions in its order where one dp group)."""
+    groups = sizes.get("fsdp", 1)
+    ranks = request.getfixturevalue("ranks4" if groups > 1 else "ranks2")
+    model = tiny_model("llama", vocab_size=VOCAB)
+    plain = Trainer(
+        model,
+        _arguments(tmp_path / "one", MICRO * groups),
+        eval_dataset=Rows(2, 8),
+        compute_metrics=token_accuracy,
+    )
+    expected = evaluated(plain)
+    for result in ranks.run(cp_evaluation, sizes, str(tmp_path)):
+        assert result["metrics"]["eval_rows"] == expected["metrics"]["eval_rows"] == 8, result["metrics"]
+        for key, value in expected["metrics"].items():
+            assert abs(result["metrics"][key] - value) <= 1e-5, (key, result["metrics"], expected["metrics"])
+        if groups == 1:
+            assert torch.equal(result["labels"], expected["labels"])
+            assert (result["predictions"] - expected["predictions"]).abs().max() <= 1e-5
+        else:  # the dp groups' shards interleave the rows: the same rows, another order
+            assert result["predictions"].shape == expected["predictions"].shape

@@ -10,10 +10,13 @@ What the plain ``Trainer`` gets wrong under context parallelism, and what change
 - it counts ``num_items_in_batch`` over every rank, cp times too many; here over the dp groups only
   (``cpshard.count_label_tokens``), and the loss is the step's token-loss sum over that count;
 - so it counts ``num_input_tokens_seen`` (``include_num_input_tokens_seen``); here each dp group's once;
-- it saves each rank's own weights; here ``cpshard.save_pretrained`` gathers sharded ones first.
+- it saves each rank's own weights; here ``cpshard.save_pretrained`` gathers sharded ones first;
+- its evaluation gathers every rank's predictions, cp (and tp) times each; here each dp group's once: the
+  logits gathered whole over cp on each rank, ``preprocess_logits_for_metrics`` and ``compute_metrics``
+  then as the plain ``Trainer`` applies them; ``predict`` reads the test set as the eval set.
 
-Evaluation reports the loss alone (``prediction_step`` returns no logits). Resuming from a
-checkpoint (optimizer state) is not supported: pass ``save_only_model=True`` or ``save_strategy="no"``.
+Resuming from a checkpoint (optimizer state) is not supported: pass ``save_only_model=True`` or
+``save_strategy="no"``.
 """
 
 from __future__ import annotations
@@ -66,11 +69,10 @@ class CPTrainer(Trainer):
         unsupported = {  # what would otherwise be ignored, silently
             "compute_loss_func": self.compute_loss_func is not None,
             "label_smoothing_factor": self.label_smoother is not None,
-            "compute_metrics": self.compute_metrics is not None,
         }
         if any(unsupported.values()):
             raise ValueError(
-                "CPTrainer computes cp_forward's cross-entropy and evaluates the loss only; it does not take "
+                "CPTrainer computes cp_forward's cross-entropy; it does not take "
                 f"{', '.join(name for name, given in unsupported.items() if given)}: for another objective, "
                 "subclass it and override compute_loss with make_cp_forward(model, token_logprobs=True)"
             )
@@ -115,6 +117,34 @@ class CPTrainer(Trainer):
             raise ValueError("CPTrainer: evaluation requires an eval_dataset")
         return self._data_loader(dataset, self.args.eval_batch_size, shuffle=False)
 
+    def get_test_dataloader(self, test_dataset) -> DataLoader:
+        """The test set as the eval set: one shard per dp group, the same on every rank of it."""
+        return self._data_loader(test_dataset, self.args.eval_batch_size, shuffle=False)
+
+    def evaluation_loop(self, *args, **kwargs):
+        """Trainer's loop, its gathers keeping each dp group's predictions once (it resets them after)."""
+        self.gather_function = self._gathered_once_per_dp_group
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gathered_once_per_dp_group(self, tensors):
+        """Every rank's ``tensors`` gathered, then the copies of the other cp and tp ranks of each dp group
+        dropped (their batches are the same), in dp-group order."""
+        gathered = self.accelerator.gather_for_metrics(tensors)
+        # the global ranks by mesh axis, gathered in rank order: the first cp and tp rank of each dp group
+        index = tuple(0 if axis in ("cp", "tp") else slice(None) for axis in self.mesh.mesh_dim_names)
+        keep, world = self.mesh.mesh[index].flatten(), self.mesh.mesh.numel()
+
+        def once(x):
+            if isinstance(x, torch.Tensor):
+                return x.view(world, -1, *x.shape[1:])[keep].flatten(0, 1)
+            if isinstance(x, list | tuple):
+                return type(x)(once(item) for item in x)
+            if isinstance(x, dict):
+                return {key: once(value) for key, value in x.items()}
+            return x
+
+        return once(gathered)
+
     def _get_num_items_in_batch(self, batch_samples: list, device):
         """The label tokens of the step's micro-batches over the dp groups (not over cp and tp ranks)."""
         if not batch_samples or "labels" not in batch_samples[0] and "shift_labels" not in batch_samples[0]:
@@ -138,11 +168,19 @@ class CPTrainer(Trainer):
         return (output.loss, output) if return_outputs else output.loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The loss of the whole eval batch over every dp group (no logits are gathered)."""
+        """The loss of the whole eval batch over every dp group; unless ``prediction_loss_only``, this dp
+        group's logits (gathered whole over cp, on every rank of it) and labels, as Trainer's."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
+            loss, output = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        if output.logits is None:
+            raise ValueError(
+                "CPTrainer: predictions need the logits, which forward={'logits': False} does not make; set "
+                "prediction_loss_only=True (the loss alone) or leave logits on"
+            )
+        return loss.detach(), output.logits.full_tensor(), inputs.get("labels")
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """The whole weights (sharded ones gathered on every rank) as ``from_pretrained`` loads them."""
