@@ -141,18 +141,20 @@ def run_unsupported(option: str, folder: str):
     from cpshard.integrations.transformers import CPTrainer
 
     arguments = _arguments(folder, MICRO)
-    options = {"label_smoothing": {}, "save": {}}[option]
-    if option == "save":
+    model, mesh = tiny_model("llama", vocab_size=VOCAB), cpshard.make_mesh(cp=2)
+    if option == "save":  # a parallelized model's optimizer state is sharded
         arguments.save_strategy, arguments.save_only_model = "steps", False
+        mesh = cpshard.make_mesh(fsdp=2, cp=1)
+        cpshard.parallelize(model, mesh)
     else:
         arguments.label_smoothing_factor = 0.1
-    CPTrainer(tiny_model("llama", vocab_size=VOCAB), arguments, mesh=cpshard.make_mesh(cp=2), **options)
+    CPTrainer(model, arguments, mesh=mesh)
 
 
 @needs_accelerate
 @pytest.mark.parametrize(
     "option, message",
-    [("label_smoothing", "does not take label_smoothing_factor"), ("save", "save_only_model=True")],
+    [("label_smoothing", "does not take label_smoothing_factor"), ("save", "parallelized model's optimizer")],
 )
 def test_what_it_does_not_support_is_an_error(ranks2, tmp_path, option, message):
     with pytest.raises(cpshard.RankError) as caught:
@@ -242,3 +244,33 @@ def test_metrics_and_predictions_are_the_plain_trainer_s(request, tmp_path, size
             assert (result["predictions"] - expected["predictions"]).abs().max() <= 1e-5
         else:  # the dp groups' shards interleave the rows: the same rows, another order
             assert result["predictions"].shape == expected["predictions"].shape
+
+
+def resumed_run(folder: str) -> dict:
+    """Four steps on shuffled data saving every two, then the same run resumed from its step-2 checkpoint
+    (model, AdamW, schedule, RNG, data position) in another folder: their losses and final weights."""
+    from cpshard.integrations.transformers import CPTrainer
+
+    runs = {}
+    for name, resume in (("whole", None), ("resumed", f"{folder}/whole/checkpoint-2")):
+        model = tiny_model("llama", vocab_size=VOCAB)
+        arguments = _arguments(f"{folder}/{name}", MICRO)
+        arguments.max_steps, arguments.save_steps, arguments.save_strategy = 4, 2, "steps"
+        arguments.train_sampling_strategy = "random"
+        trainer = CPTrainer(model, arguments, mesh=cpshard.make_mesh(cp=2), train_dataset=Rows(1, ROWS))
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        runs[name] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    (whole, first), (resumed, second) = runs["whole"], runs["resumed"]
+    return {
+        "losses": (whole, resumed),
+        "weights": max((first[n] - second[n]).abs().max().item() for n in first),
+    }
+
+
+@needs_accelerate
+def test_a_checkpoint_resumes_as_the_uninterrupted_run(ranks2, tmp_path):
+    for result in ranks2.run(resumed_run, str(tmp_path)):
+        whole, resumed = result["losses"]
+        assert len(whole) == len(resumed) == 4 and result["weights"] <= 1e-6, result
+        assert max(abs(a - b) for a, b in zip(whole, resumed)) <= 1e-6, result

@@ -15,8 +15,9 @@ What the plain ``Trainer`` gets wrong under context parallelism, and what change
   logits gathered whole over cp on each rank, ``preprocess_logits_for_metrics`` and ``compute_metrics``
   then as the plain ``Trainer`` applies them; ``predict`` reads the test set as the eval set.
 
-Resuming from a checkpoint (optimizer state) is not supported: pass ``save_only_model=True`` or
-``save_strategy="no"``.
+Checkpoints resume as the plain ``Trainer``'s do (model, optimizer, schedule, RNG, data position): a plain
+model's optimizer state is the same on every rank. A parallelized model's (sharded DTensors) is refused
+for resuming: pass ``save_only_model=True`` (which, as with ``Trainer``, restarts the optimizer on resume).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 try:
@@ -76,10 +78,12 @@ class CPTrainer(Trainer):
                 f"{', '.join(name for name, given in unsupported.items() if given)}: for another objective, "
                 "subclass it and override compute_loss with make_cp_forward(model, token_logprobs=True)"
             )
-        if self.args.save_strategy != "no" and not self.args.save_only_model:
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        if self.args.save_strategy != "no" and not self.args.save_only_model and sharded:
             raise ValueError(
-                "CPTrainer cannot checkpoint the optimizer state for resuming: pass save_only_model=True "
-                "or save_strategy='no'"
+                "CPTrainer cannot checkpoint a parallelized model's optimizer state (sharded DTensors) for "
+                "resuming: pass save_only_model=True or save_strategy='no' (a plain model's resumes as "
+                "with Trainer: its optimizer state is the same on every rank)"
             )
         # the model owns its gradient reduction: Trainer then does not wrap it in DDP (transformers' path for
         # models sharded at load time)
