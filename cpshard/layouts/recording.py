@@ -1,0 +1,149 @@
+"""What one forward of a model on a short sequence shows, for deriving its layout
+(:mod:`cpshard.layouts.derive`): the per-position inputs each decoder layer receives (by name or by
+position; a value one layer returns and the next receives is carried, not cut), the order in which the
+decoder's own children ran, whether the loss reads ``labels`` as already shifted (BART's causal LMs), and
+whether the decoder reshapes its output to the input's length (GPT-2). Refused here, naming the layer: a
+residual stream not shaped ``[b, s, d]``, layers entered more than once per forward, a model that does not
+run on token ids and labels alone. No gradients.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpshard.layouts.errors import LayoutError
+from cpshard.layouts.family_attention import PER_KEY_INPUTS
+from cpshard.layouts.layout import specs, text_config
+
+#: the sequence length of the recording run: odd and prime, so no other size is mistaken for it
+PROBE_LENGTH = 13
+
+
+def _sequence_spec(tensor: torch.Tensor) -> tuple | None:
+    """(before, after) specs for a per-position tensor: batch first, one dimension of the sequence's
+    length (dim 1 for rotary pairs and per-layer inputs, dim 2 for Beam's ``[b, 1, s, 1]`` query
+    scaling), sliced over cp."""
+    lengths = [i for i, size in enumerate(tensor.shape) if size == PROBE_LENGTH]
+    if len(lengths) != 1 or lengths[0] == 0:
+        return None
+    names = [("s" if i == lengths[0] else f"x{i}") for i in range(1, tensor.dim())]
+    return specs(" ".join(["b", *names]), " ".join(["b", *names]).replace(" s", " s@cp", 1))
+
+
+def _layer_arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A decoder layer's arguments by name, positional ones included (Gemma4 passes its per-layer input
+    second, unnamed)."""
+    names = list(inspect.signature(layer.forward).parameters)
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def probe_ids(model: nn.Module) -> torch.Tensor:
+    """``[1, PROBE_LENGTH]`` token ids inside the vocabulary, clear of the usual special ids."""
+    ids = torch.arange(PROBE_LENGTH).remainder(max(getattr(text_config(model), "vocab_size", 2) - 3, 1)) + 3
+    return ids.unsqueeze(0).to(next(model.parameters()).device)
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What one forward on a short sequence showed: the per-position inputs of the layers, and the order
+    in which the decoder's own children ran."""
+
+    layer_inputs: tuple
+    children: tuple[str, ...]
+    labels_shifted: bool
+
+
+def record_forward(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_path: str, top: str):
+    """Run the model once on a short sequence and read off what each layer receives per position; ``top``
+    is the decoder's child that holds the layers. A value a layer returns and the next receives (ZAYA's
+    router states) is carried on each rank's slice, not an input to cut."""
+    seen, calls, children, produced = {}, [], [], {}  # produced: by id, held so that no id is reused
+
+    def record(module, args, kwargs):
+        calls.append(module)
+        children.append(top)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if module is layers[0] and (not isinstance(hidden, torch.Tensor) or hidden.dim() != 3):
+            shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            seen["hidden"] = shape
+        named = _layer_arguments(module, args, kwargs)
+        for key, value in list(named.items())[1:]:
+            parts = value if isinstance(value, tuple) else (value,)
+            if "mask" in key or key in PER_KEY_INPUTS or not all(isinstance(v, torch.Tensor) for v in parts):
+                continue
+            if any(id(v) in produced for v in parts):
+                continue
+            pair = _sequence_spec(parts[0])
+            if pair is not None and all(_sequence_spec(v) == pair for v in parts):
+                seen.setdefault("inputs", {})[key] = pair
+
+    def carried(module, args, output):
+        produced.update((id(v), v) for v in (output if isinstance(output, tuple) else (output,)))
+
+    handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    handles += [layer.register_forward_hook(carried) for layer in layers]
+    handles += [
+        child.register_forward_hook(lambda *_, name=name: children.append(name))
+        for name, child in decoder.named_children()
+    ]
+    ids = probe_ids(model)
+    try:
+        with torch.no_grad():
+            output = model(input_ids=ids, labels=ids, use_cache=False)
+    except LayoutError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- whatever the model raises, cp cannot run it either
+        raise LayoutError(
+            f"{type(model).__name__} does not run on token ids and labels alone ({type(error).__name__}: "
+            f"{str(error)[:200]}); cpshard runs a causal LM on those"
+        ) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    if "hidden" in seen:
+        raise LayoutError(
+            f"{layers_path}.0 receives a residual stream of shape {seen['hidden']}, not [batch, sequence, "
+            "hidden]: cpshard cuts a stream of that shape only"
+        )
+    if calls.count(layers[0]) > 1:
+        raise LayoutError(
+            f"{layers_path}.0 runs {calls.count(layers[0])} times in one forward (looped layers): the "
+            "sequence would be cut again on each pass"
+        )
+    inputs = tuple((key, *pair) for key, pair in seen.get("inputs", {}).items())
+    return Recording(inputs, tuple(children), _reads_labels_shifted(output, ids))
+
+
+def restores_length(model: nn.Module, final: nn.Module) -> bool:
+    """Whether the model fails when its final hidden states are one position short, as a cp rank's are:
+    the decoder reshapes them to the input's length (GPT-2's ``view(output_shape)``)."""
+
+    def short(module, args, output):
+        return output[:, :-1] if isinstance(output, torch.Tensor) else None
+
+    handle = final.register_forward_hook(short)
+    try:
+        with torch.no_grad():
+            model(input_ids=probe_ids(model), use_cache=False)
+    except RuntimeError:
+        return True
+    finally:
+        handle.remove()
+    return False
+
+
+def _reads_labels_shifted(output, ids: torch.Tensor) -> bool:
+    """Whether the model's loss on ``labels=ids`` is the cross-entropy of each position's logits against
+    its own token (labels taken as already shifted) rather than against the next one."""
+    logits, loss = getattr(output, "logits", None), getattr(output, "loss", None)
+    if not isinstance(logits, torch.Tensor) or not isinstance(loss, torch.Tensor):
+        return False
+    flat = logits.float().flatten(0, 1)
+    aligned = F.cross_entropy(flat, ids.flatten())
+    shifted = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+    return bool((loss - aligned).abs() < (loss - shifted).abs() and torch.isclose(loss.float(), aligned))
