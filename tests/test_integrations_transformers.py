@@ -221,6 +221,7 @@ def cp_evaluation(sizes: dict, folder: str) -> dict:
 
 
 @needs_accelerate
+@pytest.mark.ranks  # its ranks come through getfixturevalue, which the marker's hook does not see
 @pytest.mark.parametrize("sizes", [dict(cp=2), dict(fsdp=2, cp=2)], ids=["cp2", "fsdp2xcp2"])
 def test_metrics_and_predictions_are_the_plain_trainer_s(request, tmp_path, sizes):
     """Each dp group's predictions once (not cp times), the logits whole: evaluate's loss and metrics and
