@@ -13,8 +13,8 @@ slots hold one of :data:`~cpshard.layouts.layout.RECURRENT_KERNELS`) become the 
 What is refused, naming the module and why: other token mixing along the sequence outside the attention
 function (convolutions, state-space layers, attention modules that do not call transformers' attention
 registry), attention that selects its keys with an indexer (sparse attention), and what the recording
-refuses (a residual stream not shaped ``[b, s, d]``, layers entered more than once per forward). A derived layout
-is not a tested file: cp_forward verifies it once per model on a probe sequence before trusting it
+refuses (a residual stream not shaped ``[b, s, d]``, layers entered more than once per forward). A derived
+layout is not a tested file: cp_forward verifies it once per model on a probe sequence before trusting it
 (:mod:`cpshard.runtime.probe`).
 """
 
