@@ -58,12 +58,10 @@ def _entered(held: dict, projection, args, kwargs):
     call = split_call()
     if call is None:
         return None
-    hidden, cache, mask = (*args, None)[:3] if len(args) >= 2 else (args[0], kwargs.get("cache"), None)
-    mask = kwargs.pop("conv_mask", mask)
+    hidden, cache, mask = args  # ZayaAttention.forward passes the three by position (fingerprinted)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         mask = cut_to_rank(mask, call)
-    last = hidden[:, -1:] if mask is None else hidden[:, -1:] * mask[:, -1:, None].to(hidden.dtype)
-    held["last"] = last
+    held["last"] = hidden[:, -1:] if mask is None else hidden[:, -1:] * mask[:, -1:, None].to(hidden.dtype)
     return (hidden, cache, mask), kwargs
 
 
