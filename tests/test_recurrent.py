@@ -24,6 +24,7 @@ from cpshard.comm.record import recording
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.qwen3_next import LAYOUT as QWEN3_NEXT
 from cpshard.layouts.registry import resolve_layout
+from cpshard.recurrent.affine import stabilised_fold
 from cpshard.tools.layout_file import layout_for
 from cpshard.tools.parity import check_parity, failing_rows, reference, tensor_group
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -608,3 +609,23 @@ def test_a_mamba2_mixer_s_slots_are_taken_its_fused_kernel_too():
     assert isinstance(slots["mamba_chunk_scan_combined"], SSDScan)
     assert isinstance(slots["causal_conv1d_fn"], Halo)
     assert isinstance(slots["mamba_split_conv1d_scan_combined"], Unfused)
+
+
+def test_the_stabilised_fold_adds_the_true_states():
+    """RWKV's and xLSTM's fold: ``part e^m`` after the slice is the decayed incoming one plus the slice's own,
+    for parts wider than ``m`` (xLSTM's memory ``[B, H, dk, dv]`` beside ``m`` ``[B, H, 1]``)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = ((2, 3, 4, 5), (2, 3, 4), (2, 3, 1))
+    previous, local = (
+        [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes] for _ in "ab"
+    )
+    log_decay = -torch.rand(2, 3, 1, generator=generator, dtype=torch.float64) * 5
+    *folded, new_max = stabilised_fold(tuple(previous), tuple(local), log_decay)
+
+    def true(part, m):
+        return part * m.reshape(*m.shape, *[1] * (part.dim() - m.dim())).exp()
+
+    for part, before, own in zip(folded, previous[:2], local[:2], strict=True):
+        expected = true(before, previous[2] + log_decay) + true(own, local[2])
+        assert torch.allclose(true(part, new_max), expected, rtol=1e-12), (part.shape,)
+    assert torch.equal(new_max, torch.maximum(previous[2] + log_decay, local[2]))

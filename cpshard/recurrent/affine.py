@@ -98,6 +98,25 @@ def diagonal_summary(scan: Callable, hidden_states, gate, reset, acc_dtype) -> S
     return SliceSummary(out[:batch], out[batch:], state[:batch], state[batch:])
 
 
+def stabilised_fold(previous: tuple, local: tuple, log_decay: torch.Tensor) -> tuple:
+    """The state after a slice, kept as RWKV and xLSTM keep theirs: parts and a running max ``m``, the true
+    state being ``part e^m``. ``previous``: the state entering the slice; ``local``: where the slice's own run
+    from a zero state ended; ``log_decay``: the log of what the slice does to the state it receives (shaped as
+    ``m``). True states add, ``part e^m = e^{log_decay} part_1 e^{m_1} + part_2 e^{m_2}``; the new ``m`` is
+    the larger exponent, so the max-plus stabiliser composes as the recurrence does."""
+    *parts_1, max_1 = previous
+    *parts_2, max_2 = local
+    carried = max_1 + log_decay
+    new_max = torch.maximum(carried, max_2)
+    old, new = torch.exp(carried - new_max), torch.exp(max_2 - new_max)
+
+    def on(factor: torch.Tensor, part: torch.Tensor) -> torch.Tensor:  # m's shape, widened to the part's
+        return factor.reshape(*factor.shape, *[1] * (part.dim() - factor.dim()))
+
+    folded = (on(old, a) * a + on(new, b) * b for a, b in zip(parts_1, parts_2, strict=True))
+    return (*folded, new_max)
+
+
 def outgoing_state(
     transition: torch.Tensor, state_local: torch.Tensor, state_in: torch.Tensor
 ) -> torch.Tensor:

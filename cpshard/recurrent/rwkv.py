@@ -9,11 +9,11 @@ Under cp:
 
 - a forward hook on each token shift puts the previous rank's last position first
   (:func:`~cpshard.recurrent.halo.with_halo`, one token each way);
-- the function is shadowed in the model's module by :class:`WKV`, which inside a cp call runs the
-  model's own function from a zero state for the slice's final state, all-gathers those (fp32, ``B x C x
-  3``), folds those before this rank (:func:`fold_wkv`: the true state carried ``e^{w T}``, kept in the same
-  stabilised form) and runs the model's function again from the folded state for the outputs. Outside a
-  cp call it is the model's function.
+- the function is shadowed in the model's module by :class:`WKV`, which inside a cp call runs the model's own
+  function from a zero state for the slice's final state, all-gathers those (fp32, ``B x C x 3``), folds those
+  before this rank (:func:`~cpshard.recurrent.affine.stabilised_fold`: the true state carried ``e^{w T}``,
+  kept in the same stabilised form) and runs the model's function again from the folded state for the outputs.
+  Outside a cp call it is the model's function.
 
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup. Its
 states live in the model's own ``state`` list, which cp generation does not carry: refused.
@@ -32,6 +32,7 @@ from cpshard.call import split_call
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import RWKV
+from cpshard.recurrent.affine import stabilised_fold
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.slot import cp_group
@@ -58,17 +59,6 @@ def check_rwkv_unchanged() -> None:
     check_written_for(f"{RWKV} (its token shifts and WKV recurrence served by cpshard)", module_name, pieces)
 
 
-def fold_wkv(previous: tuple, local: tuple, decay: torch.Tensor) -> tuple:
-    """The stabilised state ``(num, den, m)`` ``[B, C]`` after a slice entered with ``previous``, whose run
-    from a zero state ended at ``local``; ``decay``: ``w T`` per channel, the log of what the slice does
-    to the state it receives. True states add: ``num e^m = e^{w T} num_1 e^{m_1} + num_2 e^{m_2}``."""
-    (num_1, den_1, max_1), (num_2, den_2, max_2) = previous, local
-    carried = max_1 + decay
-    new_max = torch.maximum(carried, max_2)
-    old, new = torch.exp(carried - new_max), torch.exp(max_2 - new_max)
-    return old * num_1 + new * num_2, old * den_1 + new * den_2, new_max
-
-
 class WKV:
     """``rwkv_linear_attention`` as cpshard shadows it in the model's module (see the module's docstring);
     ``active``: the path of the time mixing running now (its pre-hook sets it), which names the exchange."""
@@ -92,7 +82,7 @@ class WKV:
         decay = -torch.exp(time_decay.float()) * length
         states = [tuple(torch.full_like(local[0], fill) for fill in (0.0, 0.0, NO_STATE))]
         for summary in every:
-            states.append(fold_wkv(states[-1], summary, decay))
+            states.append(stabilised_fold(states[-1], summary, decay))
         rank = dist.get_rank(group)
         # every rank's outputs read every summary, so that every rank runs the gather's backward
         incoming = [part + 0 * last for part, last in zip(states[rank], states[-1], strict=True)]

@@ -5,12 +5,13 @@ The mLSTM keeps a matrix memory ``C``, a normaliser ``n`` and a stabiliser ``m``
 a max-plus recurrence that composes as well: over a slice ``m_out = max(G + m_in, A)``, with ``G`` the sum of
 ``log f_t`` and ``A`` what the slice reaches from a stabiliser of minus infinity. The output reads ``m`` (its
 normaliser floor ``e^{-m}``), so each rank must enter its slice with one process's ``(C, n, m)``, in the same
-stabilised form. The layer calls its backend (an ``nn.Module`` running the model's chunkwise and step
-kernels) with initial states, and cpshard takes its ``forward`` (:class:`MLSTMScan`): inside a cp call the
-backend runs once on the slice from a zero memory and a stabiliser far below any reachable (giving ``A``), the
-summaries ``(C, n, A, G)`` are all-gathered (fp32), those before the rank are folded (:func:`fold_mlstm`) and
-the backend runs again from the folded state for the outputs. Where each slice starts on the kernel's chunk
-grid (a multiple of ``chunk_size`` tokens a rank) the arithmetic is one process's.
+stabilised form. The layer calls its backend (an ``nn.Module`` running the model's chunkwise and step kernels)
+with initial states, and cpshard takes its ``forward`` (:class:`MLSTMScan`): inside a cp call the backend runs
+once on the slice from a zero memory and a stabiliser far below any reachable (giving ``A``), the summaries
+``(C, n, A, G)`` are all-gathered (fp32), those before the rank are folded
+(:func:`~cpshard.recurrent.affine.stabilised_fold`) and the backend runs again from the folded state for the
+outputs. Where each slice starts on the kernel's chunk grid (a multiple of ``chunk_size`` tokens a rank) the
+arithmetic is one process's.
 
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 Generation (its states in the model's own cache) is refused.
@@ -25,6 +26,7 @@ from torch import nn
 
 from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import XLSTM
+from cpshard.recurrent.affine import stabilised_fold
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.slot import Slot, cp_group
 
@@ -48,20 +50,6 @@ FLOOR = -1e30
 
 def check_xlstm_unchanged() -> None:
     check_written_for(f"{XLSTM} (its backend served by cpshard)", *WRITTEN_AGAINST)
-
-
-def fold_mlstm(previous: tuple, summary: tuple) -> tuple:
-    """The stabilised state ``(C, n, m)`` after a slice entered with ``previous``, from its summary
-    ``(C, n, A, G)`` (its own run's state, stabilised at ``A``, and its total log forget gate ``G``)."""
-    (memory_1, normaliser_1, max_1), (memory_2, normaliser_2, max_2, forget) = previous, summary
-    carried = max_1 + forget
-    new_max = torch.maximum(carried, max_2)
-    old, new = torch.exp(carried - new_max), torch.exp(max_2 - new_max)
-    return (
-        old[..., None] * memory_1 + new[..., None] * memory_2,
-        old * normaliser_1 + new * normaliser_2,
-        new_max,
-    )
 
 
 class MLSTMScan(Slot):
@@ -102,7 +90,7 @@ class MLSTMScan(Slot):
         every = gathered_summaries(summary, group, self.path, nbytes)
         states = [(*zeros, torch.zeros_like(floor))]  # one process's start: the model's default
         for entry in every:
-            states.append(fold_mlstm(states[-1], entry))
+            states.append(stabilised_fold(states[-1], entry[:3], entry[3]))  # (C, n, A), G
         rank = dist.get_rank(group)
         # every rank's outputs read every summary, so that every rank runs the gather's backward
         incoming = [part + 0 * last for part, last in zip(states[rank], states[-1], strict=True)]
