@@ -247,6 +247,24 @@ def test_metrics_and_predictions_are_the_plain_trainer_s(request, tmp_path, size
             assert result["predictions"].shape == expected["predictions"].shape
 
 
+def evaluation_of_rows(rows: int, folder: str) -> str:
+    from cpshard.integrations.transformers import CPTrainer
+
+    model, mesh = tiny_model("llama", vocab_size=VOCAB), cpshard.make_mesh(fsdp=2, cp=2)
+    trainer = CPTrainer(model, _arguments(folder, MICRO), mesh=mesh, eval_dataset=Rows(2, rows))
+    try:
+        return str(trainer.evaluate()["eval_loss"])
+    except ValueError as error:
+        return str(error)
+
+
+@needs_accelerate
+def test_evaluation_rows_the_dp_groups_do_not_divide_are_refused_on_every_rank(ranks4, tmp_path):
+    """Two dp groups and 7 rows: the sampler would repeat one, counted twice (silently, before)."""
+    for message in ranks4.run(evaluation_of_rows, 7, str(tmp_path)):
+        assert "7 evaluation rows do not divide over 2 dp groups" in message, message
+
+
 def resumed_run(folder: str) -> dict:
     """Four steps on shuffled data saving every two, then the same run resumed from its step-2 checkpoint
     (model, AdamW, schedule, RNG, data position) in another folder: their losses and final weights."""

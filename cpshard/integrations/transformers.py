@@ -119,11 +119,23 @@ class CPTrainer(Trainer):
             dataset = self.eval_dataset[dataset]
         if dataset is None:
             raise ValueError("CPTrainer: evaluation requires an eval_dataset")
-        return self._data_loader(dataset, self.args.eval_batch_size, shuffle=False)
+        return self._evaluation_loader(dataset)
 
     def get_test_dataloader(self, test_dataset) -> DataLoader:
         """The test set as the eval set: one shard per dp group, the same on every rank of it."""
-        return self._data_loader(test_dataset, self.args.eval_batch_size, shuffle=False)
+        return self._evaluation_loader(test_dataset)
+
+    def _evaluation_loader(self, dataset) -> DataLoader:
+        """One shard per dp group; refused (on every rank alike) where the dp groups do not divide the rows:
+        the sampler would pad the shards with repeated rows, counted twice in the loss and the metrics."""
+        count = dp_group_of(self.mesh)[1]
+        if len(dataset) % count:
+            raise ValueError(
+                f"CPTrainer: {len(dataset)} evaluation rows do not divide over {count} dp groups; each "
+                "group's shard would be padded with repeated rows, counted twice in the loss and the "
+                f"metrics: use a multiple of {count} rows"
+            )
+        return self._data_loader(dataset, self.args.eval_batch_size, shuffle=False)
 
     def evaluation_loop(self, *args, **kwargs):
         """Trainer's loop, its gathers keeping each dp group's predictions once (it resets them after)."""
