@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
+from cpshard.loss.statistics import token_statistics
 from cpshard.spec.sequence import row_blocks
 
 #: logits per block: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
@@ -94,3 +95,16 @@ def blocked_token_log_probs(
         for part in parts
     ]
     return torch.cat(blocks, dim=1)
+
+
+@torch.no_grad()
+def blocked_token_statistics(
+    hidden, labels, weight, bias, transform, names: tuple[str, ...], block_elements: int | None = None
+) -> dict[str, torch.Tensor]:
+    """:func:`~cpshard.loss.statistics.token_statistics` from ``hidden`` ``[B, S, D]``, block by block: one
+    more pass of the head's matmul, without gradient, never the whole logits."""
+    blocks = [
+        token_statistics(transform(F.linear(hidden[:, part], weight, bias)), labels[:, part], names)
+        for part in _blocks(hidden, weight, block_elements)
+    ]
+    return {name: torch.cat([block[name] for block in blocks], dim=1) for name in names}

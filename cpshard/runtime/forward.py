@@ -38,10 +38,11 @@ from cpshard.comm.collectives import sum_over_group
 from cpshard.comm.record import serving
 from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
-from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs
+from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs, blocked_token_statistics
 from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
 from cpshard.loss.router import adds_router_loss, load_balancing_loss
+from cpshard.loss.statistics import token_statistics
 from cpshard.parallel.experts import (
     expert_counts,
 )
@@ -79,6 +80,8 @@ class CPOutput:
     num_tokens: torch.Tensor
     #: ``[B, L]``, sharded like the logits: log p(label) per token, 0 where ignored (``token_logprobs=True``)
     token_logprobs: DTensor | None = None
+    #: ``{name: [B, L]}``, sharded like the logits, without gradient: the ``token_statistics`` asked for
+    token_statistics: dict[str, DTensor] | None = None
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -148,12 +151,15 @@ class CPForward:
             local, router_logits = self._local_outputs(params, padded.model_inputs)
         held = chunk_positions(padded.length, cp, cp_rank(mesh))
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
-        loss, num_tokens, logprobs = self._loss(local, params, padded, mesh, held, reduced)
+        loss, num_tokens, logprobs, statistics = self._loss(local, params, padded, mesh, held, reduced)
         if loss is not None and router_logits:
             loss = loss + self._router_loss(router_logits, padded, call)
         logits = sequence_sharded(local, padded.length, call.cp_mesh) if self.options.logits else None
         logprobs = None if logprobs is None else sequence_sharded(logprobs, padded.length, call.cp_mesh)
-        return CPOutput(loss, logits, num_tokens, logprobs)
+        if statistics is not None:
+            placed = partial(sequence_sharded, length=padded.length, cp=call.cp_mesh)
+            statistics = {name: placed(value) for name, value in statistics.items()}
+        return CPOutput(loss, logits, num_tokens, logprobs, statistics)
 
     def _local_outputs(self, params: dict, inputs: dict) -> tuple[torch.Tensor, tuple | None]:
         """This rank's logits (with ``logits=False`` its final hidden states: the head runs a block at a
@@ -216,14 +222,23 @@ class CPForward:
             return token_log_probs(local, labels)
         return blocked_token_log_probs(local, labels, *self._head(params))
 
+    def _token_statistics(self, local, params: dict, labels: torch.Tensor) -> dict | None:
+        names = self.options.token_statistics
+        if not names:
+            return None
+        if self.options.logits:
+            return token_statistics(local, labels, names)
+        return blocked_token_statistics(local, labels, *self._head(params), names)
+
     def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor, reduced: bool):
-        """``(loss, num_tokens, this rank's token log-probabilities or None)``; the loss is their negated
-        sum over the normaliser when they are asked for (one pass over the head); not ``reduced``, this
-        rank's share of it."""
+        """``(loss, num_tokens, this rank's token log-probabilities or None, its token statistics or
+        None)``; the loss is the log-probabilities' negated sum over the normaliser when they are asked for
+        (one pass over the head); not ``reduced``, this rank's share of it."""
         if padded.shift_labels is None:
-            if self.options.token_logprobs:
-                raise ValueError("token_logprobs=True needs labels: give the batch labels or shift_labels")
-            return None, torch.zeros((), dtype=torch.int64), None
+            for option in ("token_logprobs", "token_statistics"):
+                if getattr(self.options, option):
+                    raise ValueError(f"{option} needs labels: give the batch labels or shift_labels")
+            return None, torch.zeros((), dtype=torch.int64), None, None
         local_labels = padded.shift_labels.index_select(1, held)
         num_tokens, divisor = loss_normaliser(padded.shift_labels, padded.num_items, mesh)
         logprobs = self._token_logprobs(local, params, local_labels) if self.options.token_logprobs else None
@@ -233,7 +248,7 @@ class CPForward:
         if token_group is not None and reduced:
             with serving("other"):
                 loss = sum_over_group(loss, token_group, name="loss")
-        return loss, num_tokens, logprobs
+        return loss, num_tokens, logprobs, self._token_statistics(local, params, local_labels)
 
 
 def make_cp_forward(
@@ -246,6 +261,7 @@ def make_cp_forward(
     ulysses_degree=None,
     sequence_order="auto",
     token_logprobs=False,
+    token_statistics=(),
     expert_plan="auto",
     compile=False,
     mlp_tile=None,
@@ -267,6 +283,10 @@ def make_cp_forward(
     row packs documents (its position_ids restart), else head_tail.
     ``token_logprobs``: also give ``CPOutput.token_logprobs``, the log-probability of each label (a block
     of rows at a time; with ``logits=False`` a block of tokens at a time, never the whole logits).
+    ``token_statistics``: names of per-token statistics of the next-token distribution to give in
+    ``CPOutput.token_statistics`` (fp32, no gradient, for metrics): "entropy", "top1" (the label is the
+    argmax), "mean_logit", "log_sum_sq_probs" (``log sum_v p_v^2``); a block of rows at a time, and with
+    ``logits=False`` one more pass of the head a block of tokens at a time.
     ``expert_plan``: how MoE experts run beside tp, "dispatch" (each tp rank sends its share of the
     (token, expert) pairs to the owners) or "all_reduce" (for an ep group inside a tp group: each rank
     runs its own experts, no token exchange); "auto" takes "all_reduce" wherever it applies.
@@ -295,6 +315,7 @@ def make_cp_forward(
         ulysses_degree,
         sequence_order,
         token_logprobs,
+        token_statistics,
         expert_plan,
         compile,
         mlp_tile,

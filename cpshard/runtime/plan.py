@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
 from cpshard.call import CallPlan
 from cpshard.layouts.layout import Layout, text_config
+from cpshard.loss.statistics import check_statistics
 from cpshard.parallel.experts import check_expert_parallel, check_expert_plan, choose_expert_plan
 from cpshard.parallel.mesh import cp_mesh, cp_size, expert_degree, mesh_size, split_cp
 from cpshard.parallel.placement import expert_mesh
@@ -45,6 +46,8 @@ class CPOptions:
     ulysses_degree: int | None = None
     sequence_order: str = "auto"
     token_logprobs: bool = False
+    #: names of :data:`cpshard.loss.statistics.STATISTICS`
+    token_statistics: tuple[str, ...] = ()
     expert_plan: str = "auto"
     #: False, True (inductor) or a torch.compile backend: each decoder layer's forward compiled
     compile: bool | str = False
@@ -62,6 +65,7 @@ class CPOptions:
         if self.sequence_order != "auto":
             check_order(self.sequence_order)
         check_expert_plan(self.expert_plan)
+        object.__setattr__(self, "token_statistics", check_statistics(self.token_statistics))  # as a tuple
         if self.recurrent not in RECURRENT_SCHEMES:
             raise ValueError(f"recurrent={self.recurrent!r}; choose one of {', '.join(RECURRENT_SCHEMES)}")
 
