@@ -22,7 +22,7 @@ from cpshard.runtime.forward import CPOutput, make_cp_forward, params_of
 from cpshard.runtime.grad import value_and_grad
 from cpshard.runtime.tokens import shard_like_logits
 from cpshard.spec.notation import Spec, SpecError
-from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model, tiny_tokenizer
 
 __all__ = [
     "AdamState",
@@ -31,6 +31,7 @@ __all__ = [
     "tiny_batch",
     "tiny_config",
     "tiny_model",
+    "tiny_tokenizer",
     "debug",
     "generate",
     "BatchError",

@@ -17,6 +17,7 @@ from cpshard.runtime.batch import (
     pad_batch,
     shifted_labels,
     validate,
+    without_varlen_keys,
 )
 from cpshard.spec.sequence import padded_length_for
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -346,3 +347,50 @@ def test_packed_documents_are_restarts_between_real_tokens():
     assert packed_documents({"position_ids": generated})  # without the mask, the zeros read as restarts
     restarted = torch.tensor([[0, 0, 0, 1, 0], [0, 1, 2, 0, 1], [0, 1, 2, 0, 0]])
     assert packed_documents({"position_ids": restarted, "attention_mask": mask})
+
+
+def _flattened(lengths: list[int]) -> dict:
+    """A packing collator's one row (as TRL's padding-free collator and transformers' flattening one make
+    it): documents of ``lengths`` with their positions and the varlen keys that mark them."""
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return {
+        "input_ids": torch.arange(sum(lengths))[None],
+        "position_ids": position_ids,
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max(lengths),
+        "max_length_k": max(lengths),
+        "seq_idx": torch.repeat_interleave(
+            torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths)
+        )[None],
+    }
+
+
+def test_varlen_keys_that_mark_the_position_restarts_are_dropped():
+    batch = _flattened([3, 1, 4])
+    kept = without_varlen_keys(batch)
+    assert set(kept) == {"input_ids", "position_ids"} and kept["position_ids"] is batch["position_ids"]
+    assert without_varlen_keys({"input_ids": batch["input_ids"]}) == {"input_ids": batch["input_ids"]}
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            lambda b: b.update(cu_seq_lens_q=torch.tensor([0, 4, 8], dtype=torch.int32)),
+            "'cu_seq_lens_q'] does not",
+        ),
+        (lambda b: b.update(max_length_k=3), "'max_length_k'] does not mark"),
+        (lambda b: b.update(seq_idx=torch.zeros(1, 8, dtype=torch.int32)), "'seq_idx'] does not mark"),
+        (lambda b: b.pop("position_ids"), "must give as [1, L]"),
+        (lambda b: b.update(position_ids=b["position_ids"].expand(2, -1)), "must give as [1, L]"),
+    ],
+    ids=["other boundaries", "other longest", "other document index", "no positions", "two rows"],
+)
+def test_varlen_keys_that_mark_other_documents_are_refused(change, words):
+    batch = _flattened([3, 1, 4])
+    change(batch)
+    with pytest.raises(BatchError) as caught:
+        without_varlen_keys(batch)
+    assert words in str(caught.value)

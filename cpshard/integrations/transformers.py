@@ -22,6 +22,7 @@ for resuming: pass ``save_only_model=True`` (which, as with ``Trainer``, restart
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -39,6 +40,7 @@ except ImportError as error:
 
 from cpshard.parallel.checkpoint import save_pretrained
 from cpshard.parallel.mesh import DATA_AXES, mesh_size
+from cpshard.runtime.batch import without_varlen_keys
 from cpshard.runtime.count import count_label_tokens
 from cpshard.runtime.forward import make_cp_forward, params_of
 
@@ -50,6 +52,23 @@ def dp_group_of(mesh) -> tuple[int, int]:
         size = mesh_size(mesh, axis)
         index, count = index * size + (mesh.get_local_rank(axis) if size > 1 else 0), count * size
     return index, count
+
+
+def _check_trl_mixin(trainer: type) -> None:
+    """A TRL trainer mixed into ``CPTrainer`` by hand computes its loss and metrics with a fused LM head that
+    cp does not run: refused, naming the classes that serve TRL."""
+    trl = [base for base in trainer.__mro__ if base.__module__.split(".")[0] == "trl"]
+    if trl and not trainer.serves_trl:
+        raise TypeError(
+            f"{trainer.__name__} mixes CPTrainer with TRL's {trl[0].__name__}, whose loss and metrics come "
+            "from a fused LM head that cp does not run: use cpshard.integrations.trl's CPSFTTrainer or "
+            "CPDPOTrainer (SFT and DPO); TRL's other trainers (GRPO, RLOO, KTO, ...) are not served yet"
+        )
+
+
+def _collated(collator, rows: list) -> dict:
+    """The collator's batch as cp_forward takes it: a packing collator's varlen keys checked and dropped."""
+    return without_varlen_keys(collator(rows))
 
 
 class _EpochLoader(DataLoader):
@@ -64,10 +83,14 @@ class CPTrainer(Trainer):
     ``cpshard.parallelize``d first. ``forward``: options of ``cpshard.make_cp_forward`` (e.g.
     ``logits=False``). Everything else is ``Trainer``'s."""
 
+    #: whether this class computes the loss of the TRL trainer it mixes in (cpshard.integrations.trl)
+    serves_trl = False
+
     def __init__(self, model, args=None, *, mesh, forward: dict | None = None, **kwargs):
+        _check_trl_mixin(type(self))
         self.mesh = mesh
-        self.cp_forward = make_cp_forward(model, **(forward or {}))
-        super().__init__(model, args, **kwargs)
+        self.cp_forward = make_cp_forward(model, **self._forward_options(args, forward or {}))
+        super().__init__(model, args=args, **kwargs)
         unsupported = {  # what would otherwise be ignored, silently
             "compute_loss_func": self.compute_loss_func is not None,
             "label_smoothing_factor": self.label_smoother is not None,
@@ -90,6 +113,10 @@ class CPTrainer(Trainer):
         self.is_distributed_loading_by_transformers = True
         self.model_accepts_loss_kwargs = True  # cp_forward takes num_items_in_batch, whatever the model
 
+    def _forward_options(self, args, forward: dict) -> dict:
+        """The options of ``make_cp_forward`` for the model's loss: the user's (subclasses add theirs)."""
+        return forward
+
     def _sync_replicated_trainable_parameters(self, model) -> None:
         """Nothing to average: cp_forward's gradients are already reduced over the ranks."""
 
@@ -98,11 +125,12 @@ class CPTrainer(Trainer):
         sampler = DistributedSampler(
             dataset, num_replicas=count, rank=index, shuffle=shuffle, seed=self.args.seed, drop_last=False
         )
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="cp")
         return _EpochLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
-            collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="cp"),
+            collate_fn=functools.partial(_collated, collator),
             drop_last=self.args.dataloader_drop_last,
         )
 

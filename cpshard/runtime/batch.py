@@ -192,6 +192,43 @@ def packed_documents(batch: Mapping) -> bool:
     return bool(restarts.any())
 
 
+#: what packing collators (TRL's padding-free one, transformers' DataCollatorWithFlattening) add beside
+#: ``position_ids`` for varlen kernels: the same document boundaries, as flash attention takes them
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def without_varlen_keys(batch: Mapping) -> dict:
+    """``batch`` without its :data:`VARLEN_KEYS`, once they are checked to mark the documents its one row's
+    ``position_ids`` restart (cpshard reads the documents from those): other boundaries are a BatchError."""
+    given = [key for key in VARLEN_KEYS if key in batch]
+    if not given:
+        return dict(batch)
+    position_ids = batch.get("position_ids")
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        raise BatchError(
+            f"batch keys {given} mark the documents of one packed row; cpshard reads them from its "
+            "position_ids, which the batch must give as [1, L]"
+        )
+    row = position_ids[0]
+    cu_seq_lens = torch.cat([(row == 0).nonzero().flatten(), torch.tensor([row.numel()], device=row.device)])
+    lengths = cu_seq_lens.diff()
+    expected = {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": lengths.max(),
+        "max_length_k": lengths.max(),
+        "seq_idx": torch.repeat_interleave(torch.arange(len(lengths), device=row.device), lengths)[None],
+    }
+    for key in given:
+        value = torch.as_tensor(batch[key], device=row.device)
+        if value.shape != expected[key].shape or not torch.equal(value.long(), expected[key].long()):
+            raise BatchError(
+                f"batch[{key!r}] does not mark the documents that position_ids restart (at 0); cpshard "
+                "reads the documents from position_ids: give the two alike, or leave the varlen keys out"
+            )
+    return {key: value for key, value in batch.items() if key not in VARLEN_KEYS}
+
+
 def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None, order: str = "contiguous") -> PaddedBatch:
     """Pad every per-token field to a length that splits into ``order``'s equal chunks over ``cp`` ranks
     and shift the labels (batch already validated)."""

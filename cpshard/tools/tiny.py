@@ -344,3 +344,22 @@ def tiny_batch(
     else:
         result["labels"] = labels
     return result
+
+
+#: the characters :func:`tiny_tokenizer` knows, after its pad (0), eos (1) and unk (2) tokens
+TINY_CHARACTERS = "abcdefghijklmnopqrstuvwxyz .,"
+
+
+def tiny_tokenizer():
+    """A tokenizer of one token per character, built here (no download): for text trainers (TRL's take a
+    processing class) on tiny models. Ids below ``3 + len(TINY_CHARACTERS)`` (32): any tiny model's
+    vocabulary holds them."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(TINY_CHARACTERS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
