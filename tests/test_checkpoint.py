@@ -238,3 +238,31 @@ def test_a_save_cut_short_leaves_no_checkpoint(tmp_path):
     assert not Path(path + ".partial").exists()
     loaded = cpshard.load_checkpoint(path, cpshard.params_of(tiny_model("llama", vocab_size=VOCAB, seed=5)))
     assert _bitwise(loaded, _whole(cpshard.params_of(model)))
+
+
+def test_whole_weights_go_back_into_a_plain_model_and_name_what_lacks(tmp_path):
+    """``load_whole_weights`` (CPTrainer's resume of a parallelized model: each DTensor cuts its shard, as
+    tests/test_integrations_transformers.py checks at fsdp2 x cp2) on plain parameters: tied ones once."""
+    from cpshard.parallel.checkpoint import CheckpointError, load_whole_weights
+
+    saved = tiny_model("gemma3", vocab_size=64, seed=1)  # tied embeddings
+    saved.save_pretrained(tmp_path / "saved")
+    model = tiny_model("gemma3", vocab_size=64, seed=2)
+    load_whole_weights(model, tmp_path / "saved")
+    assert all(torch.equal(p, dict(saved.named_parameters())[n]) for n, p in model.named_parameters())
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_whole_weights(model, tmp_path)
+
+
+def test_whole_weights_a_folder_lacks_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from cpshard.parallel.checkpoint import CheckpointError, load_whole_weights
+
+    model = tiny_model("llama", vocab_size=64)
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lacks the weights of model.norm.weight"):
+        load_whole_weights(model, tmp_path)

@@ -115,7 +115,7 @@ def test_dtensor_placements_on_a_2x2_mesh(ranks4):
 def cp_output_types():
     model = tiny_model("llama")
     batch = tiny_batch(model.config.vocab_size, 2, 13)
-    cp_forward = cpshard.make_cp_forward(model, token_logprobs=True)
+    cp_forward = cpshard.make_cp_forward(model, token_logprobs=True, token_statistics=("entropy", "top1"))
     output = cp_forward(cpshard.params_of(model), batch, cpshard.make_mesh(cp=2))
     return typeof(output.logits), typeof(output)
 
@@ -129,4 +129,6 @@ def test_cp_output(ranks2):
             ["logits", f"f32[2, 13@cp, {vocab}]"],
             ["num_tokens", "i64[]"],
             ["token_logprobs", "f32[2, 13@cp]"],
+            ["token_statistics.entropy", "f32[2, 13@cp]"],
+            ["token_statistics.top1", "bool[2, 13@cp]"],
         ]

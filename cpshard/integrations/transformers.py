@@ -16,8 +16,9 @@ What the plain ``Trainer`` gets wrong under context parallelism, and what change
   then as the plain ``Trainer`` applies them; ``predict`` reads the test set as the eval set.
 
 Checkpoints resume as the plain ``Trainer``'s do (model, optimizer, schedule, RNG, data position): a plain
-model's optimizer state is the same on every rank. A parallelized model's (sharded DTensors) is refused
-for resuming: pass ``save_only_model=True`` (which, as with ``Trainer``, restarts the optimizer on resume).
+model's optimizer state is the same on every rank, and ``Trainer`` saves it from rank 0; a parallelized
+model's (DTensors like its sharded parameters) is saved by every rank, its own shards
+(:mod:`cpshard.parallel.optimizer_state`), and its whole saved weights are cut back into shards on resume.
 """
 
 from __future__ import annotations
@@ -32,17 +33,22 @@ from torch.utils.data import DataLoader, DistributedSampler
 try:
     import accelerate  # noqa: F401 - transformers' Trainer runs on it
     from transformers import Trainer
+    from transformers.trainer import SCHEDULER_NAME
 except ImportError as error:
     raise ImportError(
         f"cpshard.integrations.transformers needs transformers' Trainer and accelerate ({error}); "
         "install the extra: pip install 'cpshard[trainer]'"
     ) from error
 
-from cpshard.parallel.checkpoint import save_pretrained
+from cpshard.parallel.checkpoint import load_whole_weights, save_pretrained
 from cpshard.parallel.mesh import DATA_AXES, mesh_size
+from cpshard.parallel.optimizer_state import load_optimizer_state, save_optimizer_state
 from cpshard.runtime.batch import without_varlen_keys
 from cpshard.runtime.count import count_label_tokens
 from cpshard.runtime.forward import make_cp_forward, params_of
+
+#: the folder of a checkpoint that holds a parallelized model's optimizer state (every rank's shards)
+SHARDED_OPTIMIZER = "optimizer_shards"
 
 
 def dp_group_of(mesh) -> tuple[int, int]:
@@ -101,13 +107,8 @@ class CPTrainer(Trainer):
                 f"{', '.join(name for name, given in unsupported.items() if given)}: for another objective, "
                 "subclass it and override compute_loss with make_cp_forward(model, token_logprobs=True)"
             )
-        sharded = any(isinstance(p, DTensor) for p in model.parameters())
-        if self.args.save_strategy != "no" and not self.args.save_only_model and sharded:
-            raise ValueError(
-                "CPTrainer cannot checkpoint a parallelized model's optimizer state (sharded DTensors) for "
-                "resuming: pass save_only_model=True or save_strategy='no' (a plain model's resumes as "
-                "with Trainer: its optimizer state is the same on every rank)"
-            )
+        #: whether the model is parallelized: its optimizer state is then each rank's own shards
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         # the model owns its gradient reduction: Trainer then does not wrap it in DDP (transformers' path for
         # models sharded at load time)
         self.is_distributed_loading_by_transformers = True
@@ -225,6 +226,35 @@ class CPTrainer(Trainer):
                 "prediction_loss_only=True (the loss alone) or leave logits on"
             )
         return loss.detach(), output.logits.full_tensor(), inputs.get("labels")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """A parallelized model's optimizer state written by every rank, its own shards; else Trainer's."""
+        if not self.sharded:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        model = self.accelerator.unwrap_model(self.model)
+        save_optimizer_state(self.optimizer, model, os.path.join(output_dir, SHARDED_OPTIMIZER))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A parallelized model's optimizer state read back into shards placed like its parameters (nothing
+        where the checkpoint has none: ``save_only_model``, as with Trainer); else Trainer's."""
+        if not self.sharded or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if not os.path.isdir(os.path.join(checkpoint, SHARDED_OPTIMIZER)):
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        load_optimizer_state(self.optimizer, model, os.path.join(checkpoint, SHARDED_OPTIMIZER))
+        scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """A parallelized model's whole saved weights (:meth:`_save`'s) cut into each rank's shards (no
+        communication); else Trainer's."""
+        if not self.sharded:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = self.accelerator.unwrap_model(model if model is not None else self.model)
+        load_whole_weights(model, resume_from_checkpoint)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """The whole weights (sharded ones gathered on every rank) as ``from_pretrained`` loads them."""

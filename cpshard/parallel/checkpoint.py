@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cpshard.parallel.fsdp import block_shape, full_tensors
 
@@ -278,3 +278,38 @@ def save_pretrained(model, params: dict, folder: str | os.PathLike) -> None:
     param_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {name: value for name, value in model.state_dict().items() if name not in param_names}
     _on_rank_0(lambda: model.save_pretrained(folder, state_dict={**buffers, **tensors}), "save_pretrained")
+
+
+def _saved_weights(model, folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of a ``save_pretrained`` folder by ``model``'s parameter names: the model's class loads
+    them, undoing whatever renaming transformers does to the names it saves."""
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a folder save_pretrained wrote")
+    loaded, info = type(model).from_pretrained(
+        folder, config=model.config, dtype=model.dtype, output_loading_info=True
+    )
+    if info["missing_keys"]:
+        raise CheckpointError(f"{folder} lacks the weights of {_names(sorted(info['missing_keys']))}")
+    return {name: param.detach() for name, param in loaded.named_parameters(remove_duplicate=False)}
+
+
+def load_whole_weights(model, folder: str | os.PathLike) -> None:
+    """Put the whole weights of a ``save_pretrained`` folder into ``model``'s parameters, each DTensor
+    taking its own shard as ``cpshard.parallelize`` cut it (no communication); every parameter must be
+    there (under one of its tied names), or every rank raises."""
+    weights = _saved_weights(model, Path(folder))
+    placed = set()
+    with torch.no_grad():
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in placed or name not in weights:
+                continue
+            whole = weights[name].to(param.dtype)
+            if isinstance(param, DTensor):
+                piece = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(piece.to_local())
+            else:
+                param.copy_(whole)
+            placed.add(id(param))
+    missing = [name for name, param in model.named_parameters() if id(param) not in placed]
+    if missing:
+        raise CheckpointError(f"{folder} lacks the weights of {_names(missing)}")
