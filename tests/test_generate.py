@@ -410,6 +410,101 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2):
     check_refused(ranks2.run(_refusals), expected)
 
 
+def run_attention_free_generation(model_type: str, new_tokens: int) -> dict:
+    """cpshard.generate's tokens, and a greedy prefill / decode loop's logits of every step and the states it
+    carries after the prompt and after the last decoded token."""
+    model, batch = model_for(Case(model_type)), prompts("left")
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    tokens = cpshard.generate(model, batch, mesh, max_new_tokens=new_tokens, eos_token_id=None)
+    params = cpshard.params_of(model)
+    cp_decode = cpshard.make_cp_decode(model)
+    logits, cache = cpshard.make_cp_prefill(model)(params, batch, mesh)
+    steps, prefilled = [logits], dict(cache.recurrent)
+    for column in range(LENGTH, LENGTH + new_tokens - 1):
+        logits, cache = cp_decode(params, tokens[:, column], cache, mesh)
+        steps.append(logits)
+    return {
+        "tokens": tokens,
+        "logits": torch.stack(steps, 1),
+        "prefilled": prefilled,
+        "decoded": cache.recurrent,
+    }
+
+
+def recomputed_greedy(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process's greedy tokens and the logits of every step, the whole sequence recomputed each step."""
+    steps = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            steps.append(model(input_ids=ids, use_cache=False).logits[:, -1])
+            ids = torch.cat([ids, steps[-1].argmax(-1, keepdim=True)], 1)
+    return ids, torch.stack(steps, 1)
+
+
+def rwkv_states(model, ids: torch.Tensor) -> dict:
+    """One process's RWKV states after ``ids`` (its multi-token path), by cpshard's cache paths."""
+    with torch.no_grad():
+        state = model(input_ids=ids, use_cache=True).state
+    states = {}
+    for layer in range(model.config.num_hidden_layers):
+        block = f"rwkv.blocks.{layer}"
+        states[f"{block}.attention wkv"] = torch.stack([part[:, :, layer] for part in state[2:]])
+        states[f"{block}.attention time_shift"] = state[1][:, :, layer]
+        states[f"{block}.feed_forward time_shift"] = state[0][:, :, layer]
+    return states
+
+
+@pytest.mark.ranks  # its ranks come through getfixturevalue, which the marker's hook does not see
+@pytest.mark.parametrize("model_type, cp", [("rwkv", 2), ("rwkv", 4), ("xlstm", 2), ("xlstm", 4)])
+def test_attention_free_models_generate_as_one_process_recomputing_each_step(request, model_type, cp):
+    """RWKV carries each block's WKV state and its token shifts' last inputs, xLSTM each mLSTM's memory,
+    normaliser and stabiliser; the prefill takes the last logits of a model that ignores logits_to_keep
+    (xLSTM) from every position's. The reference recomputes the whole sequence each step: transformers 5.25's
+    own one-token paths are wrong for these tiny models (RWKV's adds its carried shift ``[B, C]`` to
+    ``[B, 1, C]``: right for one row, checked below; xLSTM's cache assumes equal query and value widths)."""
+    new_tokens = 12
+    model, batch = model_for(Case(model_type)), prompts("left")
+    ids, logits = recomputed_greedy(model, batch["input_ids"], new_tokens)
+    expected = {}
+    if model_type == "rwkv":
+        with torch.no_grad():
+            one_row = model.generate(input_ids=ids[:1, :LENGTH], max_new_tokens=new_tokens, do_sample=False)
+        assert torch.equal(one_row, ids[:1])
+        expected = {
+            "prefilled": rwkv_states(model, ids[:, :LENGTH]),
+            "decoded": rwkv_states(model, ids[:, : LENGTH + new_tokens - 1]),
+        }
+    for result in request.getfixturevalue(f"ranks{cp}").run(
+        run_attention_free_generation, model_type, new_tokens
+    ):
+        assert torch.equal(result["tokens"], ids), (result["tokens"], ids)
+        assert (result["logits"] - logits).abs().max().item() <= TOLERANCE
+        assert result["decoded"].keys() == result["prefilled"].keys() != set()
+        for when, states in expected.items():
+            assert result[when].keys() == states.keys(), (when, sorted(result[when]))
+            for path, state in states.items():
+                scale = max(1.0, state.abs().max().item())
+                diff = (result[when][path] - state).abs().max().item() / scale
+                assert diff <= TOLERANCE, (cp, when, path, diff)
+
+
+def generate_at_cp1() -> str:
+    model = model_for(Case("nemotron_h"))
+    try:
+        cpshard.generate(model, prompts("left"), cpshard.make_mesh(cp=1), max_new_tokens=2)
+    except ValueError as error:
+        return str(error)
+    return "generated"
+
+
+def test_recurrent_generation_at_cp1_is_refused():
+    """At cp=1 no slot serves a split call, so none hands a state on (decode found no state, and said so
+    as if the cache were another model's)."""
+    with cpshard.LocalRanks(1, timeout=120) as ranks:
+        (message,) = ranks.run(generate_at_cp1)
+    assert "carries recurrent states from a prefill split over cp > 1 ranks" in message, message
+
+
 def _recurrent_refusals() -> list[str]:
     model, mesh = model_for(Case("qwen3_next")), cpshard.make_mesh(cp=dist.get_world_size())
     params, batch = cpshard.params_of(model), prompts("left")

@@ -200,34 +200,42 @@ def evaluated(trainer) -> dict:
     }
 
 
-def cp_evaluation(sizes: dict, folder: str) -> dict:
+def cp_evaluation(sizes: dict, folder: str, rows: int) -> dict:
     from cpshard.integrations.transformers import CPTrainer
 
     mesh = cpshard.make_mesh(**sizes)
     model = tiny_model("llama", vocab_size=VOCAB)
     arguments = _arguments(folder, MICRO)
-    trainer = CPTrainer(model, arguments, mesh=mesh, eval_dataset=Rows(2, 8), compute_metrics=token_accuracy)
+    trainer = CPTrainer(
+        model, arguments, mesh=mesh, eval_dataset=Rows(2, rows), compute_metrics=token_accuracy
+    )
     return evaluated(trainer)
 
 
 @needs_accelerate
 @pytest.mark.ranks  # its ranks come through getfixturevalue, which the marker's hook does not see
-@pytest.mark.parametrize("sizes", [dict(cp=2), dict(fsdp=2, cp=2)], ids=["cp2", "fsdp2xcp2"])
-def test_metrics_and_predictions_are_the_plain_trainer_s(request, tmp_path, sizes):
+@pytest.mark.parametrize(
+    "sizes, rows",
+    [(dict(cp=2), 8), (dict(cp=2), 7), (dict(fsdp=2, cp=2), 8), (dict(fsdp=2, cp=2), 6)],
+    ids=["cp2", "cp2-last-batch-short", "fsdp2xcp2", "fsdp2xcp2-last-batches-short"],
+)
+def test_metrics_and_predictions_are_the_plain_trainer_s(request, tmp_path, sizes, rows):
     """Each dp group's predictions once (not cp times), the logits whole: evaluate's loss and metrics and
-    predict's logits as one process's Trainer gives them (predictions in its order where one dp group)."""
+    predict's logits as one process's Trainer gives them (predictions in its order where one dp group).
+    A last batch shorter than the batch size counts its loss once per row, as Trainer's (7 rows in batches
+    of 2; 6 rows over two dp groups in batches of 2 each, one process's of 4)."""
     groups = sizes.get("fsdp", 1)
     ranks = request.getfixturevalue("ranks4" if groups > 1 else "ranks2")
     model = tiny_model("llama", vocab_size=VOCAB)
     plain = Trainer(
         model,
         _arguments(tmp_path / "one", MICRO * groups),
-        eval_dataset=Rows(2, 8),
+        eval_dataset=Rows(2, rows),
         compute_metrics=token_accuracy,
     )
     expected = evaluated(plain)
-    for result in ranks.run(cp_evaluation, sizes, str(tmp_path)):
-        assert result["metrics"]["eval_rows"] == expected["metrics"]["eval_rows"] == 8, result["metrics"]
+    for result in ranks.run(cp_evaluation, sizes, str(tmp_path), rows):
+        assert result["metrics"]["eval_rows"] == expected["metrics"]["eval_rows"] == rows, result["metrics"]
         for key, value in expected["metrics"].items():
             assert abs(result["metrics"][key] - value) <= 1e-5, (key, result["metrics"], expected["metrics"])
         if groups == 1:

@@ -33,12 +33,20 @@ from cpshard.spec.sequence import chunk_positions, positions
 #: states the cache carries whole, where the layout has recurrent rows)
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 PROMPT_KEYS = ("input_ids", "attention_mask")
+#: the hooked recurrent kernels whose states cp generation carries (the others keep theirs in their module)
+CARRIED_HOOKS = ("rwkv", "mlstm")
 
 
 def check_servable(model, layout) -> None:
     """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
     prepares the same model, so every rank raises alike)."""
-    hooked = sorted({f"{row.kernel}: {row.module}" for row in layout.recurrent if row.kernel in HOOKED})
+    hooked = sorted(
+        {
+            f"{row.kernel}: {row.module}"
+            for row in layout.recurrent
+            if row.kernel in HOOKED.keys() - CARRIED_HOOKS
+        }
+    )
     if hooked:
         raise ValueError(
             f"{type(model).__name__}: its recurrent layers ({', '.join(hooked)}) keep their state inside "
@@ -56,6 +64,8 @@ def check_servable(model, layout) -> None:
             f"{type(model).__name__} adds {' and '.join(sorted(biased))} to its attention scores, which cp "
             "generation's decode over the split cache does not carry yet; generate without cp"
         )
+    if not modules:  # no attention: the split cache holds nothing, the recurrent states all there is
+        return
     text_config = model.config.get_text_config(decoder=True)
     served = (
         SERVED_LAYER_TYPES
@@ -166,6 +176,11 @@ class CPPrefill:
         ensure_installed(self.model, self.layout, tp=1)
         if error is not None:
             raise error
+        if self.layout.recurrent and call.cp_size == 1:
+            raise ValueError(
+                f"{type(self.model).__name__}: cp generation carries recurrent states from a prefill split "
+                "over cp > 1 ranks; at cp=1 nothing is split: use the model's own generate"
+            )
         call = replace(call, kv_sink={}, state_sink={})
         cp, group = call.cp_size, mesh.get_group("cp")
         rank = cp_rank(mesh)
@@ -176,7 +191,8 @@ class CPPrefill:
             inputs["logits_to_keep"] = keep
         with torch.no_grad(), running_call(self.model, call):
             local = torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True)
-            kept = local.logits if self.head_keeps_rows else local.logits[:, keep]
+            # a model may ignore logits_to_keep (xLSTM takes any keyword): then it gave every position's
+            kept = local.logits if local.logits.shape[1] == keep.numel() else local.logits[:, keep]
             logits = sum_over_group(rows_at(kept, held[keep], last), group, name="last logits")
         missing = [names[id(m)] for m in self.attention if id(m) not in call.kv_sink]
         if missing:

@@ -78,10 +78,22 @@ def _collated(collator, rows: list) -> dict:
 
 
 class _EpochLoader(DataLoader):
-    """A data loader whose ``set_epoch`` (which Trainer calls at each epoch) reshuffles its sampler."""
+    """A data loader whose ``set_epoch`` (which Trainer calls at each epoch) reshuffles its sampler, and
+    which says how many rows its last batch holds while it serves that batch."""
+
+    #: the rows of the batch being served where it is the last (it may hold fewer than the batch size)
+    final_rows: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        batches = len(self)
+        for number, batch in enumerate(super().__iter__()):
+            last = number == batches - 1
+            self.final_rows = len(self.sampler) - number * self.batch_size if last else None
+            yield batch
+        self.final_rows = None
 
 
 class CPTrainer(Trainer):
@@ -166,22 +178,26 @@ class CPTrainer(Trainer):
             )
         return self._data_loader(dataset, self.args.eval_batch_size, shuffle=False)
 
-    def evaluation_loop(self, *args, **kwargs):
+    def evaluation_loop(self, dataloader, *args, **kwargs):
         """Trainer's loop, its gathers keeping each dp group's predictions once (it resets them after)."""
-        self.gather_function = self._gathered_once_per_dp_group
-        return super().evaluation_loop(*args, **kwargs)
+        self.gather_function = functools.partial(self._gathered_once_per_dp_group, dataloader)
+        return super().evaluation_loop(dataloader, *args, **kwargs)
 
-    def _gathered_once_per_dp_group(self, tensors):
+    def _gathered_once_per_dp_group(self, loader, tensors):
         """Every rank's ``tensors`` gathered, then the copies of the other cp and tp ranks of each dp group
-        dropped (their batches are the same), in dp-group order."""
-        gathered = self.accelerator.gather_for_metrics(tensors)
+        dropped (their batches are the same), in dp-group order. In a last batch shorter than the batch
+        size, at most its rows: Trainer repeats each batch's loss batch-size times, and accelerate's
+        ``gather_for_metrics`` (on the loaders it prepares) cuts the repeats past the data's end."""
+        gathered = self.accelerator.gather(tensors)
         # the global ranks by mesh axis, gathered in rank order: the first cp and tp rank of each dp group
         index = tuple(0 if axis in ("cp", "tp") else slice(None) for axis in self.mesh.mesh_dim_names)
         keep, world = self.mesh.mesh[index].flatten(), self.mesh.mesh.numel()
+        rows = getattr(loader, "final_rows", None)
+        most = None if rows is None else rows * dp_group_of(self.mesh)[1]
 
         def once(x):
             if isinstance(x, torch.Tensor):
-                return x.view(world, -1, *x.shape[1:])[keep].flatten(0, 1)
+                return x.view(world, -1, *x.shape[1:])[keep].flatten(0, 1)[:most]
             if isinstance(x, list | tuple):
                 return type(x)(once(item) for item in x)
             if isinstance(x, dict):

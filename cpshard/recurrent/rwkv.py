@@ -15,8 +15,12 @@ Under cp:
   kept in the same stabilised form) and runs the model's function again from the folded state for the outputs.
   Outside a cp call it is the model's function.
 
-Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup. Its
-states live in the model's own ``state`` list, which cp generation does not carry: refused.
+Generation carries the states cpshard's pieces see (the model's own ``state`` list is not used: cp runs it
+with ``use_cache=False``): a prefill leaves each block's WKV state after the prompt's last token and each
+token shift's last input in the cache, whole on every rank (one all-reduce each, from the rank that holds
+that token); a decode step continues them, every rank alike, as the model's one-token path does.
+
+Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 """
 
 from __future__ import annotations
@@ -28,14 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpshard.call import split_call
+from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import RWKV
 from cpshard.recurrent.affine import stabilised_fold
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
-from cpshard.recurrent.slot import cp_group
+from cpshard.recurrent.slot import carried_state, cp_group, handed_on, prompt_end, sink_state
 
 MODULE = "transformers.models.rwkv.modeling_rwkv"
 #: what the shadowed function and the token shifts' hooks were written against in transformers 5.25.0
@@ -68,6 +72,8 @@ class WKV:
 
     def __call__(self, time_decay, time_first, key, value, state=None, return_state=False):
         call = split_call()
+        if call is None and (step := active_decode()) is not None:
+            return self.decode(step, time_decay, time_first, key, value, return_state)
         if call is None:
             return self.original(time_decay, time_first, key, value, state=state, return_state=return_state)
         if state is not None or call.recurrent == "head_split":
@@ -87,7 +93,33 @@ class WKV:
         # every rank's outputs read every summary, so that every rank runs the gather's backward
         incoming = [part + 0 * last for part, last in zip(states[rank], states[-1], strict=True)]
         output, final = self.original(time_decay, time_first, key, value, state=incoming, return_state=True)
+        if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
+            parts = (time_decay, time_first, key, value)
+            sink_state(call, f"{self.active} wkv", self.state_at(call, parts, states[rank], final))
         return output, (final if return_state else None)
+
+    def state_at(self, call, parts: tuple, incoming: list, final: list) -> torch.Tensor:
+        """``[3, B, C]``: the state after the prompt's last token, on every rank (the rank that holds it runs
+        its slice up to there from its incoming state)."""
+        time_decay, time_first, key, value = parts
+        end, mine = prompt_end(call, key.shape[1]), None
+        if end == key.shape[1]:
+            mine = torch.stack(final)
+        elif end is not None:
+            cut = self.original(
+                time_decay, time_first, key[:, :end], value[:, :end], incoming, return_state=True
+            )
+            mine = torch.stack(cut[1])
+        like = torch.stack(incoming)
+        return handed_on(mine, like, call, self.active, f"{self.active} wkv final state")
+
+    def decode(self, step, time_decay, time_first, key, value, return_state):
+        """One token per row from the carried state (the model's own function, every rank alike)."""
+        path = f"{self.active} wkv"
+        carried = tuple(carried_state(step, path).unbind(0))
+        output, new = self.original(time_decay, time_first, key, value, state=carried, return_state=True)
+        step.new_states[path] = torch.stack(new)
+        return output, (new if return_state else None)
 
 
 def shadowed_wkv() -> WKV:
@@ -104,12 +136,20 @@ def _entered(wkv: WKV, path: str, mixer, args, kwargs):
 
 
 def _shifted(path: str, shift, args, output):
-    """The token shift's output with the previous rank's last position first (zeros on rank 0)."""
-    call = split_call()
+    """The token shift's output with the previous rank's last position first (zeros on rank 0); in a
+    prefill the prompt's last input is carried on, in a decode step the carried one comes first."""
+    call, key = split_call(), f"{path} time_shift"
+    if call is None and (step := active_decode()) is not None:
+        step.new_states[key] = args[0][:, -1]
+        return torch.cat([carried_state(step, key)[:, None], args[0][:, :-1]], dim=1)
     if call is None:
         return None
     hidden, group = args[0].transpose(1, 2), cp_group(call)  # [B, C, T]: the halo's sequence dim last
     declare_halo(path, hidden[..., :1], group)
+    if call.state_sink is not None:
+        end = prompt_end(call, args[0].shape[1])
+        mine = None if end is None else args[0][:, end - 1]
+        sink_state(call, key, handed_on(mine, args[0][:, 0], call, path, f"{key} last input"))
     return with_halo(hidden, 1, group, f"{path} time_shift halo")[..., :-1].transpose(1, 2)
 
 

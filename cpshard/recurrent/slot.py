@@ -9,8 +9,11 @@ outside both it calls the model's own function, so the model is unchanged outsid
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from cpshard.call import CallPlan, active_decode, split_call
+from cpshard.comm.collectives import sum_over_group
+from cpshard.comm.record import expect
 from cpshard.comm.redistribute import redistribute
 from cpshard.spec.notation import Spec
 
@@ -47,21 +50,43 @@ class Slot:
         raise NotImplementedError
 
     def sink(self, call: CallPlan, state: torch.Tensor) -> None:
-        """Leave the state this slot hands on after the prompt in a prefill's sink (once per forward)."""
-        if self.path in call.state_sink:
-            raise ValueError(
-                f"{self.path} ran twice in one forward; cp generation carries one state per slot and call"
-            )
-        call.state_sink[self.path] = state
+        sink_state(call, self.path, state)
 
     def carried(self, step) -> torch.Tensor:
-        """The state a decode step hands this slot, from the cache of the prefill or the last step."""
-        if self.path not in step.states:
-            raise ValueError(
-                f"{self.path}: the cache holds no state for this layer; give cp_decode the cache that "
-                "cp_prefill (or the last cp_decode) of this model returned"
-            )
-        return step.states[self.path]
+        return carried_state(step, self.path)
+
+
+def sink_state(call: CallPlan, path: str, state: torch.Tensor) -> None:
+    """Leave the state that ``path`` (a slot, or a hooked piece) hands on after the prompt in a prefill's
+    sink (once per forward)."""
+    if path in call.state_sink:
+        raise ValueError(f"{path} ran twice in one forward; cp generation carries one state per slot, call")
+    call.state_sink[path] = state
+
+
+def carried_state(step, path: str) -> torch.Tensor:
+    """The state a decode step hands ``path``, from the cache of the prefill or the last step."""
+    if path not in step.states:
+        raise ValueError(
+            f"{path}: the cache holds no state for this layer; give cp_decode the cache that cp_prefill "
+            "(or the last cp_decode) of this model returned"
+        )
+    return step.states[path]
+
+
+def prompt_end(call: CallPlan, held: int) -> int | None:
+    """How many of this rank's ``held`` positions the prompt fills up to its last one (``call.length - 1``,
+    before the positions cp padded past it), on the rank that holds that position; None on the others."""
+    end = call.length - dist.get_rank(cp_group(call)) * held
+    return end if 0 < end <= held else None
+
+
+def handed_on(mine: torch.Tensor | None, like: torch.Tensor, call: CallPlan, module: str, name: str):
+    """``mine``, what the rank holding the prompt's last position hands on, on every rank (one all-reduce,
+    declared for ``module``; the others give zeros shaped ``like``)."""
+    value = torch.zeros_like(like) if mine is None else mine
+    expect(module, "all_reduce", "forward", 1, tensor_bytes(value))
+    return sum_over_group(value, cp_group(call), name=name)
 
 
 def cp_group(call: CallPlan):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import split_call
-from cpshard.comm.collectives import all_to_all, sum_over_group
+from cpshard.comm.collectives import all_to_all
 from cpshard.comm.record import expect
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import FUSED_SLOTS, RECURRENT_KERNELS, Recurrent, kernel_slots, recurrent_module
@@ -40,7 +40,7 @@ from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
 from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
-from cpshard.recurrent.slot import Slot, cp_group, cut_to_rank, tensor_bytes
+from cpshard.recurrent.slot import Slot, cp_group, cut_to_rank, handed_on, prompt_end, tensor_bytes
 from cpshard.recurrent.state_space import ChannelSplit, SSDScan, Unfused
 from cpshard.recurrent.xlstm import check_xlstm_unchanged, mlstm_hooks
 from cpshard.recurrent.zaya import check_zaya_unchanged, zaya_hooks
@@ -170,11 +170,9 @@ class Halo(Slot):
     def serve(self, call, hidden_states, weight, bias=None, activation=None, **kwargs):
         width, group = weight.shape[-1] - 1, cp_group(call)
         declare_halo(self.module, hidden_states[..., :width], group)
-        nbytes = tensor_bytes(hidden_states[..., :width])  # the halo, [B, channels, kernel - 1]
         widened = with_halo(hidden_states, width, group, f"{self.path} conv halo")
         if call.state_sink is not None:  # a prefill: the last real token's inputs are carried on
-            expect(self.module, "all_reduce", "forward", 1, nbytes)
-            self.sink(call, last_inputs(widened, width, call.length, group, f"{self.path} conv state"))
+            self.sink(call, last_inputs(widened, width, call, self.module, f"{self.path} conv state"))
         return self.original(widened, weight, bias, activation=activation, **kwargs)[..., width:]
 
     def decode(self, step, hidden_states, weight, bias=None, activation=None, **kwargs):
@@ -185,14 +183,13 @@ class Halo(Slot):
         return outputs[..., -hidden_states.shape[-1] :]
 
 
-def last_inputs(widened: torch.Tensor, width: int, length: int, group, name: str) -> torch.Tensor:
-    """``[..., width]``: the convolution's inputs at the sequence's last ``width`` real positions (before
-    ``length``; zeros before the first), which the rank holding position ``length - 1`` finds in its
-    halo-widened slice; one all-reduce brings them to every rank."""
-    held, rank = widened.shape[-1] - width, dist.get_rank(group)
-    end = length - rank * held  # the real positions this rank holds, counted from its first
-    mine = widened[..., end : end + width] if 0 < end <= held else torch.zeros_like(widened[..., :width])
-    return sum_over_group(mine, group, name=name)
+def last_inputs(widened: torch.Tensor, width: int, call, module: str, name: str) -> torch.Tensor:
+    """``[..., width]``: the convolution's inputs at the prompt's last ``width`` real positions (zeros
+    before the first), which the rank holding its last position finds in its halo-widened slice; one
+    all-reduce brings them to every rank."""
+    end = prompt_end(call, widened.shape[-1] - width)  # counted from the halo's first position
+    mine = None if end is None else widened[..., end : end + width]
+    return handed_on(mine, widened[..., :width], call, module, name)
 
 
 def _cut_mask(module, args, kwargs):

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpshard.comm.collectives import all_gather_shards, all_to_all, sum_over_group
+from cpshard.comm.collectives import all_gather_shards, all_to_all
 from cpshard.comm.record import expect
 from cpshard.recurrent.affine import correct_outputs, fold_states, outgoing_state, ssd_summary
 from cpshard.recurrent.exchange import gathered_summaries
-from cpshard.recurrent.slot import Slot, cp_group, tensor_bytes
+from cpshard.recurrent.slot import Slot, cp_group, handed_on, prompt_end, tensor_bytes
 
 
 class SSDScan(Slot):
@@ -56,7 +56,7 @@ class SSDScan(Slot):
         outputs = correct_outputs(summary.o_zero, summary.q_eff, state_in, summary.o_zero.dtype)
         if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
             inputs = (hidden_states, dt, A, B, C, chunk_size)
-            self.sink(call, self.state_at(call.length, inputs, states, group, kwargs).transpose(-1, -2))
+            self.sink(call, self.state_at(call, inputs, states, group, kwargs).transpose(-1, -2))
         return (outputs, states[-1].transpose(-1, -2)) if wants_final else outputs
 
     def scheme(self, call, hidden_states, dt, B, group) -> str:
@@ -124,23 +124,22 @@ class SSDScan(Slot):
         gather = "all_gather" if phase == "forward" else "reduce_scatter"
         expect(self.module, gather, phase, 1, pair * (1 if phase == "forward" else size))
 
-    def state_at(self, length: int, inputs: tuple, states: list, group, kwargs) -> torch.Tensor:
-        """The state after position ``length - 1`` (before the positions cp padded past the sequence), on
+    def state_at(self, call, inputs: tuple, states: list, group, kwargs) -> torch.Tensor:
+        """The state after position ``call.length - 1`` (before the positions cp padded past the sequence), on
         every rank: the rank that holds that position scans its slice up to it from its incoming state, one
         all-reduce brings it to the others. (A delta rule makes its padding a no-op instead; the scan's
         time step cannot be zeroed through its inputs where ``dt_limit`` floors it.)"""
         rank, held = dist.get_rank(group), inputs[0].shape[1]
-        end = length - rank * held
-        if 0 < end < held:
+        end, mine = prompt_end(call, held), None
+        if end == held:
+            mine = states[rank + 1]
+        elif end is not None:
             x, dt, A, B, C, chunk_size = inputs
             cut = ssd_summary(
                 self.original, x[:, :end], dt[:, :end], A, B[:, :end], C[:, :end], chunk_size, **kwargs
             )
             mine = outgoing_state(cut.transition, cut.state_local, states[rank])
-        else:
-            mine = states[rank + 1] if end == held else torch.zeros_like(states[rank])
-        expect(self.module, "all_reduce", "forward", 1, mine.numel() * 4)
-        return sum_over_group(mine, group, name=f"{self.path} final state")
+        return handed_on(mine, states[rank], call, self.module, f"{self.path} final state")
 
     def decode(self, step, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
         """One token per row from the carried state (the model's own scan, every rank alike)."""

@@ -13,8 +13,11 @@ once on the slice from a zero memory and a stabiliser far below any reachable (g
 outputs. Where each slice starts on the kernel's chunk grid (a multiple of ``chunk_size`` tokens a rank) the
 arithmetic is one process's.
 
+Generation carries ``(C, n, m)`` (packed in one tensor, :func:`packed`): a prefill leaves the state after the
+prompt's last token (one all-reduce from the rank that holds it), a decode step continues it with the
+model's backend on every rank alike.
+
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
-Generation (its states in the model's own cache) is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import XLSTM
 from cpshard.recurrent.affine import stabilised_fold
 from cpshard.recurrent.exchange import gathered_summaries
-from cpshard.recurrent.slot import Slot, cp_group
+from cpshard.recurrent.slot import Slot, cp_group, handed_on, prompt_end
 
 #: what the backend's slot was written against in transformers 5.25.0 (the kernels whose stabiliser it folds)
 WRITTEN_AGAINST = (
@@ -94,12 +97,65 @@ class MLSTMScan(Slot):
         rank = dist.get_rank(group)
         # every rank's outputs read every summary, so that every rank runs the gather's backward
         incoming = [part + 0 * last for part, last in zip(states[rank], states[-1], strict=True)]
-        return self.original(
-            query, key, value, igate, fgate, *incoming, return_last_states=return_last_states, mode=mode
+        h, final = self.original(
+            query, key, value, igate, fgate, *incoming, return_last_states=True, mode=mode
         )
+        if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
+            gates = (query, key, value, igate, fgate)
+            self.sink(call, self.state_at(call, gates, states[rank], final, mode))
+        return (h, final) if self.returns_states(return_last_states, mode) else h
 
-    def decode(self, step, *args, **kwargs):  # generation is refused at setup (cpshard.generation.prefill)
-        raise NotImplementedError(f"{self.path}: cp generation does not carry mLSTM states")
+    def state_at(self, call, gates: tuple, incoming: tuple, final: tuple, mode) -> torch.Tensor:
+        """The state after the prompt's last token, packed, on every rank (the rank that holds it runs its
+        slice up to there from its incoming state)."""
+        query, key, value, igate, fgate = gates
+        end, mine = prompt_end(call, key.shape[2]), None
+        if end == key.shape[2]:
+            mine = packed(final)
+        elif end is not None:
+            cut = [x[:, :, :end] for x in (query, key, value)] + [x[:, :, :end] for x in (igate, fgate)]
+            mine = packed(self.original(*cut, *incoming, return_last_states=True, mode=mode)[1])
+        return handed_on(mine, packed(incoming), call, self.module, f"{self.path} final state")
+
+    def returns_states(self, return_last_states, mode) -> bool:
+        """Whether the backend returns its last states beside the outputs when called so: always in
+        inference mode, else as asked (by default, as its config says)."""
+        config = self.original.__self__.config
+        if "inference" in (mode or config.mode):
+            return True
+        return config.return_last_states if return_last_states is None else return_last_states
+
+    def decode(
+        self,
+        step,
+        query,
+        key,
+        value,
+        igate,
+        fgate,
+        c_initial=None,
+        n_initial=None,
+        m_initial=None,
+        return_last_states=None,
+        mode=None,
+    ):
+        """One token per row from the carried state (the model's backend, every rank alike)."""
+        state = unpacked(self.carried(step), key.shape[-1], value.shape[-1])
+        h, new = self.original(query, key, value, igate, fgate, *state, return_last_states=True, mode=mode)
+        step.new_states[self.path] = packed(new)
+        return (h, new) if self.returns_states(return_last_states, mode) else h
+
+
+def packed(state) -> torch.Tensor:
+    """``(C [B, H, D, V], n [B, H, D], m [B, H, 1])`` as one ``[B, H, D V + D + 1]`` fp32 tensor."""
+    memory, normaliser, stabiliser = state
+    return torch.cat([memory.flatten(2), normaliser, stabiliser], dim=-1).float()
+
+
+def unpacked(state: torch.Tensor, width: int, value_width: int) -> tuple:
+    """:func:`packed`'s parts again."""
+    memory, normaliser, stabiliser = state.split([width * value_width, width, 1], dim=-1)
+    return memory.unflatten(-1, (width, value_width)), normaliser, stabiliser
 
 
 def mlstm_hooks(layer: nn.Module, path: str) -> list:
