@@ -125,21 +125,9 @@ class MLSTMScan(Slot):
             return True
         return config.return_last_states if return_last_states is None else return_last_states
 
-    def decode(
-        self,
-        step,
-        query,
-        key,
-        value,
-        igate,
-        fgate,
-        c_initial=None,
-        n_initial=None,
-        m_initial=None,
-        return_last_states=None,
-        mode=None,
-    ):
-        """One token per row from the carried state (the model's backend, every rank alike)."""
+    def decode(self, step, query, key, value, igate, fgate, return_last_states=None, mode=None, **initial):
+        """One token per row from the carried state (the model's backend, every rank alike; the layer's own
+        ``initial`` states are None: cp runs it without a cache)."""
         state = unpacked(self.carried(step), key.shape[-1], value.shape[-1])
         h, new = self.original(query, key, value, igate, fgate, *state, return_last_states=True, mode=mode)
         step.new_states[self.path] = packed(new)
