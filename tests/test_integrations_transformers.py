@@ -266,13 +266,13 @@ def test_evaluation_rows_the_dp_groups_do_not_divide_are_refused_on_every_rank(r
 def resumed_run(folder: str, sizes: dict) -> dict:
     """Four steps on shuffled data saving every two, then the same run resumed from its step-2 checkpoint
     (model, AdamW, schedule, RNG, data position) in another folder: their losses and final weights. With
-    an fsdp axis the model is parallelized: its AdamW state is every rank's own shards."""
+    an fsdp or tp axis the model is parallelized: its AdamW state is every rank's own shards."""
     from cpshard.integrations.transformers import CPTrainer
 
     runs = {}
     for name, resume in (("whole", None), ("resumed", f"{folder}/whole/checkpoint-2")):
         mesh, model = cpshard.make_mesh(**sizes), tiny_model("llama", vocab_size=VOCAB)
-        if "fsdp" in sizes:
+        if len(sizes) > 1:
             cpshard.parallelize(model, mesh)
         arguments = _arguments(f"{folder}/{name}", MICRO)
         arguments.max_steps, arguments.save_steps, arguments.save_strategy = 4, 2, "steps"
@@ -294,9 +294,11 @@ def resumed_run(folder: str, sizes: dict) -> dict:
 
 @needs_accelerate
 @pytest.mark.ranks  # its ranks come through getfixturevalue, which the marker's hook does not see
-@pytest.mark.parametrize("sizes", [dict(cp=2), dict(fsdp=2, cp=2)], ids=["cp2", "fsdp2xcp2-parallelized"])
+@pytest.mark.parametrize(
+    "sizes", [dict(cp=2), dict(fsdp=2, cp=2), dict(cp=2, tp=2)], ids=["cp2", "fsdp2xcp2", "cp2xtp2"]
+)
 def test_a_checkpoint_resumes_as_the_uninterrupted_run(request, tmp_path, sizes):
-    ranks = request.getfixturevalue("ranks4" if "fsdp" in sizes else "ranks2")
+    ranks = request.getfixturevalue("ranks4" if len(sizes) > 1 else "ranks2")
     for result in ranks.run(resumed_run, str(tmp_path), sizes):
         whole, resumed = result["losses"]
         assert len(whole) == len(resumed) == 4 and result["weights"] <= 1e-6, result

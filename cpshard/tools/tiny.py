@@ -202,6 +202,26 @@ PER_TYPE = {
         adapter_out_dim=SMALL["hidden_size"],
         downsample_hidden_size=32,
     ),
+    # mixtures of experts whose released sizes the shrinking above does not reach (hundreds of experts of
+    # thousands of units: 50M to 300M parameters each): four small experts, two a token, one group
+    **dict.fromkeys(
+        ("inkling_text", "inkling2_text", "inkling2_loop_text", "mimo_v2_flash", "solar_open", "hy_v4"),
+        dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1),
+    ),
+    "ergo": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_intermediate_size=32,
+        first_dense_intermediate_size=64,
+    ),
+    "kolibri1": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+    "hy_v3": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
     "phi4_multimodal_audio": dict(
         num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64, nemo_conv_channels=32
     ),
