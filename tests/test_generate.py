@@ -216,6 +216,7 @@ CASES_CP2 = [
     Case("lfm2_moe", 16),  # short convolutions: only their last inputs are carried
     Case("falcon_h1", 16),  # attention and Mamba2 side by side: split keys and values, whole states
     Case("jamba", 16),  # Mamba1 split over channels: its final states gathered, then continued whole
+    Case("zamba2", 16),  # its attention inside the hybrid layer's shared block, beside Mamba2
 ]
 CASES_CP4 = [
     Case("llama", 64),
@@ -226,6 +227,7 @@ CASES_CP4 = [
     Case("qwen3_5_text", 16),  # rank 3 holds the prompt's last token and one position of cp padding
     Case("granitemoehybrid", 16),
     Case("falcon_mamba", 16),
+    Case("zamba2", 16),
 ]
 
 
@@ -516,8 +518,6 @@ def _recurrent_refusals() -> list[str]:
         ),
         lambda: cpshard.make_cp_prefill(model_for(Case("minimax"))),
         lambda: cpshard.make_cp_prefill(model_for(Case("recurrent_gemma"))),
-        # its shared attention block runs where the split cache does not look: refused at the prefill
-        lambda: cpshard.generate(model_for(Case("zamba2")), prompts("left"), mesh, max_new_tokens=4),
     ]
     return error_messages(attempts)
 
@@ -528,7 +528,6 @@ def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks
         "model.layers.0.linear_attn causal_conv1d_fn: the cache holds no state for this layer",
         "recurrent layers (lightning: self_attn) keep their state inside their module",
         "recurrent layers (rg_lru: temporal_block) keep their state inside their module",
-        "the prefill saw no keys and values at ['model.layers.1.shared_transformer']: cpshard cannot cache",
     ]
     check_refused(ranks2.run(_recurrent_refusals), expected)
 

@@ -138,6 +138,11 @@ def _cp_attention(inner: str):
             ), None
         prefill = current_call()
         if prefill is not None and prefill.kv_sink is not None:  # this rank's share of the prompt's k, v
+            if id(module) in prefill.kv_sink:
+                raise ValueError(
+                    f"{type(module).__name__} attended twice in one forward (a module shared by layers); cp "
+                    "generation caches one layer per attention module"
+                )
             prefill.kv_sink[id(module)] = (key, value, kwargs.get("sliding_window"))
         return split(module, query, key, value, attention_mask, split_call(), **kwargs)
 

@@ -18,7 +18,7 @@ from cpshard.attention.decode import DecodeStep
 from cpshard.attention.kv_cache import ShardedKVCache
 from cpshard.call import decoding
 from cpshard.comm.collectives import all_gather_rows
-from cpshard.generation.prefill import check_mesh_and_params, check_servable
+from cpshard.generation.prefill import check_mesh_and_params, check_servable, layers_of
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.install import attention_modules, ensure_installed, install
 from cpshard.runtime.plan import check_params
@@ -54,10 +54,10 @@ class CPDecode:
     def __init__(self, model, layout):
         check_servable(model, layout)
         self.model, self.layout = model, layout
-        names = {id(module): name for name, module in model.named_modules()}
+        self.names = {id(module): name for name, module in model.named_modules()}
         modules = attention_modules(model, layout)
-        self.layer_of = {id(module): number for number, module in enumerate(modules)}
-        self.names = {id(module): names[id(module)] for module in modules}
+        self.layers = len(modules)
+        self.layer_of = layers_of(modules)
         install(model, layout)
 
     def __call__(
@@ -67,8 +67,8 @@ class CPDecode:
         check_params(self.model, params)
         group = mesh.get_group("cp")
         check_step(tokens, cache, group)
-        if len(cache.layers) != len(self.layer_of):
-            raise ValueError(f"a cache of {len(cache.layers)} layers for a model of {len(self.layer_of)}")
+        if len(cache.layers) != self.layers:
+            raise ValueError(f"a cache of {len(cache.layers)} layers for a model of {self.layers}")
         ensure_installed(self.model, self.layout, tp=1)  # decode serves cp meshes only
         mask, positions = cache.extended()
         step = DecodeStep(cache, mask, positions, self.layer_of, self.names, group, states=cache.recurrent)

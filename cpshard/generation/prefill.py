@@ -80,6 +80,24 @@ def check_servable(model, layout) -> None:
         )
 
 
+def layers_of(blocks: list) -> dict[int, int]:
+    """The cache's layer number of every module inside each layer's attention module, by ``id(module)``:
+    the module that attends may sit inside the layout's (Zamba2's hybrid layer holds it in a block)."""
+    return {id(module): number for number, block in enumerate(blocks) for module in block.modules()}
+
+
+def sunk_layers(blocks: list, sink: dict, names: dict) -> list:
+    """Each layer's ``(keys, values, window)`` from the prefill's sink, by the module inside it that
+    attended."""
+    found = [[module for module in block.modules() if id(module) in sink] for block in blocks]
+    missing = [
+        names[id(block)] for block, attending in zip(blocks, found, strict=True) if len(attending) != 1
+    ]
+    if missing:
+        raise ValueError(f"the prefill saw no keys and values at {missing}: cpshard cannot cache them")
+    return [sink[id(attending[0])] for attending in found]
+
+
 def check_mesh_and_params(mesh, params: dict) -> None:
     """Raise for a mesh or parameters cp generation does not run on (the same on every rank)."""
     others = {n: s for n, s in zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True) if n != "cp" and s > 1}
@@ -194,11 +212,8 @@ class CPPrefill:
             # a model may ignore logits_to_keep (xLSTM takes any keyword): then it gave every position's
             kept = local.logits if local.logits.shape[1] == keep.numel() else local.logits[:, keep]
             logits = sum_over_group(rows_at(kept, held[keep], last), group, name="last logits")
-        missing = [names[id(m)] for m in self.attention if id(m) not in call.kv_sink]
-        if missing:
-            raise ValueError(f"the prefill saw no keys and values at {missing}: cpshard cannot cache them")
         cache = prefill_cache(
-            [call.kv_sink[id(m)] for m in self.attention],
+            sunk_layers(self.attention, call.kv_sink, names),
             [positions(call.order, call.padded_length, cp, r) for r in range(cp)],
             mask,
             prompt["position_ids"],

@@ -141,22 +141,27 @@ class SSDScan(Slot):
             mine = outgoing_state(cut.transition, cut.state_local, states[rank])
         return handed_on(mine, states[rank], call, self.module, f"{self.path} final state")
 
-    def decode(self, step, hidden_states, dt, A, B, C, chunk_size, initial_states=None, **kwargs):
-        """One token per row from the carried state (the model's own scan, every rank alike)."""
-        kwargs.pop("return_final_states", None)
-        outputs, state = self.original(
-            hidden_states,
-            dt,
-            A,
-            B,
-            C,
-            chunk_size,
-            initial_states=self.carried(step),
-            return_final_states=True,
-            **kwargs,
+    def decode(self, step, hidden_states, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, **kwargs):
+        """One token per row from the carried state, as the model's own recurrent form runs it with a cache
+        (its mixer's one-token update, its arguments shaped per head dimension; no ``dt_limit``, which
+        Zamba2's chunked form applies and its recurrent form does not), every rank alike."""
+        width, size = hidden_states.shape[-1], B.shape[-1]
+        per_dim = lambda x: None if x is None else x[:, None].expand(-1, width)  # noqa: E731
+        state = self.carried(step).clone()  # the update writes its state in place
+        outputs = self.siblings["selective_state_update"](
+            state,
+            hidden_states[:, 0],
+            dt[:, 0, :, None].expand(-1, -1, width),
+            A[:, None, None].expand(-1, width, size),
+            B[:, 0],
+            C[:, 0],
+            per_dim(D),
+            z=None if z is None else z[:, 0],
+            dt_bias=per_dim(dt_bias),
+            dt_softplus=kwargs.get("dt_softplus", False),
         )
         step.new_states[self.path] = state
-        return outputs
+        return outputs[:, None]
 
 
 def ssd_head_split_bytes(hidden_states, dt, B, size: int) -> int:
