@@ -490,6 +490,24 @@ def test_attention_free_models_generate_as_one_process_recomputing_each_step(req
                 assert diff <= TOLERANCE, (cp, when, path, diff)
 
 
+@pytest.mark.ranks  # its ranks come through getfixturevalue, which the marker's hook does not see
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zaya_generates_as_one_process(request, cp):
+    """ZAYA carries its projection's convolution inputs and delayed value beside the split keys and values:
+    the tokens and every step's logits of ``model.generate``, and the carried states equal its cache's after
+    the last token (the convolution's last ``kernel`` inputs, the last delayed value)."""
+    case = Case("zaya", 16)
+    _, out, logits, _ = reference(case)
+    for result in request.getfixturevalue(f"ranks{cp}").run(run_generation, case):
+        assert torch.equal(result["tokens"], out.sequences), (result["tokens"], out.sequences)
+        assert (result["logits"] - logits).abs().max().item() <= TOLERANCE
+        for path, state in result["states"].items():
+            layer = out.past_key_values.layers[int(path.split("layers.")[1].split(".")[0])]
+            own = layer.conv_states[0] if path.endswith("qk conv") else layer.recurrent_states[0][:, None]
+            assert (state - own).abs().max().item() <= TOLERANCE, path
+        assert len(result["states"]) == 2 * len(out.past_key_values.layers), sorted(result["states"])
+
+
 def generate_at_cp1() -> str:
     model = model_for(Case("nemotron_h"))
     try:

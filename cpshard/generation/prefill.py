@@ -34,7 +34,7 @@ from cpshard.spec.sequence import chunk_positions, positions
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 PROMPT_KEYS = ("input_ids", "attention_mask")
 #: the hooked recurrent kernels whose states cp generation carries (the others keep theirs in their module)
-CARRIED_HOOKS = ("rwkv", "mlstm")
+CARRIED_HOOKS = ("rwkv", "mlstm", "zaya_cca")
 
 
 def check_servable(model, layout) -> None:

@@ -89,6 +89,15 @@ def handed_on(mine: torch.Tensor | None, like: torch.Tensor, call: CallPlan, mod
     return sum_over_group(value, cp_group(call), name=name)
 
 
+def last_inputs(widened: torch.Tensor, width: int, call, module: str, name: str) -> torch.Tensor:
+    """``[..., width]``: the convolution's inputs at the prompt's last ``width`` real positions (zeros
+    before the first), which the rank holding its last position finds in its halo-widened slice; one
+    all-reduce brings them to every rank."""
+    end = prompt_end(call, widened.shape[-1] - width)  # counted from the halo's first position
+    mine = None if end is None else widened[..., end : end + width]
+    return handed_on(mine, widened[..., :width], call, module, name)
+
+
 def cp_group(call: CallPlan):
     return call.mesh.get_group("cp")
 

@@ -40,7 +40,7 @@ from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
 from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
-from cpshard.recurrent.slot import Slot, cp_group, cut_to_rank, handed_on, prompt_end, tensor_bytes
+from cpshard.recurrent.slot import Slot, cp_group, cut_to_rank, last_inputs, tensor_bytes
 from cpshard.recurrent.state_space import ChannelSplit, SSDScan, Unfused
 from cpshard.recurrent.xlstm import check_xlstm_unchanged, mlstm_hooks
 from cpshard.recurrent.zaya import check_zaya_unchanged, zaya_hooks
@@ -181,15 +181,6 @@ class Halo(Slot):
         step.new_states[self.path] = widened[..., hidden_states.shape[-1] :]
         outputs = self.original(widened, weight, bias, activation=activation, **kwargs)
         return outputs[..., -hidden_states.shape[-1] :]
-
-
-def last_inputs(widened: torch.Tensor, width: int, call, module: str, name: str) -> torch.Tensor:
-    """``[..., width]``: the convolution's inputs at the prompt's last ``width`` real positions (zeros
-    before the first), which the rank holding its last position finds in its halo-widened slice; one
-    all-reduce brings them to every rank."""
-    end = prompt_end(call, widened.shape[-1] - width)  # counted from the halo's first position
-    mine = None if end is None else widened[..., end : end + width]
-    return handed_on(mine, widened[..., :width], call, module, name)
 
 
 def _cut_mask(module, args, kwargs):
