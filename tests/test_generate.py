@@ -137,16 +137,21 @@ def token_bytes(config) -> int:
 def check_states(states: dict, cache, case: Case) -> None:
     """The carried recurrent states equal one process's cache after the same tokens: each delta rule's
     state, and each convolution's inputs (transformers keeps ``kernel`` of them, cpshard the last
-    ``kernel - 1``, all a decode step reads)."""
+    ``kernel - 1``, all a decode step reads); MiniMax's cache keeps its lightning states apart."""
+    lightning = getattr(cache, "linear_cache", [])
     for path, state in states.items():
-        layer = cache.layers[int(path.split("layers.")[1].split(".")[0])]
-        own = layer.conv_states[0][..., 1:] if path.endswith("conv1d_fn") else layer.recurrent_states[0]
+        number = int(path.split("layers.")[1].split(".")[0])
+        if path.endswith("lightning"):
+            own = lightning[number]
+        else:
+            layer = cache.layers[number]
+            own = layer.conv_states[0][..., 1:] if path.endswith("conv1d_fn") else layer.recurrent_states[0]
         diff = (state - own).abs().max().item()
         assert diff <= TOLERANCE, f"{case}: {path} differs from one process's state by {diff}"
     linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
     held = sum(
         layer.is_conv_states_initialized[0] + layer.is_recurrent_states_initialized[0] for layer in linear
-    )
+    ) + sum(isinstance(state, torch.Tensor) and state.numel() > 0 for state in lightning)
     assert len(states) == held, (case, sorted(states))  # every state one process keeps (LFM2's: a conv's)
 
 
@@ -171,11 +176,12 @@ def check_case(results: list[dict], case: Case):
         check_states(result["states"], out.past_key_values, case)
         if not case.config.get("sliding_window"):
             # prefill: the forward's bytes, the last logits' all-reduce, and the all-reduces of each
-            # convolution's last inputs and each scan's final state (a delta rule's every rank folds alike)
+            # convolution's last inputs and each scan's (and lightning layer's) final state (a delta rule's
+            # every rank folds alike)
             conv = sum(
                 s.numel() * 4
                 for path, s in result["states"].items()
-                if path.endswith(("conv1d_fn", "scan_combined"))
+                if path.endswith(("conv1d_fn", "scan_combined", "lightning"))
             )
             # and each channel split's final states, all-gathered: every rank gives its channels' share
             conv += sum(
@@ -216,6 +222,7 @@ CASES_CP2 = [
     Case("lfm2_moe", 16),  # short convolutions: only their last inputs are carried
     Case("falcon_h1", 16),  # attention and Mamba2 side by side: split keys and values, whole states
     Case("jamba", 16),  # Mamba1 split over channels: its final states gathered, then continued whole
+    Case("minimax", 16),  # lightning attention: its state carried beside the split keys and values
     Case("zamba2", 16),  # its attention inside the hybrid layer's shared block, beside Mamba2
 ]
 CASES_CP4 = [
@@ -228,6 +235,7 @@ CASES_CP4 = [
     Case("granitemoehybrid", 16),
     Case("falcon_mamba", 16),
     Case("zamba2", 16),
+    Case("minimax", 16),
 ]
 
 
@@ -534,7 +542,6 @@ def _recurrent_refusals() -> list[str]:
         lambda: cpshard.make_cp_decode(model)(
             params, torch.full((ROWS,), 3), replace(cache, recurrent={}), mesh
         ),
-        lambda: cpshard.make_cp_prefill(model_for(Case("minimax"))),
         lambda: cpshard.make_cp_prefill(model_for(Case("recurrent_gemma"))),
     ]
     return error_messages(attempts)
@@ -544,7 +551,6 @@ def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks
     expected = [
         "rows [1, 2] of the prompt have padding after a real token",
         "model.layers.0.linear_attn causal_conv1d_fn: the cache holds no state for this layer",
-        "recurrent layers (lightning: self_attn) keep their state inside their module",
         "recurrent layers (rg_lru: temporal_block) keep their state inside their module",
     ]
     check_refused(ranks2.run(_recurrent_refusals), expected)

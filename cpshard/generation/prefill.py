@@ -34,7 +34,7 @@ from cpshard.spec.sequence import chunk_positions, positions
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 PROMPT_KEYS = ("input_ids", "attention_mask")
 #: the hooked recurrent kernels whose states cp generation carries (the others keep theirs in their module)
-CARRIED_HOOKS = ("rwkv", "mlstm", "zaya_cca")
+CARRIED_HOOKS = ("lightning", "rwkv", "mlstm", "zaya_cca")
 
 
 def check_servable(model, layout) -> None:
@@ -73,7 +73,8 @@ def check_servable(model, layout) -> None:
         + (("dummy",) if layout.pointwise else ())  # a cache layer that holds nothing (MLP, MoE layers)
     )
     types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(served))
-    if types or not model._supports_default_dynamic_cache():
+    # a hybrid's own cache class holds its recurrent layers' states (MiniMax's), which cp carries itself
+    if types or not (model._supports_default_dynamic_cache() or layout.recurrent):
         raise ValueError(
             f"{type(model).__name__} needs its own cache class (layer types {types or 'custom'}); cp "
             f"generation splits a cache of {' and '.join(SERVED_LAYER_TYPES)} layers only"

@@ -6,8 +6,10 @@ no cache; its state decays by a constant ``e^{-s}`` per token and head, so a sli
 the state it receives as ``e^{-s T} S_in`` and each output reads ``e^{-s (t + 1)} q_t S_in`` of it (``t``
 counted in the slice). Under cp the module runs as it is on the slice, and a forward pre-hook on its
 ``norm`` (the first thing after the loop) adds that term: ``S_local`` of every rank is computed from the
-slice's k and v, all-gathered over cp (fp32) and folded. The hooks are written against transformers
-5.25's module and decoder layer (:data:`WRITTEN_AGAINST`); other code is refused at setup.
+slice's k and v, all-gathered over cp (fp32) and folded. Generation carries the state after the prompt's
+last token (from the rank that holds it); a decode step adds what it adds to that token's output and carries
+``e^{-s} S + k v^T`` on, as the model's cached path does. The hooks are written against transformers 5.25's
+module and decoder layer (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpshard.call import split_call
+from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import LIGHTNING
 from cpshard.recurrent.affine import fold_states
 from cpshard.recurrent.exchange import gathered_summaries
+from cpshard.recurrent.slot import carried_state, handed_on, prompt_end, sink_state
 
 #: what the hooks were written against in transformers 5.25.0
 WRITTEN_AGAINST = (
@@ -45,7 +48,7 @@ def _decays(slope: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _keep_inputs(held: dict, module, args, kwargs):
-    if split_call() is not None:
+    if split_call() is not None or active_decode() is not None:
         held["inputs"] = (args[0] if args else kwargs["hidden_states"], kwargs.get("attention_mask"))
 
 
@@ -58,28 +61,59 @@ def _qkv(module, hidden: torch.Tensor, mask) -> tuple[torch.Tensor, ...]:
     return torch.split(qkv, module.head_dim, dim=3)
 
 
+def _local_state(module, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The state that ``key`` and ``value`` ``[B, T, H, d]`` (fp32) write from a zero state."""
+    from_key = _decays(module.slope_rate, key.shape[1])[1]
+    return torch.einsum("bthk,bthv->bhkv", key * from_key.T[None, :, :, None], value)
+
+
+def _carry(module, length: int) -> torch.Tensor:
+    """``e^{-s T}`` ``[1, H, 1, 1]``: what ``length`` tokens leave of the state they enter with."""
+    return torch.exp(-module.slope_rate.float().reshape(1, -1, 1, 1) * length)
+
+
+def _written(module, key: torch.Tensor, value: torch.Tensor, state_in: torch.Tensor) -> torch.Tensor:
+    """The state after ``key`` and ``value``, entered with ``state_in``."""
+    return _carry(module, key.shape[1]) * state_in + _local_state(module, key, value)
+
+
+def _plus_incoming(module, output: torch.Tensor, query: torch.Tensor, state_in: torch.Tensor) -> torch.Tensor:
+    """The zero-state outputs ``[B, T, H d]`` plus what ``state_in`` adds to each query."""
+    to_query = _decays(module.slope_rate, query.shape[1])[0]
+    correction = torch.einsum("bthk,bhkv->bthv", query * to_query.T[None, :, :, None], state_in)
+    return output + correction.reshape(output.shape).to(output.dtype)
+
+
 def _corrected(module, path: str, held: dict, norm, args, kwargs):
     """The norm's input, the slice's zero-state outputs ``[B, T, H d]``, plus what the incoming state adds."""
-    call = split_call()
+    call, carried_key = split_call(), f"{path} lightning"
+    if call is None and (step := active_decode()) is not None:
+        query, key, value = (x.float() for x in _qkv(module, *held.pop("inputs")))
+        state_in = carried_state(step, carried_key)
+        step.new_states[carried_key] = _written(module, key, value, state_in)
+        return (_plus_incoming(module, args[0], query, state_in), *args[1:]), kwargs
     if call is None:
         return None
     hidden, mask = held.pop("inputs")
     query, key, value = (x.float() for x in _qkv(module, hidden, mask))
     length = query.shape[1]
-    to_query, from_key = _decays(module.slope_rate, length)
-    local = torch.einsum("bthk,bthv->bhkv", key * from_key.T[None, :, :, None], value)
+    local = _local_state(module, key, value)
     group = call.mesh.get_group("cp")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     nbytes = query.shape[0] * module.num_attention_heads * module.head_dim**2 * 4  # S_local alone
     every = gathered_summaries((local,), group, path, nbytes)
-    carry = torch.exp(-module.slope_rate.float().reshape(1, -1, 1, 1) * length)
-    transition = carry * torch.eye(module.head_dim, device=local.device)  # known without data
+    transition = _carry(module, length) * torch.eye(
+        module.head_dim, device=local.device
+    )  # known without data
     states = fold_states([transition] * size, [local for (local,) in every])
     # every rank's output depends on every summary (rank 0's through a zero): the gather's backward runs
     state_in = states[rank] + 0 * states[-1]
-    correction = torch.einsum("bthk,bhkv->bthv", query * to_query.T[None, :, :, None], state_in)
-    output = args[0]
-    return (output + correction.reshape(output.shape).to(output.dtype), *args[1:]), kwargs
+    if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
+        end, mine = prompt_end(call, length), None
+        if end is not None:
+            mine = _written(module, key[:, :end], value[:, :end], states[rank])
+        sink_state(call, carried_key, handed_on(mine, states[rank], call, path, f"{carried_key} state"))
+    return (_plus_incoming(module, args[0], query, state_in), *args[1:]), kwargs
 
 
 def lightning_hooks(module: nn.Module, path: str) -> list[Hook]:
