@@ -60,6 +60,12 @@ def dp_group_of(mesh) -> tuple[int, int]:
     return index, count
 
 
+def copies_of_each_batch(mesh) -> int:
+    """How many ranks hold each dp group's batch (its cp and tp ranks): what a sum over every rank of
+    per-batch counts is too many by."""
+    return torch.distributed.get_world_size() // dp_group_of(mesh)[1]
+
+
 def _check_trl_mixin(trainer: type) -> None:
     """A TRL trainer mixed into ``CPTrainer`` by hand computes its loss and metrics with a fused LM head that
     cp does not run: refused, naming the classes that serve TRL."""
@@ -217,7 +223,7 @@ class CPTrainer(Trainer):
         count, and the ranks of a dp group (its cp and tp ranks) hold the same batch."""
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)
-        copies = torch.distributed.get_world_size() // dp_group_of(self.mesh)[1]
+        copies = copies_of_each_batch(self.mesh)
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // copies
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -33,11 +33,9 @@ except ImportError as error:
         f"cpshard.integrations.trl needs TRL ({error}); install the extra: pip install 'cpshard[trl]'"
     ) from error
 
-from cpshard.comm.collectives import sum_over_group
-from cpshard.comm.record import serving
-from cpshard.integrations.transformers import CPTrainer, dp_group_of
+from cpshard.integrations.transformers import CPTrainer, copies_of_each_batch, dp_group_of
 from cpshard.loss.cross_entropy import IGNORE_INDEX
-from cpshard.parallel.mesh import DATA_AXES, TOKEN_AXES, group_over
+from cpshard.parallel.mesh import DATA_AXES, TOKEN_AXES, summed_over
 from cpshard.runtime.batch import shifted_labels
 from cpshard.runtime.forward import make_cp_forward, params_of
 
@@ -61,16 +59,6 @@ def as_trl_reads(batch: dict) -> dict:
     }
 
 
-def summed_over(value: torch.Tensor, mesh, axes: tuple[str, ...]) -> torch.Tensor:
-    """The sum of ``value`` over the ranks that differ along ``axes``, on every rank; each rank's gradient
-    flows to its own term."""
-    group = group_over(mesh, axes)
-    if group is None:
-        return value
-    with serving("other"):
-        return sum_over_group(value, group, name="loss")
-
-
 class _CPTRLTrainer(CPTrainer):
     """What the TRL trainers share under cp: the refusals and TRL's count of the tokens seen."""
 
@@ -88,7 +76,7 @@ class _CPTRLTrainer(CPTrainer):
             )
         # TRL divides its count of the tokens seen (num_tokens, summed over every rank) by the ranks that
         # hold the same batch, which it knows as its tp size: here every rank of a dp group (cp and tp)
-        self._tp_size = torch.distributed.get_world_size() // dp_group_of(self.mesh)[1]
+        self._tp_size = copies_of_each_batch(self.mesh)
 
 
 class CPSFTTrainer(_CPTRLTrainer, SFTTrainer):
@@ -122,7 +110,7 @@ class CPSFTTrainer(_CPTRLTrainer, SFTTrainer):
         logprobs = output.token_logprobs.to_local()
         weighted = -(logprobs * logprobs.exp().detach()).sum()
         count = output.num_tokens if num_items_in_batch is None else num_items_in_batch
-        return summed_over(weighted, self.mesh, TOKEN_AXES) / torch.as_tensor(count).clamp(min=1)
+        return summed_over(weighted, self.mesh, TOKEN_AXES, "loss") / torch.as_tensor(count).clamp(min=1)
 
     def _log_token_metrics(self, mode: str, output) -> None:
         """TRL's entropy and mean token accuracy over the label tokens of every dp group's batch."""
@@ -178,7 +166,7 @@ class CPDPOTrainer(_CPTRLTrainer, DPOTrainer):
                 "whole sequence, deprecated there): evaluate with prediction_loss_only=True"
             )
         loss = DPOTrainer.compute_loss(self, model, inputs, False, num_items_in_batch)
-        return summed_over(loss / dp_group_of(self.mesh)[1], self.mesh, DATA_AXES)
+        return summed_over(loss / dp_group_of(self.mesh)[1], self.mesh, DATA_AXES, "loss")
 
     prediction_step = DPOTrainer.prediction_step  # the loss alone, through compute_loss
 

@@ -12,6 +12,7 @@ gradient, which ``value_and_grad`` then sums like every other).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -24,7 +25,14 @@ def adds_router_loss(model, config) -> bool:
     config) asks for router logits, has the coefficient, and the forward computes the loss from them."""
     if not getattr(config, "output_router_logits", False) or not hasattr(config, "router_aux_loss_coef"):
         return False
-    return "load_balancing_loss_func" in inspect.getsource(type(model).forward)
+    return _forward_computes_it(type(model))
+
+
+@functools.cache
+def _forward_computes_it(model_class: type) -> bool:
+    """Whether the class's forward calls the load-balancing loss (read from its source once: a call asks
+    twice a step)."""
+    return "load_balancing_loss_func" in inspect.getsource(model_class.forward)
 
 
 def load_balancing_loss(

@@ -11,6 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from cpshard.comm.collectives import sum_over_group
+from cpshard.comm.record import serving
+
 #: the root mesh's axes, outermost first
 MESH_AXES = ("dp_replicate", "fsdp", "cp", "tp")
 #: the axes whose ranks hold different tokens: losses, token counts and gradients sum over them
@@ -151,6 +154,16 @@ def group_over(mesh: DeviceMesh, axes: tuple[str, ...]):
     if len(wide) == 1:
         return mesh.get_group(wide[0])
     return mesh[wide]._flatten("_".join(wide)).get_group()
+
+
+def summed_over(value: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> torch.Tensor:
+    """The sum of ``value`` over the ranks that differ along ``axes``, on every rank; each rank's gradient
+    flows to its own term (a collective that serves none of the parallelisms by itself: "other")."""
+    group = group_over(mesh, axes)
+    if group is None:
+        return value
+    with serving("other"):
+        return sum_over_group(value, group, name=name)
 
 
 @cache

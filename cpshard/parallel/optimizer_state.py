@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from cpshard.parallel.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from cpshard.parallel.checkpoint import CheckpointError, _on_rank_0, load_checkpoint, save_checkpoint
 
 #: the files beside the tensors: the param groups (hyperparameters, the same on every rank), and each
 #: tensor's dtype and shape (``null`` for a DTensor, shaped and placed like its parameter)
@@ -52,14 +52,17 @@ def save_optimizer_state(optimizer, model, path: str | os.PathLike) -> None:
     path = Path(path)
     flat = _flat_state(optimizer, model)
     save_checkpoint(flat, path)
-    if torch.distributed.get_rank() == 0:
-        tensors = {
-            key: [str(value.dtype), None if isinstance(value, DTensor) else list(value.shape)]
-            for key, value in flat.items()
-        }
+    tensors = {
+        key: [str(value.dtype), None if isinstance(value, DTensor) else list(value.shape)]
+        for key, value in flat.items()
+    }
+    groups = _torch_optimizer(optimizer).state_dict()["param_groups"]
+
+    def write() -> None:
         (path / TENSORS).write_text(json.dumps(tensors, indent=1))
-        torch.save(_torch_optimizer(optimizer).state_dict()["param_groups"], path / GROUPS)
-    torch.distributed.barrier()
+        torch.save(groups, path / GROUPS)
+
+    _on_rank_0(write, "save_optimizer_state")  # an error there is raised on every rank, none left waiting
 
 
 def load_optimizer_state(optimizer, model, path: str | os.PathLike) -> None:

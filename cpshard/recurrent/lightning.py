@@ -26,7 +26,7 @@ from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import LIGHTNING
 from cpshard.recurrent.affine import fold_states
 from cpshard.recurrent.exchange import gathered_summaries
-from cpshard.recurrent.slot import carried_state, handed_on, prompt_end, sink_state
+from cpshard.recurrent.slot import carried_state, handed_on, sink_state
 
 #: what the hooks were written against in transformers 5.25.0
 WRITTEN_AGAINST = (
@@ -102,17 +102,16 @@ def _corrected(module, path: str, held: dict, norm, args, kwargs):
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     nbytes = query.shape[0] * module.num_attention_heads * module.head_dim**2 * 4  # S_local alone
     every = gathered_summaries((local,), group, path, nbytes)
-    transition = _carry(module, length) * torch.eye(
-        module.head_dim, device=local.device
-    )  # known without data
+    eye = torch.eye(module.head_dim, device=local.device)
+    transition = _carry(module, length) * eye  # known without data
     states = fold_states([transition] * size, [local for (local,) in every])
     # every rank's output depends on every summary (rank 0's through a zero): the gather's backward runs
     state_in = states[rank] + 0 * states[-1]
     if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
-        end, mine = prompt_end(call, length), None
-        if end is not None:
-            mine = _written(module, key[:, :end], value[:, :end], states[rank])
-        sink_state(call, carried_key, handed_on(mine, states[rank], call, path, f"{carried_key} state"))
+        after = lambda end: _written(module, key[:, :end], value[:, :end], states[rank])  # noqa: E731
+        sink_state(
+            call, carried_key, handed_on(call, length, after, states[rank], path, f"{carried_key} state")
+        )
     return (_plus_incoming(module, args[0], query, state_in), *args[1:]), kwargs
 
 

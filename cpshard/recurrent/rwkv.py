@@ -39,7 +39,7 @@ from cpshard.layouts.layout import RWKV
 from cpshard.recurrent.affine import stabilised_fold
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
-from cpshard.recurrent.slot import carried_state, cp_group, handed_on, prompt_end, sink_state
+from cpshard.recurrent.slot import carried_state, cp_group, handed_on, sink_state
 
 MODULE = "transformers.models.rwkv.modeling_rwkv"
 #: what the shadowed function and the token shifts' hooks were written against in transformers 5.25.0
@@ -102,16 +102,18 @@ class WKV:
         """``[3, B, C]``: the state after the prompt's last token, on every rank (the rank that holds it runs
         its slice up to there from its incoming state)."""
         time_decay, time_first, key, value = parts
-        end, mine = prompt_end(call, key.shape[1]), None
-        if end == key.shape[1]:
-            mine = torch.stack(final)
-        elif end is not None:
+        held = key.shape[1]
+
+        def after(end: int) -> torch.Tensor:
+            if end == held:
+                return torch.stack(final)
             cut = self.original(
                 time_decay, time_first, key[:, :end], value[:, :end], incoming, return_state=True
             )
-            mine = torch.stack(cut[1])
+            return torch.stack(cut[1])
+
         like = torch.stack(incoming)
-        return handed_on(mine, like, call, self.active, f"{self.active} wkv final state")
+        return handed_on(call, held, after, like, self.active, f"{self.active} wkv final state")
 
     def decode(self, step, time_decay, time_first, key, value, return_state):
         """One token per row from the carried state (the model's own function, every rank alike)."""
@@ -147,9 +149,11 @@ def _shifted(path: str, shift, args, output):
     hidden, group = args[0].transpose(1, 2), cp_group(call)  # [B, C, T]: the halo's sequence dim last
     declare_halo(path, hidden[..., :1], group)
     if call.state_sink is not None:
-        end = prompt_end(call, args[0].shape[1])
-        mine = None if end is None else args[0][:, end - 1]
-        sink_state(call, key, handed_on(mine, args[0][:, 0], call, path, f"{key} last input"))
+        inputs = args[0]  # [B, T, C]
+        last = handed_on(
+            call, inputs.shape[1], lambda end: inputs[:, end - 1], inputs[:, 0], path, f"{key} last input"
+        )
+        sink_state(call, key, last)
     return with_halo(hidden, 1, group, f"{path} time_shift halo")[..., :-1].transpose(1, 2)
 
 

@@ -74,28 +74,23 @@ def carried_state(step, path: str) -> torch.Tensor:
     return step.states[path]
 
 
-def prompt_end(call: CallPlan, held: int) -> int | None:
-    """How many of this rank's ``held`` positions the prompt fills up to its last one (``call.length - 1``,
-    before the positions cp padded past it), on the rank that holds that position; None on the others."""
+def handed_on(call: CallPlan, held: int, after, like: torch.Tensor, module: str, name: str) -> torch.Tensor:
+    """What hands on after the prompt's last position (``call.length - 1``, before the positions cp padded
+    past it), on every rank: ``after(end)`` on the rank that holds that position, ``end`` the number of its
+    ``held`` positions up to it; one all-reduce (declared for ``module``), the other ranks giving zeros
+    shaped ``like``."""
     end = call.length - dist.get_rank(cp_group(call)) * held
-    return end if 0 < end <= held else None
-
-
-def handed_on(mine: torch.Tensor | None, like: torch.Tensor, call: CallPlan, module: str, name: str):
-    """``mine``, what the rank holding the prompt's last position hands on, on every rank (one all-reduce,
-    declared for ``module``; the others give zeros shaped ``like``)."""
-    value = torch.zeros_like(like) if mine is None else mine
+    value = after(end) if 0 < end <= held else torch.zeros_like(like)
     expect(module, "all_reduce", "forward", 1, tensor_bytes(value))
     return sum_over_group(value, cp_group(call), name=name)
 
 
 def last_inputs(widened: torch.Tensor, width: int, call, module: str, name: str) -> torch.Tensor:
     """``[..., width]``: the convolution's inputs at the prompt's last ``width`` real positions (zeros
-    before the first), which the rank holding its last position finds in its halo-widened slice; one
-    all-reduce brings them to every rank."""
-    end = prompt_end(call, widened.shape[-1] - width)  # counted from the halo's first position
-    mine = None if end is None else widened[..., end : end + width]
-    return handed_on(mine, widened[..., :width], call, module, name)
+    before the first), which the rank holding its last position finds in its halo-widened slice (counted
+    from the halo's first position)."""
+    held, like = widened.shape[-1] - width, widened[..., :width]
+    return handed_on(call, held, lambda end: widened[..., end : end + width], like, module, name)
 
 
 def cp_group(call: CallPlan):

@@ -16,7 +16,7 @@ from cpshard.comm.collectives import all_gather_shards, all_to_all
 from cpshard.comm.record import expect
 from cpshard.recurrent.affine import correct_outputs, fold_states, outgoing_state, ssd_summary
 from cpshard.recurrent.exchange import gathered_summaries
-from cpshard.recurrent.slot import Slot, cp_group, handed_on, prompt_end, tensor_bytes
+from cpshard.recurrent.slot import Slot, cp_group, handed_on, tensor_bytes
 
 
 class SSDScan(Slot):
@@ -130,16 +130,17 @@ class SSDScan(Slot):
         all-reduce brings it to the others. (A delta rule makes its padding a no-op instead; the scan's
         time step cannot be zeroed through its inputs where ``dt_limit`` floors it.)"""
         rank, held = dist.get_rank(group), inputs[0].shape[1]
-        end, mine = prompt_end(call, held), None
-        if end == held:
-            mine = states[rank + 1]
-        elif end is not None:
+
+        def after(end: int) -> torch.Tensor:
+            if end == held:
+                return states[rank + 1]
             x, dt, A, B, C, chunk_size = inputs
             cut = ssd_summary(
                 self.original, x[:, :end], dt[:, :end], A, B[:, :end], C[:, :end], chunk_size, **kwargs
             )
-            mine = outgoing_state(cut.transition, cut.state_local, states[rank])
-        return handed_on(mine, states[rank], call, self.module, f"{self.path} final state")
+            return outgoing_state(cut.transition, cut.state_local, states[rank])
+
+        return handed_on(call, held, after, states[rank], self.module, f"{self.path} final state")
 
     def decode(self, step, hidden_states, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, **kwargs):
         """One token per row from the carried state, as the model's own recurrent form runs it with a cache

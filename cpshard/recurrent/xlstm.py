@@ -31,7 +31,7 @@ from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import XLSTM
 from cpshard.recurrent.affine import stabilised_fold
 from cpshard.recurrent.exchange import gathered_summaries
-from cpshard.recurrent.slot import Slot, cp_group, handed_on, prompt_end
+from cpshard.recurrent.slot import Slot, cp_group, handed_on
 
 #: what the backend's slot was written against in transformers 5.25.0 (the kernels whose stabiliser it folds)
 WRITTEN_AGAINST = (
@@ -108,14 +108,15 @@ class MLSTMScan(Slot):
     def state_at(self, call, gates: tuple, incoming: tuple, final: tuple, mode) -> torch.Tensor:
         """The state after the prompt's last token, packed, on every rank (the rank that holds it runs its
         slice up to there from its incoming state)."""
-        query, key, value, igate, fgate = gates
-        end, mine = prompt_end(call, key.shape[2]), None
-        if end == key.shape[2]:
-            mine = packed(final)
-        elif end is not None:
-            cut = [x[:, :, :end] for x in (query, key, value)] + [x[:, :, :end] for x in (igate, fgate)]
-            mine = packed(self.original(*cut, *incoming, return_last_states=True, mode=mode)[1])
-        return handed_on(mine, packed(incoming), call, self.module, f"{self.path} final state")
+        held = gates[1].shape[2]  # key [B, H, T, D]
+
+        def after(end: int) -> torch.Tensor:
+            if end == held:
+                return packed(final)
+            cut = [x[:, :, :end] for x in gates]  # q, k, v [B, H, T, ...]; the gates [B, H, T]
+            return packed(self.original(*cut, *incoming, return_last_states=True, mode=mode)[1])
+
+        return handed_on(call, held, after, packed(incoming), self.module, f"{self.path} final state")
 
     def returns_states(self, return_last_states, mode) -> bool:
         """Whether the backend returns its last states beside the outputs when called so: always in

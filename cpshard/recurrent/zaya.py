@@ -38,7 +38,6 @@ from cpshard.recurrent.slot import (
     cut_to_rank,
     handed_on,
     last_inputs,
-    prompt_end,
     sink_state,
 )
 
@@ -98,12 +97,11 @@ def _delayed_from_before(held: dict, path: str, projection, args, output):
     if call is None:
         return None
     group, inputs = cp_group(call), held.pop("inputs")
+    delayed = projection.v_proj_delayed(inputs[:, -1:])  # [B, 1, half]
     if call.state_sink is not None:  # a prefill: the prompt's last delayed value is carried on
-        end = prompt_end(call, inputs.shape[1])
-        mine = None if end is None else projection.v_proj_delayed(inputs[:, end - 1 : end])
-        like = projection.v_proj_delayed(inputs[:, :1])
-        sink_state(call, key, handed_on(mine, like, call, path, f"{key} state"))
-    last = projection.v_proj_delayed(inputs[:, -1:]).transpose(1, 2)  # [B, half, 1]
+        at_end = lambda end: projection.v_proj_delayed(inputs[:, end - 1 : end])  # noqa: E731
+        sink_state(call, key, handed_on(call, inputs.shape[1], at_end, delayed, path, f"{key} state"))
+    last = delayed.transpose(1, 2)  # [B, half, 1]
     declare_halo(path, last, group)
     received = with_halo(last, 1, group, f"{path} delayed value halo")[..., :1].transpose(1, 2)
     if dist.get_rank(group) == 0:  # the model's own first value; the halo's graph kept for its backward

@@ -34,8 +34,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
 from cpshard.call import CallPlan, running
-from cpshard.comm.collectives import sum_over_group
-from cpshard.comm.record import serving
 from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
 from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs, blocked_token_statistics
@@ -52,6 +50,7 @@ from cpshard.parallel.mesh import (
     cp_rank,
     group_over,
     mesh_size,
+    summed_over,
 )
 from cpshard.runtime.batch import (
     PaddedBatch,
@@ -244,10 +243,8 @@ class CPForward:
         logprobs = self._token_logprobs(local, params, local_labels) if self.options.token_logprobs else None
         loss_sum = -logprobs.sum() if logprobs is not None else self._loss_sum(local, params, local_labels)
         loss = loss_sum / divisor
-        token_group = group_over(mesh, TOKEN_AXES)
-        if token_group is not None and reduced:
-            with serving("other"):
-                loss = sum_over_group(loss, token_group, name="loss")
+        if reduced:
+            loss = summed_over(loss, mesh, TOKEN_AXES, "loss")
         return loss, num_tokens, logprobs, self._token_statistics(local, params, local_labels)
 
 
