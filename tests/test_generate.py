@@ -134,24 +134,36 @@ def token_bytes(config) -> int:
     return attention_layers(config) * 2 * ROWS * config.num_key_value_heads * config.head_dim * 4
 
 
-def check_states(states: dict, cache, case: Case) -> None:
-    """The carried recurrent states equal one process's cache after the same tokens: each delta rule's
-    state, and each convolution's inputs (transformers keeps ``kernel`` of them, cpshard the last
-    ``kernel - 1``, all a decode step reads); MiniMax's cache keeps its lightning states apart."""
-    lightning = getattr(cache, "linear_cache", [])
+def one_process_state(path: str, model, cache) -> torch.Tensor:
+    """The state one process keeps for cpshard's cache path ``path``: in its cache (each delta rule's state,
+    each convolution's inputs: transformers keeps ``kernel`` of them, cpshard the last ``kernel - 1``, all
+    a decode step reads; MiniMax's lightning states apart), or in the module (RecurrentGemma's)."""
+    module, _, piece = path.partition(" ")
+    if piece == "_rnn_scan":
+        return model.get_submodule(module).rg_lru.recurrent_states
+    if piece == "conv_1d":
+        return model.get_submodule(module).conv1d_state
+    number = int(path.split("layers.")[1].split(".")[0])
+    if path.endswith("lightning"):
+        return cache.linear_cache[number]
+    layer = cache.layers[number]
+    return layer.conv_states[0][..., 1:] if path.endswith("conv1d_fn") else layer.recurrent_states[0]
+
+
+def check_states(states: dict, model, cache, case: Case) -> None:
+    """The carried recurrent states equal one process's after the same tokens, and cp carries every state
+    one process keeps."""
     for path, state in states.items():
-        number = int(path.split("layers.")[1].split(".")[0])
-        if path.endswith("lightning"):
-            own = lightning[number]
-        else:
-            layer = cache.layers[number]
-            own = layer.conv_states[0][..., 1:] if path.endswith("conv1d_fn") else layer.recurrent_states[0]
-        diff = (state - own).abs().max().item()
+        diff = (state - one_process_state(path, model, cache)).abs().max().item()
         assert diff <= TOLERANCE, f"{case}: {path} differs from one process's state by {diff}"
-    linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
+    linear = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "recurrent_states")]
     held = sum(
         layer.is_conv_states_initialized[0] + layer.is_recurrent_states_initialized[0] for layer in linear
-    ) + sum(isinstance(state, torch.Tensor) and state.numel() > 0 for state in lightning)
+    )
+    held += sum(
+        isinstance(state, torch.Tensor) and state.numel() > 0 for state in getattr(cache, "linear_cache", [])
+    )
+    held += 2 * sum(hasattr(module, "conv1d_state") for module in model.modules())
     assert len(states) == held, (case, sorted(states))  # every state one process keeps (LFM2's: a conv's)
 
 
@@ -173,15 +185,17 @@ def check_case(results: list[dict], case: Case):
         assert set(result["step_bytes"]) == {decode_step_bytes(model.config)}, (
             f"{case}: {result['step_bytes']}"
         )
-        check_states(result["states"], out.past_key_values, case)
-        if not case.config.get("sliding_window"):
+        check_states(result["states"], model, out.past_key_values, case)
+        if (
+            getattr(model.config, "sliding_window", None) or LENGTH
+        ) >= LENGTH:  # (a window's own keys: not counted)
             # prefill: the forward's bytes, the last logits' all-reduce, and the all-reduces of each
             # convolution's last inputs and each scan's (and lightning layer's) final state (a delta rule's
             # every rank folds alike)
             conv = sum(
                 s.numel() * 4
                 for path, s in result["states"].items()
-                if path.endswith(("conv1d_fn", "scan_combined", "lightning"))
+                if path.endswith(("conv1d_fn", "scan_combined", "lightning", "conv_1d", "_rnn_scan"))
             )
             # and each channel split's final states, all-gathered: every rank gives its channels' share
             conv += sum(
@@ -224,6 +238,7 @@ CASES_CP2 = [
     Case("jamba", 16),  # Mamba1 split over channels: its final states gathered, then continued whole
     Case("minimax", 16),  # lightning attention: its state carried beside the split keys and values
     Case("zamba2", 16),  # its attention inside the hybrid layer's shared block, beside Mamba2
+    Case("recurrent_gemma", 16),  # RG-LRU beside sliding-window attention: states kept in its modules
 ]
 CASES_CP4 = [
     Case("llama", 64),
@@ -236,6 +251,7 @@ CASES_CP4 = [
     Case("falcon_mamba", 16),
     Case("zamba2", 16),
     Case("minimax", 16),
+    Case("recurrent_gemma", 16),
 ]
 
 
@@ -542,7 +558,6 @@ def _recurrent_refusals() -> list[str]:
         lambda: cpshard.make_cp_decode(model)(
             params, torch.full((ROWS,), 3), replace(cache, recurrent={}), mesh
         ),
-        lambda: cpshard.make_cp_prefill(model_for(Case("recurrent_gemma"))),
     ]
     return error_messages(attempts)
 
@@ -551,7 +566,6 @@ def test_what_recurrent_generation_does_not_serve_is_refused_on_every_rank(ranks
     expected = [
         "rows [1, 2] of the prompt have padding after a real token",
         "model.layers.0.linear_attn causal_conv1d_fn: the cache holds no state for this layer",
-        "recurrent layers (rg_lru: temporal_block) keep their state inside their module",
     ]
     check_refused(ranks2.run(_recurrent_refusals), expected)
 
@@ -563,7 +577,7 @@ def prefilled_states(length: int, model_type: str) -> tuple[torch.Tensor, dict]:
     return logits, dict(cache.recurrent)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "recurrent_gemma"])
 @pytest.mark.parametrize("length", [9, 13])  # cp=4: rank 3 holds cp padding only; the last token on rank 3
 def test_a_prefill_hands_on_the_states_of_one_process(ranks4, length, model_type):
     model = model_for(Case(model_type))
@@ -572,4 +586,4 @@ def test_a_prefill_hands_on_the_states_of_one_process(ranks4, length, model_type
         out = model(**batch, use_cache=True)
     for logits, states in ranks4.run(prefilled_states, length, model_type):
         assert (logits - out.logits[:, -1]).abs().max() <= TOLERANCE
-        check_states(states, out.past_key_values, Case(model_type))
+        check_states(states, model, getattr(out, "cache", None), Case(model_type))  # RecurrentGemma's: None

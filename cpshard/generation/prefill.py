@@ -19,7 +19,6 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.family_attention import score_bias
-from cpshard.layouts.layout import HOOKED
 from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.mesh import cp_rank
 from cpshard.runtime.batch import BatchError, validate
@@ -33,25 +32,11 @@ from cpshard.spec.sequence import chunk_positions, positions
 #: states the cache carries whole, where the layout has recurrent rows)
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 PROMPT_KEYS = ("input_ids", "attention_mask")
-#: the hooked recurrent kernels whose states cp generation carries (the others keep theirs in their module)
-CARRIED_HOOKS = ("lightning", "rwkv", "mlstm", "zaya_cca")
 
 
 def check_servable(model, layout) -> None:
     """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
     prepares the same model, so every rank raises alike)."""
-    hooked = sorted(
-        {
-            f"{row.kernel}: {row.module}"
-            for row in layout.recurrent
-            if row.kernel in HOOKED.keys() - CARRIED_HOOKS
-        }
-    )
-    if hooked:
-        raise ValueError(
-            f"{type(model).__name__}: its recurrent layers ({', '.join(hooked)}) keep their state inside "
-            "their module, where cp generation cannot carry it from prefill to decode; generate without cp"
-        )
     if layout.per_head_params:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "

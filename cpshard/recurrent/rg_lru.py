@@ -16,9 +16,13 @@ kernel slot. Under cp:
   a_s) S_in``. The gates are computed by the model's code on each rank's slice; ``position_ids`` are the
   whole sequence's, so only the first token resets.
 
+Generation: the model keeps its states inside the modules (``recurrent_states``, ``conv1d_state``); cp
+carries them in its cache instead. A prefill leaves the scan's state and the convolution's last
+``kernel - 1`` inputs after the prompt's last token (one all-reduce each, from the rank that holds it); a
+decode step (run as the model runs without a cache) gives the convolution the carried inputs in front and
+the scan its carried state, through the model's own one-token scan.
+
 Written against transformers 5.25's module (:data:`WRITTEN_AGAINST`); other code is refused at setup.
-Generation keeps the states inside the modules (``recurrent_states``, ``conv1d_state``), where cp's
-decode cannot carry them: refused.
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpshard.call import split_call
+from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import RG_LRU
 from cpshard.recurrent.affine import correct_outputs, diagonal_summary, fold_states
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
-from cpshard.recurrent.slot import Slot, cp_group
+from cpshard.recurrent.slot import Slot, carried_state, cp_group, handed_on, last_inputs, sink_state
 
 #: what the scan slot and the convolution's hooks were written against in transformers 5.25.0
 WRITTEN_AGAINST = (
@@ -73,23 +77,46 @@ class DiagonalScan(Slot):
         rank = dist.get_rank(group)
         state_in = states[rank] + 0 * states[-1]  # every rank's outputs read every summary (see DeltaRule)
         outputs = correct_outputs(summary.o_zero, summary.q_eff, state_in, hidden_states.dtype)
+        if call.state_sink is not None:  # a prefill: the state after the prompt's last token is carried on
+
+            def after(end: int) -> torch.Tensor:  # the state after this rank's position ``end - 1``
+                at = slice(end - 1, end)
+                return correct_outputs(summary.o_zero[:, at], summary.q_eff[:, at], state_in, torch.float32)
+
+            held, like = hidden_states.shape[1], summary.o_zero[:, :1]
+            final = handed_on(call, held, after, like, self.module, f"{self.path} final state")
+            self.sink(call, final.flatten(1))
         return outputs[..., 0], states[rank + 1].flatten(1)
 
-    def decode(self, step, *args, **kwargs):  # generation is refused at setup (cpshard.generation.prefill)
-        raise NotImplementedError(f"{self.path}: cp generation does not carry RG-LRU states")
+    def decode(
+        self, step, hidden_states, recurrent_gate, reset, recurrent_states=None, acc_dtype=torch.float32
+    ):
+        """One token per row from the carried state (the model's own one-token scan, every rank alike)."""
+        outputs, state = self.original(hidden_states, recurrent_gate, reset, self.carried(step), acc_dtype)
+        step.new_states[self.path] = state
+        return outputs, state
 
 
 def _widened(width: int, path: str, conv, args, kwargs):
-    call = split_call()
+    """The convolution's input with the ``width`` inputs before it in front: the previous rank's in a cp
+    call (a prefill also carries the prompt's last ones on), the carried ones in a decode step."""
+    call, key, (inputs, *rest) = split_call(), f"{path} conv_1d", args
+    if call is None and (step := active_decode()) is not None:
+        widened = torch.cat([carried_state(step, key), inputs], dim=-1)
+        step.new_states[key] = widened[..., inputs.shape[-1] :]
+        return (widened, *rest), kwargs
     if call is None:
         return None
-    group, (inputs, *rest) = cp_group(call), args
+    group = cp_group(call)
     declare_halo(path, inputs[..., :width], group)
-    return (with_halo(inputs, width, group, f"{path} conv_1d conv halo"), *rest), kwargs
+    widened = with_halo(inputs, width, group, f"{path} conv_1d conv halo")
+    if call.state_sink is not None:
+        sink_state(call, key, last_inputs(widened, width, call, path, f"{key} conv state"))
+    return (widened, *rest), kwargs
 
 
 def _halo_dropped(width: int, conv, args, output):
-    return output[..., width:] if split_call() is not None else None
+    return output[..., width:] if split_call() is not None or active_decode() is not None else None
 
 
 def rg_lru_hooks(block: nn.Module, path: str) -> list[Hook]:
