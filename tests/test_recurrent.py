@@ -372,16 +372,22 @@ def test_linear_attention_with_more_than_a_plain_batch(ranks2, name, case):
     assert ranks2.run(failing_with, name, case) == [[], []]
 
 
-def fsdp_step_against_one_process(name: str) -> dict:
-    """One step on fsdp=2 x cp=2, each dp group its own batch, against one process on both batches."""
-    mesh = cpshard.make_mesh(cp=2, fsdp=2)
+def parallel_step_against_one_process(name: str, sizes: dict) -> dict:
+    """One step on ``sizes`` (two dp groups where fsdp=2, each its own batch) against one process on every
+    batch; the bytes each parallelism moved."""
+    mesh, groups = cpshard.make_mesh(**sizes), sizes.get("fsdp", 1)
     model, twin = _model(name), _model(name)
     batches = [tiny_batch(model.config.vocab_size, 2, 2 * 2 * CHUNK, pad="left", seed=s) for s in (1, 2)]
+    batches = batches[:groups]
     whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
-    params = cpshard.params_of(cpshard.parallelize(model, mesh))
-    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(
-        params, batches[mesh.get_local_rank("fsdp")], mesh
-    )
+    cp_forward = cpshard.make_cp_forward(model)
+    if cp_forward.layout.name.startswith("derived:"):  # probed on the plain weights first
+        cp_forward(
+            cpshard.params_of(model), batches[0], cpshard.make_mesh(cp=torch.distributed.get_world_size())
+        )
+    params = cpshard.params_of(cpshard.parallelize(model, mesh, cp_forward.layout))
+    with recording() as log:
+        output, grads = cpshard.value_and_grad(cp_forward)(params, batches[mesh.get_local_rank("fsdp")], mesh)
     loss, _, expected = reference(twin, cpshard.params_of(twin), whole)
     return {
         "loss": abs(output.loss.item() - loss.item()) / loss.abs().item(),
@@ -389,13 +395,31 @@ def fsdp_step_against_one_process(name: str) -> dict:
             ((grads[n].full_tensor() - g).abs().max() / g.abs().max().clamp_min(1e-6)).item()
             for n, g in expected.items()
         ),
+        "bytes": log.bytes_by_parallelism(),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h"])
-def test_linear_attention_under_fsdp2_and_cp(ranks4, name):
-    for result in ranks4.run(fsdp_step_against_one_process, name):
-        assert result["loss"] <= 1e-5 and result["grads"] <= 1e-5, result
+@pytest.mark.parametrize(
+    "name, sizes",
+    [
+        ("qwen3_next", dict(fsdp=2, cp=2)),
+        ("nemotron_h", dict(fsdp=2, cp=2)),
+        # tp splits the attention (and dense MLP) layers; the recurrent layers run whole on every tp rank
+        ("qwen3_5_text", dict(tp=2, cp=2)),
+        ("nemotron_h", dict(tp=2, cp=2)),
+        ("granitemoehybrid", dict(tp=2, cp=2)),
+    ],
+    ids=str,
+)
+def test_recurrent_layers_under_fsdp2_or_tp2_and_cp(ranks4, name, sizes):
+    # tp sums the row-wise layers' partial outputs and the column-wise inputs' gradients in another order
+    # than one process: Gated DeltaNet's A_log gradient (a sum over every token and head) moves by 1.07e-5
+    # of its largest entry (1e-7 of 0.0097), the most of any parameter
+    tolerance = 2e-5 if sizes.get("tp", 1) > 1 else 1e-5
+    for result in ranks4.run(parallel_step_against_one_process, name, sizes):
+        assert result["loss"] <= tolerance and result["grads"] <= tolerance, result
+        for kind in ("tp", "cp"):
+            assert (result["bytes"][kind] > 0) == (sizes.get(kind, 1) > 1), (kind, result["bytes"])
 
 
 def linear_layer_bytes(recurrent: str, length: int) -> dict:
@@ -510,8 +534,8 @@ def test_derived_rows_of_kda_and_lightning():
     )
 
 
-def refusal_on(sizes: dict) -> str:
-    mesh, model = cpshard.make_mesh(**sizes), _model("qwen3_next")
+def refusal_on(sizes: dict, name: str = "qwen3_next") -> str:
+    mesh, model = cpshard.make_mesh(**sizes), _model(name)
     try:
         cpshard.make_cp_forward(model)(
             cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 16), mesh
@@ -521,11 +545,15 @@ def refusal_on(sizes: dict) -> str:
     return "no error"
 
 
-def test_tensor_parallelism_beside_linear_layers_is_refused(ranks2):
-    messages = ranks2.run(refusal_on, dict(cp=1, tp=2))
-    assert messages[0] == messages[1] and messages[0].startswith("tp > 1: cp does not serve the linear"), (
-        messages
-    )
+def test_tensor_parallelism_beside_a_derived_layout_s_linear_layers_is_refused(ranks4):
+    """A derived plan is the model's own, written for its layers split alike (kimi_linear's splits its
+    latent attention's queries but not its keys: a shape error deep inside); registered files are tested."""
+    messages = ranks4.run(refusal_on, dict(cp=2, tp=2), "kimi_linear")
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith(
+        "tp > 1 with the derived layout 'derived:kimi_linear': cp does not serve"
+    ), messages
+    assert "(tp beside them: the layout files granitemoehybrid, nemotron_h, qwen3_next)" in messages[0]
 
 
 def test_expert_parallelism_beside_linear_layers_is_refused(ranks4):

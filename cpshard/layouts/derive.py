@@ -290,7 +290,9 @@ def derive_layout(model: nn.Module) -> Layout:
         layer_inputs=recording.layer_inputs,
         head_transforms=tuple(name for name in HEAD_TRANSFORMS if getattr(config, name, None)),
         tensor_parallel=plan,
-        tensor_parallel_inputs=tuple(p for p in DECODER.tensor_parallel_inputs if hasattr(layers[0], p))
+        tensor_parallel_inputs=tuple(
+            p for p in DECODER.tensor_parallel_inputs if any(hasattr(layer, p) for layer in layers)
+        )
         if plan
         else (),
         per_head_params=_per_head_params(

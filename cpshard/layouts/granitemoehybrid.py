@@ -4,7 +4,7 @@ each followed by a sparse MoE with a shared expert.
 The Mamba2 layers are served as in Nemotron-H's table (:mod:`cpshard.layouts.nemotron_h`): state passing
 of the SSD scan's state, a halo for its convolution. The attention layers are Llama's, with no rotary
 embedding (Granite 4.0 uses none), and Granite divides its logits by ``logits_scaling``. Tensor
-parallelism is not served beside the recurrent layers yet: the plan is empty.
+parallelism splits the attention layers' heads; the Mamba2 layers and the MoE run whole on every tp rank.
 """
 
 from dataclasses import replace
@@ -18,8 +18,10 @@ LAYOUT = replace(
     model_types=("granitemoehybrid",),
     layer_inputs=(),
     head_transforms=("logits_scaling",),
-    tensor_parallel={},
-    tensor_parallel_inputs=(),
+    tensor_parallel={
+        path: style for path, style in LLAMA.tensor_parallel.items() if path.startswith("self_attn.")
+    },
+    tensor_parallel_inputs=("self_attn",),
     mlp=None,
     recurrent=(replace(MAMBA2, module="mamba"),),
 )

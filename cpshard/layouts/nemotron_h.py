@@ -6,8 +6,10 @@ between the ranks instead of the sequence: each rank scans its slice from a zero
 own kernel, one fp32 summary per rank (the state and one decay per head) is all-gathered, the convolution
 takes its halo from the rank before (:mod:`cpshard.recurrent`). Attention mixers are Ulysses' or the
 ring's as in Llama's table (no rotary embedding: the layers take ``position_ids`` only). MLP and MoE mixers
-work token by token (``pointwise``). The scan runs in contiguous order, so every call does. Tensor
-parallelism is not served beside the recurrent layers yet: the plan is empty.
+work token by token (``pointwise``). The scan runs in contiguous order, so every call does.
+
+Tensor parallelism splits the attention mixers' heads and the MLP mixers' features as Llama's plan does;
+the Mamba2 and MoE mixers run whole on every tp rank (their plan rows name no module of theirs).
 """
 
 from dataclasses import replace
@@ -25,8 +27,15 @@ LAYOUT = replace(
     attention="mixer",
     final_norm="model.norm_f",
     layer_inputs=(("position_ids", *specs("b s", "b s@cp")),),
-    tensor_parallel={},
-    tensor_parallel_inputs=(),
+    tensor_parallel={
+        "mixer.q_proj": "colwise",
+        "mixer.k_proj": "colwise",
+        "mixer.v_proj": "colwise",
+        "mixer.o_proj": "rowwise",
+        "mixer.up_proj": "colwise",
+        "mixer.down_proj": "rowwise",
+    },
+    tensor_parallel_inputs=("mixer",),
     mlp=None,
     recurrent=(MAMBA2,),
     pointwise=("NemotronHMLP", "NemotronHMoE"),

@@ -64,6 +64,17 @@ def _sum_outputs(name: str, module, args, output):
     return None if group is None else sum_over_group(output, group, name)
 
 
+def holds_colwise(layer: nn.Module, path: str, layout: Layout) -> bool:
+    """The module at ``path`` holds a column-wise layer of the plan in this layer. A hybrid's mixer of another
+    kind under the same name (Nemotron-H's Mamba2 ``mixer`` beside its attention ``mixer``) runs whole on
+    every tp rank: its input gradient is whole there already, and summing it over tp would count it tp
+    times."""
+    inside = [
+        p for p, style in layout.tensor_parallel.items() if style == "colwise" and p.startswith(f"{path}.")
+    ]
+    return any(submodule(layer, p) is not None for p in inside)
+
+
 def holds_experts(layer: nn.Module, path: str, layout: Layout) -> bool:
     """The module at ``path`` holds one of the layer's experts modules (a MoE block: its router runs
     replicated and :mod:`cpshard.parallel.experts` sums its experts' input gradients over tp itself)."""
@@ -79,7 +90,11 @@ def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
     for layer in layers:
         for path in layout.tensor_parallel_inputs:
             module = submodule(layer, path)
-            if module is not None and not holds_experts(layer, path, layout):
+            if (
+                module is not None
+                and holds_colwise(layer, path, layout)
+                and not holds_experts(layer, path, layout)
+            ):
                 hooks.append(Hook(module, _sum_input_grads, pre=True))
         for path in rowwise:
             module = submodule(layer, path)

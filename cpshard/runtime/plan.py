@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
 from cpshard.call import CallPlan
 from cpshard.layouts.layout import Layout, text_config
+from cpshard.layouts.registry import BY_NAME
 from cpshard.loss.statistics import check_statistics
 from cpshard.parallel.experts import check_expert_parallel, check_expert_plan, choose_expert_plan
 from cpshard.parallel.mesh import cp_mesh, cp_size, expert_degree, mesh_size, split_cp
@@ -102,16 +103,21 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
 
 
 def check_recurrent_parallelism(layout: Layout, options: CPOptions, tp: int, ep: int) -> None:
-    """What cp does not yet serve beside linear-attention layers, refused with the layer's name."""
+    """What cp does not yet serve beside linear-attention layers, refused with the layer's name. Under tp the
+    recurrent layers run whole on every tp rank beside the plan's split layers, which a registered layout
+    file's plan is tested for; a derived plan is the model's own, written for no such mix."""
     mixer = f"the linear-attention layers ({', '.join(sorted({row.module for row in layout.recurrent}))})"
     refused = {
-        "tp > 1": tp > 1,
+        f"tp > 1 with the derived layout {layout.name!r}": tp > 1 and layout.name.startswith("derived:"),
         "ep > 1": ep > 1,
         f"compile={options.compile!r}": bool(options.compile),
     }
     for what, asked in refused.items():
         if asked:
-            raise ValueError(f"{what}: cp does not serve {mixer} under it yet; run them with cp alone")
+            raise ValueError(
+                f"{what}: cp does not serve {mixer} under it yet; run them with cp alone (tp beside them: "
+                f"the layout files {', '.join(sorted(n for n, f in BY_NAME.items() if f.recurrent))})"
+            )
     if options.recurrent == "head_split" and any(row.kernel == "lightning" for row in layout.recurrent):
         raise ValueError(
             "recurrent='head_split': lightning attention runs its block loop inside its module, which cp "
