@@ -1,7 +1,8 @@
 """Linear-attention and state-space layers under cp (Gated DeltaNet: qwen3_next, qwen3_5_text, olmo_hybrid;
 KDA: kimi_linear; lightning attention: minimax; Mamba2: bamba, granitemoehybrid, nemotron_h, falcon_h1,
 zamba2; Mamba1, split over channels: jamba, falcon_mamba; LFM2's short convolutions: lfm2_moe; RG-LRU:
-recurrent_gemma; RWKV: rwkv; xLSTM's mLSTM: xlstm; ZAYA's convolving attention projection: zaya),
+recurrent_gemma; RWKV: rwkv; xLSTM's mLSTM: xlstm; ZAYA's convolving attention projection: zaya; Inkling's
+convolutions and relative position bias: inkling_text),
 served by state passing and a convolution halo: loss, logits and every gradient against the model's own
 code in one process (a second model on the same weights that cpshard never touched), at cp 2 and 4, with
 two kernel chunks of 64 per rank, plain, left- and right-padded batches, and value heads that cp does not
@@ -51,11 +52,15 @@ MODELS = {
     "rwkv": {"attn_implementation": "auto"},  # RWKV's WKV (a running max beside its state), token shifts
     "xlstm": {"attn_implementation": "auto"},  # mLSTM: a matrix memory, its stabiliser folded across ranks
     "zaya": {},  # attention whose projection convolves q and k and delays half of v: halos, no state
+    # four convolutions a layer, attention with a relative bias per query and a log scale per position
+    # (a window of 5 and a bias reach of 6: shorter than a rank's slice; then longer than one)
+    "inkling_text": {},
+    "inkling_text-long-reach": {"sliding_window_size": 160, "rel_extent": 200},
 }
 CHUNK = 64  # the torch kernels' chunk
 #: the models that pass no state between ranks: a convolution alone, Mamba1 split over channels
 SPLIT_OVER_CHANNELS = ("jamba", "falcon_mamba")
-STATELESS = ("lfm2_moe", "zaya", *SPLIT_OVER_CHANNELS)
+STATELESS = ("lfm2_moe", "zaya", "inkling_text", "inkling_text-long-reach", *SPLIT_OVER_CHANNELS)
 #: the models whose recurrent layers have no convolution or token shift (no halo)
 NO_CONVOLUTION = ("minimax", "xlstm")
 
@@ -145,6 +150,8 @@ def test_the_mamba2_head_split_is_exact_at_cp4_with_fewer_groups_than_ranks(rank
         ("rwkv", 4 * 16),  # no chunk grid; its recurrence loops over tokens in Python, twice under cp
         ("xlstm", 4 * 2 * CHUNK),
         ("zaya", 4 * 2 * CHUNK),
+        ("inkling_text", 4 * 2 * CHUNK),
+        ("inkling_text-long-reach", 4 * 2 * CHUNK),
     ],
 )
 def test_recurrent_layers_are_exact_at_cp4(ranks4, name, length):
@@ -285,6 +292,7 @@ def test_rwkv_that_rescales_its_weights_in_place_is_refused_on_every_rank(ranks2
         ("rwkv", "RwkvFeedForward", "RwkvSelfAttention"),
         ("xlstm", "mlstm_chunkwise_recurrent_fw_C", "xLSTMLayer"),
         ("zaya", "ZayaAttention.forward", "ZayaCCAProjection"),
+        ("inkling", "causal_conv1d_forward", "InklingDecoderLayer"),
     ],
 )
 def test_a_hooked_mixer_of_other_code_is_refused(monkeypatch, hooked, piece, written_for):

@@ -71,6 +71,11 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
             "attention serves causal and masked attention only; use implementation='ulysses' (or the model "
             "as a decoder: config.is_decoder=True)"
         )
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(
+            f"{call.name_of(module)} adds a bias per query and key (position_bias) to its scores, which the "
+            "ring's blocks of allowed and hidden keys do not carry; use implementation='ulysses'"
+        )
     if call.layout.per_head_params:
         raise LayoutError(
             f"{call.name_of(module)}: the ring's merge has no place for the per-head parameters "

@@ -67,6 +67,21 @@ def heads_for_sequences(module, query, key, value, kwargs: dict, layout, mesh, a
     return module, query, key, value, kwargs
 
 
+def bias_for_heads(query, kwargs: dict, layout, mesh, path: str) -> dict:
+    """``kwargs`` with the score bias a module passes per head, query and key (``position_bias``,
+    ``[b, h, s@cp, keys]``: Inkling's relative bias, its rows at the rank's positions) moved as ``query``
+    (``[b, h, s@cp, d]``) is: whole queries for this rank's heads."""
+    bias = kwargs.get("position_bias")
+    if not isinstance(bias, torch.Tensor):
+        return kwargs
+    if bias.dim() != 4 or bias.shape[1:3] != query.shape[1:3]:
+        raise ValueError(
+            f"{path}: a position_bias of shape {tuple(bias.shape)} for queries {tuple(query.shape)}; cp "
+            "moves one bias row per head and query of the rank (its keys the whole sequence's), no other"
+        )
+    return {**kwargs, "position_bias": redistribute(bias, *layout.qkv, mesh, name=f"{path} position_bias")}
+
+
 def _mask_heads(mask, heads: int, mesh, axis: str):
     """A mask with one slice per q head cut to this rank's ``heads``, as q was; others as they are."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] == 1:
@@ -90,7 +105,20 @@ MASK_BLOCK_BYTES = 1 << 26
 
 
 def _sdpa_rows(function, module, query, key, value, mask, kwargs):
-    return function(module, query, key, value, additive_mask(mask, query.dtype), **kwargs)[0]
+    return function(module, query, key, value, _sdpa_mask(mask, query.dtype, kwargs), **kwargs)[0]
+
+
+def _sdpa_mask(mask: torch.Tensor, dtype: torch.dtype, kwargs: dict) -> torch.Tensor:
+    """The mask sdpa gets: additive floats (-inf where hidden), but boolean beside a score bias, which
+    transformers' sdpa folds in with the dtype's minimum where hidden, as one process does (a row that
+    sees no key then attends to every key alike, not to none)."""
+    return mask if kwargs.get("position_bias") is not None else additive_mask(mask, dtype)
+
+
+def _rows(kwargs: dict, part: slice) -> dict:
+    """``kwargs`` for a block of query rows: a score bias per query (``position_bias``) cut to them."""
+    bias = kwargs.get("position_bias")
+    return kwargs if bias is None else {**kwargs, "position_bias": bias[:, :, part]}
 
 
 def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
@@ -108,7 +136,7 @@ def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
             key,
             value,
             mask[..., part, :],
-            kwargs,
+            _rows(kwargs, part),
             use_reentrant=False,
         )
         for part in row_blocks(query.shape[2], row_bytes, MASK_BLOCK_BYTES)
@@ -128,16 +156,17 @@ def ulysses_attention(inner: str, function, module, query, key, value, attention
     heads, the cp padding's keys dropped; a large boolean mask under sdpa a block of queries at a time),
     and the output back to sequence-split."""
     path = call.name_of(module)
+    kwargs = bias_for_heads(query, kwargs, call.layout, call.mesh, path)
     module, query, key, value, kwargs = heads_for_sequences(
         module, query, key, value, kwargs, call.layout, call.mesh, "cp", path
     )
     attention_mask = _mask_heads(attention_mask, query.shape[1], call.mesh, "cp")
     boolean = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
     if isinstance(attention_mask, torch.Tensor):
-        original = attention_mask
-        key, value, attention_mask = without_padding_keys(
-            key, value, attention_mask, call.key_length(attention_mask)
-        )
+        original, length = attention_mask, call.key_length(attention_mask)
+        key, value, attention_mask = without_padding_keys(key, value, attention_mask, length)
+        if kwargs.get("position_bias") is not None:
+            kwargs = {**kwargs, "position_bias": kwargs["position_bias"][..., :length]}
     elif not causal(module, kwargs):  # every query sees every key: the cp padding's too, unless cut
         length = getattr(call, "length", None)
         if length is None:
@@ -149,7 +178,7 @@ def ulysses_attention(inner: str, function, module, query, key, value, attention
     if inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
         output, weights = _blocked_sdpa(function, module, query, key, value, attention_mask, **kwargs)
     else:
-        if inner == "sdpa" and boolean:
+        if inner == "sdpa" and boolean and kwargs.get("position_bias") is None:  # see _sdpa_mask
             shared = ("additive mask", original, query.dtype)  # a tensor hashes by identity
             attention_mask = call.shared(shared, lambda: additive_mask(attention_mask, query.dtype))
         output, weights = function(module, query, key, value, attention_mask, **kwargs)

@@ -31,6 +31,7 @@ from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.layout import (
     CONV_SLOT,
     HEAD_TRANSFORMS,
+    HOOKED,
     RECURRENT_KERNELS,
     Layout,
     Recurrent,
@@ -99,19 +100,28 @@ def _attention_candidates(layer: nn.Module) -> list[str]:
     ]
 
 
+def _inside(name: str, path: str) -> bool:
+    """Whether the module at ``name`` is the one at ``path`` or inside it (every module is inside ``""``,
+    the layer)."""
+    return not path or name == path or name.startswith(path + ".")
+
+
 def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
     """One row per (path, kernel) of the recurrent mixers the layers hold, found by their kernel slots (a
-    mixer with a convolution slot alone is a short convolution: LFM2's)."""
+    mixer with a convolution slot alone is a short convolution: LFM2's) or, for a hooked mixer, its class
+    (Inkling's is the layer itself, whose hooks serve every convolution it holds)."""
     rows = {}
     for layer in layers:
+        hooked = None  # the path of a hooked mixer found, whose hooks serve what it holds
         for name, module in layer.named_modules():
-            if name.count(".") > 1 or not name:  # its children and theirs (Zamba2's mamba_decoder.mamba)
-                continue
+            if name.count(".") > 1 or hooked is not None and _inside(name, hooked):
+                continue  # its children and theirs (Zamba2's mamba_decoder.mamba)
             slots = kernel_slots(module)
-            kernels = [k for k in RECURRENT_KERNELS if serves(module, k)]
+            kernels = [k for k in RECURRENT_KERNELS if serves(module, k) and (name or k in HOOKED)]
             for kernel in kernels[:1]:  # a mixer's scan before its convolution, which it runs first
                 conv = CONV_SLOT if CONV_SLOT in slots and kernel != CONV_SLOT else None
                 rows[name, kernel] = Recurrent(name, kernel, conv, decay=RECURRENT_KERNELS[kernel])
+                hooked = name if kernel in HOOKED else hooked
     return tuple(rows.values())
 
 
@@ -156,7 +166,7 @@ def _token_mixers(layers: nn.ModuleList, layers_path: str, served: tuple[Recurre
     for index, layer in enumerate(layers):
         mixer = {row.module for row in served if submodule(layer, row.module) is not None}
         for name, module in layer.named_modules():
-            if any(name == path or name.startswith(path + ".") for path in mixer):
+            if any(_inside(name, path) for path in mixer):
                 continue
             path = _join(layers_path, str(index), name)
             if isinstance(module, nn.modules.conv._ConvNd):

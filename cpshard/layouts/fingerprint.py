@@ -49,11 +49,21 @@ def _code(function) -> str:
     return ast.dump(_without_docstrings(ast.parse(textwrap.dedent(inspect.getsource(function)))))
 
 
+def _wrapped(piece):
+    """The function a kernels module wraps (``@use_kernel_forward_from_hub`` on a function makes it a module
+    whose forward calls it: transformers' ``causal_conv1d_forward``), else ``piece``."""
+    forward = getattr(type(piece), "forward", None)
+    if not inspect.isfunction(forward) or "func" not in forward.__code__.co_freevars:
+        return piece
+    return forward.__closure__[forward.__code__.co_freevars.index("func")].cell_contents
+
+
 def _functions(piece) -> list:
-    """The functions that make ``piece``: itself, or each function a class defines, static, class and
-    property methods included (as it holds them now, so a method replaced on the class counts)."""
+    """The functions that make ``piece``: itself (or the function a kernels module wraps), or each function
+    a class defines, static, class and property methods included (as it holds them now, so a method
+    replaced on the class counts)."""
     if not inspect.isclass(piece):
-        return [piece]
+        return [_wrapped(piece)]
     found = []
     for _, value in sorted(vars(piece).items()):
         if isinstance(value, property):

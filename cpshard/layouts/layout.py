@@ -35,6 +35,7 @@ RECURRENT_KERNELS = MappingProxyType(
         "rwkv": "constant",  # RWKV's WKV: a constant decay per channel
         "mlstm": "scalar",  # xLSTM's mLSTM: a forget gate per head and token
         "zaya_cca": "none",  # ZAYA's attention projection: short convolutions and a delayed value, no state
+        "inkling": "none",  # Inkling's decoder layer: four short convolutions, no state
         "mamba_chunk_scan_combined": "scalar",  # Mamba2's SSD scan
         "selective_scan_fn": "diagonal",  # Mamba1's selective scan: a decay per channel and state dim
         "causal_conv1d_fn": "none",  # a short convolution alone (LFM2's ShortConv): no state past its window
@@ -54,9 +55,18 @@ RWKV = "RwkvSelfAttention"
 XLSTM = "xLSTMLayer"
 #: ZAYA's attention projection: convolutions of q and k and a delayed value inline (kernel "zaya_cca")
 ZAYA_CCA = "ZayaCCAProjection"
+#: Inkling's decoder layer: four convolutions, attention that places its queries by index (kernel "inkling")
+INKLING = "InklingDecoderLayer"
 #: the recurrent kernels served by hooks on a mixer of a known class, not by a kernel slot
 HOOKED = MappingProxyType(
-    {"lightning": LIGHTNING, "rg_lru": RG_LRU, "rwkv": RWKV, "mlstm": XLSTM, "zaya_cca": ZAYA_CCA}
+    {
+        "lightning": LIGHTNING,
+        "rg_lru": RG_LRU,
+        "rwkv": RWKV,
+        "mlstm": XLSTM,
+        "zaya_cca": ZAYA_CCA,
+        "inkling": INKLING,
+    }
 )
 #: the slot of the short causal convolution in front of them
 CONV_SLOT = "causal_conv1d_fn"
@@ -69,7 +79,7 @@ class Recurrent:
     zero state and passes a fixed-size summary of each slice between the ranks (:mod:`cpshard.recurrent`);
     its convolution takes a halo of ``kernel - 1`` positions from the rank before."""
 
-    #: the mixer's path inside a decoder layer
+    #: the mixer's path inside a decoder layer ("": the layer itself, Inkling's)
     module: str
     #: the slot of its chunked kernel, one of :data:`RECURRENT_KERNELS` (one of :data:`HOOKED`: the module)
     kernel: str

@@ -37,6 +37,7 @@ from cpshard.layouts.layout import FUSED_SLOTS, RECURRENT_KERNELS, Recurrent, ke
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
+from cpshard.recurrent.inkling import check_inkling_unchanged, inkling_hooks
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
 from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
@@ -223,7 +224,7 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
 
 def _on_mixer(hooks):
     """``hooks(mixer, path)`` as an installer of a layer's mixer (the layer, its path, the mixer's name)."""
-    return lambda layer, at, name: hooks(layer.get_submodule(name), f"{at}.{name}")
+    return lambda layer, at, name: hooks(layer.get_submodule(name), ".".join(filter(None, (at, name))))
 
 
 #: the kernels served by hooks (:data:`~cpshard.layouts.layout.HOOKED`): the check of the code their hooks
@@ -234,6 +235,7 @@ HOOKED_MIXERS = {
     "rwkv": (check_rwkv_unchanged, rwkv_hooks),
     "mlstm": (check_xlstm_unchanged, _on_mixer(mlstm_hooks)),
     "zaya_cca": (check_zaya_unchanged, _on_mixer(zaya_hooks)),
+    "inkling": (check_inkling_unchanged, _on_mixer(inkling_hooks)),
 }
 #: the slot that serves each decay kind's kernel ("none": the kernel is a convolution, served by its halo)
 SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan, "diagonal": ChannelSplit, "none": Halo}

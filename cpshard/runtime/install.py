@@ -84,8 +84,9 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
                 rewrite(module, model.config)
     install_attention(model, layout)
     layers = model.get_submodule(layout.decoder_layers)
-    install_hooks(cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings()))
-    install_hooks(install_recurrent(layers, layout.recurrent, layout.decoder_layers))
+    # one install: a recurrent mixer may be the layer itself (Inkling's), which holds a cut hook too
+    cut = cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings())
+    install_hooks(cut + install_recurrent(layers, layout.recurrent, layout.decoder_layers))
     if layout.experts:
         install_experts(model)
     if tiles_mlp:

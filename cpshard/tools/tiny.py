@@ -88,6 +88,23 @@ _KDA_LATENT = dict(
     linear_head_dim=16,
     num_mtp_layers=0,
 )
+#: mixtures of experts whose released sizes the shrinking does not reach (hundreds of experts of thousands of
+#: units: 50M to 300M parameters each): four small experts, two a token, one group
+_FEW_EXPERTS = dict(
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1
+)
+#: Inkling: a sliding layer and a full one (log-scaled), small sliding heads, a window and a bias reach of a
+#: few tokens
+_INKLING = dict(
+    _FEW_EXPERTS,
+    layer_types=["hybrid_sliding", "hybrid"],
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=16,
+    sliding_window_size=5,
+    rel_extent=6,
+    log_scaling_n_floor=2,
+)
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=64)
 #: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default); a
 #: composite config's parts (its text, vision and audio configs) are looked up here by their own types
@@ -202,12 +219,10 @@ PER_TYPE = {
         adapter_out_dim=SMALL["hidden_size"],
         downsample_hidden_size=32,
     ),
-    # mixtures of experts whose released sizes the shrinking above does not reach (hundreds of experts of
-    # thousands of units: 50M to 300M parameters each): four small experts, two a token, one group
     **dict.fromkeys(
-        ("inkling_text", "inkling2_text", "inkling2_loop_text", "mimo_v2_flash", "solar_open", "hy_v4"),
-        dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1),
+        ("inkling2_text", "inkling2_loop_text", "mimo_v2_flash", "solar_open", "hy_v4"), _FEW_EXPERTS
     ),
+    "inkling_text": _INKLING,
     "ergo": dict(
         num_experts=4,
         num_experts_per_tok=2,
