@@ -83,6 +83,13 @@ def _add_check(commands) -> None:
             f"{defaults.dtype})"
         ),
     )
+    add(
+        "--rtol",
+        dest="tolerance",
+        type=float,
+        help="pass a row within this times its scale instead of the dtype's (a model whose one-process fp32 "
+        "gradients are themselves that far from a float64 run: gemma4_unified_text, 5e-5)",
+    )
     add("--attn", choices=ATTNS, default=defaults.attn, help=f"attention kernel (default {defaults.attn})")
     add(
         "--seed",

@@ -157,3 +157,28 @@ def test_a_registered_layout_is_probed_on_a_transformers_it_was_not_tested_on(ra
         ranks2.run(model_runs_in_first_call, "9.0.0"),
     )
     assert tested == [1, 1] and all(runs > 1 for runs in untested), (tested, untested)
+
+
+def probe_of_a_cp_run_that_drops_the_padding_mask() -> str:
+    """The probe's message for a cp run that loses the batch's padding mask (what a wrong mask path does):
+    an unpadded probe would pass it; the probe's left-padded row does not."""
+    model = tiny_model("llama", attn_implementation="auto")
+    forward = cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed"))
+    run = type(forward).__call__
+    dropping = type("Dropping", (type(forward),), {})
+    dropping.__call__ = lambda self, params, batch, mesh: run(
+        self, params, {k: v for k, v in batch.items() if k != "attention_mask"}, mesh
+    )
+    forward.__class__ = dropping
+    try:
+        forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 9), cpshard.make_mesh(cp=2))
+    except cpshard.LayoutError as error:
+        return str(error)
+    return "no error"
+
+
+def test_the_probe_has_a_padded_row(ranks2):
+    messages = ranks2.run(probe_of_a_cp_run_that_drops_the_padding_mask)
+    assert all("differs between cp and one process" in message for message in messages), messages
+    # rank 1 holds the real positions after the padding: its first layer's output differs there
+    assert "on a probe batch, the output of model.layers.0 differs" in messages[1], messages

@@ -108,7 +108,7 @@ def _layout_reason(model, layout, chosen: Layout) -> str:
         return f"registered for model type {model_type!r} (cpshard/layouts/)"
     return (
         f"no layout file is registered for {model_type!r}; derived from the model's structure "
-        "(verified against one process on a probe sequence at the first call)"
+        "(verified against one process on a probe batch at the first call)"
     )
 
 

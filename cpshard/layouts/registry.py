@@ -27,10 +27,6 @@ REGISTERED: dict[str, Layout] = {
 #: every layout by its own name (``layout="gemma3"``), the generic one included
 BY_NAME: dict[str, Layout] = {layout.name: layout for layout in (decoder.LAYOUT, *(m.LAYOUT for m in _FILES))}
 
-#: model types whose derived layout passes the probe yet gives wrong gradients on longer, padded batches
-#: (found by tests/test_zoo.py, cause not found yet): refused, whatever layout is given, until served exactly
-FOUND_WRONG = {"gemma4_unified_text": "its gradients under cp differ from one process's on padded batches"}
-
 
 def _derived(model: nn.Module, model_type: str) -> Layout:
     try:
@@ -48,11 +44,6 @@ def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
     (a model whose code cpshard rewrites is checked first: it must be the code its rewrite was made for)."""
     check_unchanged(model)
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    if model_type in FOUND_WRONG and model_type not in REGISTERED:
-        raise LayoutError(
-            f"cpshard cannot serve model type {model_type!r} ({type(model).__name__}): "
-            f"{FOUND_WRONG[model_type]}, so cpshard refuses it rather than return wrong numbers"
-        )
     if isinstance(layout, Layout):
         chosen = layout
     elif layout == "auto":

@@ -2,10 +2,11 @@
 is a registered one on a transformers release it was not tested on (the model's code may have changed under
 it: :data:`~cpshard.layouts.fingerprint.WRITTEN_FOR`).
 
-On its first call, cp_forward runs a short probe sequence (three tokens per rank, or the widest halo a
-recurrent layer's convolution reads, and one more; the model's own weights) under cp and in one process,
-on every rank, and compares each decoder layer's output at the positions the rank holds, then the logits,
-then every gradient of the next-token loss (a backward can differ where the forward agrees). A mismatch,
+On its first call, cp_forward runs a short probe batch (two rows of three tokens per rank, or the widest
+halo a recurrent layer's convolution reads, and one more, the second row padded after its first token; the
+model's own weights) under cp and in one process, on every rank, and compares each decoder layer's output at
+the real positions the rank holds, then the logits, then every gradient of the next-token loss (a backward
+can differ where the forward agrees). A mismatch,
 or an error in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that
 differs: cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a
 forward without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a
@@ -83,12 +84,23 @@ def _layer_outputs(layers, final, run) -> list[tuple[torch.Tensor, torch.Tensor 
     return outputs
 
 
-def _probe_ids(model, per_rank: int, cp: int, device) -> torch.Tensor:
+def _probe_batch(model, per_rank: int, cp: int, device) -> dict:
     """Two rows of ``per_rank * cp + 1`` token ids spread over the vocabulary (odd: the cp padding is
-    exercised)."""
+    exercised), the second padded at its positions 1 to ``per_rank`` (a padding mask is where masks and
+    positions go wrong; its first token real, so that every query sees a key: the ring refuses rows that
+    see none where a family's own code gives them another gradient), and the labels of the real positions."""
     vocab = max(getattr(text_config(model), "vocab_size", 8) - 3, 1)
     length = per_rank * cp + 1
-    return (torch.arange(2 * length) * 7).remainder(vocab).add(3).view(2, -1).to(device)
+    ids = (torch.arange(2 * length) * 7).remainder(vocab).add(3).view(2, -1).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, 1 : per_rank + 1] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _real(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``values`` ``[B, T, ...]`` with the padded positions (``real`` ``[B, T]`` false) zeroed: what a pad
+    position's query computes is read by no real token, and cp need not agree with one process there."""
+    return values * real.view(*real.shape, *[1] * (values.dim() - 2)).to(values.dtype)
 
 
 def tokens_per_rank(layers, layout) -> int:
@@ -113,32 +125,38 @@ def _without_dropout(model):
 
 
 def first_difference(cp_forward, params: dict, mesh) -> str | None:
-    """What first differs between cp and one process on the probe sequence (None: nothing)."""
+    """What first differs between cp and one process on the probe batch (None: nothing)."""
     model, layout = cp_forward.model, cp_forward.layout
     layers = model.get_submodule(layout.decoder_layers)
-    ids = _probe_ids(
+    batch = _probe_batch(
         model, tokens_per_rank(layers, layout), cp_size(mesh), next(iter(params.values())).device
     )
+    inputs, real = {key: batch[key] for key in ("input_ids", "attention_mask")}, batch["attention_mask"] == 1
     results: dict = {}
 
     def plain():
-        inputs = {"input_ids": ids, "use_cache": False}
         with one_process():
             results["plain"] = torch.func.functional_call(
-                model, params, (), inputs, strict=False, tie_weights=True
+                model, params, (), {**inputs, "use_cache": False}, strict=False, tie_weights=True
             )
 
     def under_cp():
-        results["cp"] = cp_forward(params, {"input_ids": ids}, mesh)
+        results["cp"] = cp_forward(params, inputs, mesh)
 
     with torch.no_grad():
         final = model.get_submodule(layout.final_norm)
         theirs, ours = _layer_outputs(layers, final, plain), _layer_outputs(layers, final, under_cp)
-    differing = [i for i in range(len(ours)) if not _close(ours[i][0], theirs[i][0][:, ours[i][1]])]
+    differing = [
+        i
+        for i, ((mine, held), (whole, _)) in enumerate(zip(ours, theirs, strict=True))
+        if not _close(_real(mine, real[:, held]), _real(whole[:, held], real[:, held]))
+    ]
     logits = results["cp"].logits
-    logits_differ = logits is not None and not _close(logits.full_tensor(), results["plain"].logits)
+    logits_differ = logits is not None and not _close(
+        _real(logits.full_tensor(), real), _real(results["plain"].logits, real)
+    )
     # every rank runs every collective of the probe, whatever it found: an early return would hang the others
-    gradient = _first_gradient_difference(cp_forward, params, ids, mesh)
+    gradient = _first_gradient_difference(cp_forward, params, batch, mesh)
     if differing:
         return f"the output of {layout.decoder_layers}.{differing[0]}"
     if logits_differ:
@@ -146,15 +164,15 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
     return gradient
 
 
-def _first_gradient_difference(cp_forward, params: dict, ids: torch.Tensor, mesh) -> str | None:
+def _first_gradient_difference(cp_forward, params: dict, batch: dict, mesh) -> str | None:
     """The first parameter whose gradient of the probe's loss differs (a backward the forward cannot show)."""
     model = cp_forward.model
     leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
-    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     with one_process():
+        inputs = {**batch, "use_cache": False}
         loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
         theirs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    _, ours = value_and_grad(cp_forward)(params, {"input_ids": ids, "labels": ids}, mesh)
+    _, ours = value_and_grad(cp_forward)(params, batch, mesh)
     for (name, leaf), want in zip(leaves.items(), theirs):
         if not _close(ours[name], torch.zeros_like(leaf) if want is None else want):
             return f"the gradient of {name}"
@@ -190,7 +208,7 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None) -> s
         cause = error.__cause__
         frame = traceback.extract_tb(cause.__traceback__)[-1]
         return (
-            f"cpshard cannot vouch for {subject}: on a probe sequence the model's own forward, in one "
+            f"cpshard cannot vouch for {subject}: on a probe batch the model's own forward, in one "
             f"process without cp, raised {type(cause).__name__}: {cause} (in "
             f"{os.path.basename(frame.filename)}:{frame.lineno}, {frame.name}). The model does not run as "
             "it is configured (a field its code reads, a changed signature): fix the model or its config; "
@@ -199,7 +217,7 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None) -> s
     if error is not None:
         frame = traceback.extract_tb(error.__traceback__)[-1]
         return (
-            f"cpshard cannot vouch for {subject}: on a probe sequence its cp run raised "
+            f"cpshard cannot vouch for {subject}: on a probe batch its cp run raised "
             f"{type(error).__name__}: {error} (in {os.path.basename(frame.filename)}:{frame.lineno}, "
             f"{frame.name}). The model's code does not run on a cp slice as this layout expects (installed "
             f"transformers {transformers.__version__}; cpshard's tested set is constraints.txt in its "
@@ -207,7 +225,7 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None) -> s
         )
     what = what or "another cp rank's part of the probe"
     return (
-        f"cpshard cannot vouch for {subject}: on a probe sequence, {what} differs between cp and one "
+        f"cpshard cannot vouch for {subject}: on a probe batch, {what} differs between cp and one "
         "process. Some module mixes tokens along the sequence where cp cannot see it, or a per-position "
         "input is not cut; write a layout file for this architecture or run it without cp"
     )

@@ -60,6 +60,8 @@ class CheckConfig:
     dtype: str = "float32"
     attn: str = "sdpa"
     seed: int = 0
+    #: a row passes within this times its scale (None: the dtype's :data:`RTOLS`)
+    tolerance: float | None = None
     #: config fields set over the model's (``--set key=value``): ``(key, value)`` pairs
     overrides: tuple[tuple[str, object], ...] = ()
 
@@ -76,6 +78,8 @@ class CheckConfig:
             value = getattr(self, name)
             if value not in allowed and not (name == "pad" and value is None):
                 raise UsageError(f"--{name}={value!r}: choose one of {', '.join(allowed)}")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise UsageError(f"--rtol={self.tolerance}: a tolerance is a positive number")
         if self.pad and self.seq < 4:  # tiny_batch pads a row by up to half its length
             raise UsageError(f"--pad {self.pad} needs --seq of at least 4: shorter rows get no padding")
         if self.packed and self.seq < 2:
@@ -87,7 +91,7 @@ class CheckConfig:
 
     @property
     def rtol(self) -> float:
-        return RTOLS[self.dtype]
+        return RTOLS[self.dtype] if self.tolerance is None else self.tolerance
 
 
 def parse_override(text: str) -> tuple[str, object]:
