@@ -14,7 +14,7 @@ What is refused, naming the module and why: other token mixing along the sequenc
 function (convolutions, state-space layers, attention modules that do not call transformers' attention
 registry), attention that selects its keys with an indexer (sparse attention), and what the recording
 refuses (a residual stream not shaped ``[b, s, d]``, layers entered more than once per forward). A derived
-layout is not a tested file: cp_forward verifies it once per model on a probe sequence before trusting it
+layout is not a tested file: cp_forward verifies it once per model on a probe batch before trusting it
 (:mod:`cpshard.runtime.probe`).
 """
 
