@@ -6,9 +6,17 @@ hidden states); Gemma4 hands each layer its per-layer input by position. Each is
 process under Ulysses and under ring's head-tail order, with and without logits. (Gemma4 runs Ulysses
 here: under ring its small per-layer gate gradients differ by 1.4e-6, just beyond 1e-5 of their scale: the
 ring's blockwise sums rounding at the edge of the 1e-5 tolerance.)
+
+DeepSeek-V4 (hyper-connections, ``b s n d``) and Gemma 3n (AltUp, ``n b s d``) keep several copies of each
+token in their residual stream: the derived spec cuts its sequence dim wherever it sits; exact at cp 2 and 4
+under Ulysses, plain and left-padded.
+
+Dory enters its layers more than once per forward (looped): the stream is cut where it comes in whole, once,
+and later passes take the slice on; exact at cp 2 and 4, Ulysses and ring, plain and left-padded.
 """
 
 import pytest
+import torch
 
 import cpshard
 from cpshard.tools.parity import check_parity, failing_rows
@@ -33,3 +41,92 @@ def exact_rows(model_type: str, implementation: str, logits: bool) -> list[str]:
 @pytest.mark.parametrize("model_type, implementation, logits", CASES)
 def test_other_decoder_shapes_are_exact(ranks2, model_type, implementation, logits):
     assert ranks2.run(exact_rows, model_type, implementation, logits) == [[], []]
+
+
+#: residual streams of several copies per token, their sequence dim where the model keeps it; each model's
+#: mixing across copies is per token. DeepSeek-V4 with sliding layers only (a window shorter than the batch,
+#: sinks): its compressed layers are refused; Gemma 3n's AltUp with sliding and full layers, the last two
+#: reusing the keys of earlier ones, and the activation sparsity of its first MLP.
+STREAMS = {
+    "deepseek_v4": ("b s@cp n d", dict(layer_types=["sliding_attention"] * 2, sliding_window=4)),
+    "gemma3n_text": (
+        "n b s@cp d",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=4,
+            num_kv_shared_layers=2,
+            activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+        ),
+    ),
+}
+
+
+def stream_rows(model_type: str) -> tuple[str, list[str]]:
+    """The derived stream's spec, and the failing rows on a plain and a left-padded batch of 11 tokens."""
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    model = tiny_model(model_type, attn_implementation="auto", **STREAMS[model_type][1])
+    forward = cpshard.make_cp_forward(model, implementation="ulysses")
+    batches = [tiny_batch(model.config.vocab_size, 2, 11, pad=pad) for pad in (None, "left")]
+    return str(forward.layout.hidden[1]), failing_rows(
+        [check_parity(model, b, mesh, forward) for b in batches]
+    )
+
+
+@pytest.mark.parametrize("model_type", sorted(STREAMS))
+def test_streams_of_copies_are_cut_where_their_sequence_sits(ranks2, ranks4, model_type):
+    want = (STREAMS[model_type][0], [])
+    assert ranks2.run(stream_rows, model_type) == [want] * 2
+    assert ranks4.run(stream_rows, model_type) == [want] * 4
+
+
+#: Dory's looped decoders: the zoo's (its tiny sections overlap: both layers run twice), input, recurrent
+#: (three passes, a sliding layer) and output layers, and a recurrent section from layer 0 (the norm of the
+#: embeddings, added back before every pass, meets the stream before any layer does)
+LOOPED = {
+    "overlapping": {},
+    "sections": dict(
+        num_hidden_layers=3,
+        n_input_layers=1,
+        n_recurrent_layers=1,
+        n_output_layers=1,
+        n_recurrent_loops=3,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        sliding_window=4,
+    ),
+    "from layer 0": dict(num_hidden_layers=3, n_input_layers=0, n_recurrent_layers=2, n_output_layers=1),
+}
+
+
+def looped_rows(cp: int) -> dict:
+    """Per (decoder, implementation, padding): the rows (loss, logits, every gradient) that differ from one
+    process on two rows of 11 tokens (not a multiple of ``cp``)."""
+    mesh, failing = cpshard.make_mesh(cp=cp), {}
+    for name, config in LOOPED.items():
+        model = tiny_model("dory", attn_implementation="auto", **config)
+        for implementation in ("ulysses", "ring"):
+            forward = cpshard.make_cp_forward(model, implementation=implementation)
+            for pad in (None, "left"):
+                batch = tiny_batch(model.config.vocab_size, 2, 11, pad=pad)
+                parity = check_parity(model, batch, mesh, forward)
+                failing[name, implementation, pad] = failing_rows([parity])
+    return failing
+
+
+@pytest.mark.parametrize("ranks", ["ranks2", "ranks4"])
+def test_looped_layers_are_exact(request, ranks):
+    for failing in request.getfixturevalue(ranks).run(looped_rows, int(ranks[-1])):
+        assert not any(failing.values()), failing
+
+
+def head_tail_refusal() -> str:
+    model = tiny_model("dory", attn_implementation="auto")
+    forward = cpshard.make_cp_forward(model, implementation="ring", sequence_order="head_tail")
+    with pytest.raises(ValueError) as info:
+        forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 11), cpshard.make_mesh(cp=2))
+    return str(info.value)
+
+
+def test_looped_layers_refuse_an_order_undone_mid_stream(ranks2):
+    for message in ranks2.run(head_tail_refusal):
+        assert "more than once per forward" in message and "model.norm" in message, message

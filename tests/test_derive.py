@@ -1,6 +1,7 @@
 """Layouts derived from the model: the rows found in families off ``model.layers``, and the refusals."""
 
 import pytest
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.errors import LayoutError
@@ -35,7 +36,10 @@ from cpshard.tools.tiny import tiny_model
         ("marian", dict(final_norm="model.decoder.layers.1", labels_shifted=True)),
         ("opt", dict(final_norm="model.decoder.final_layer_norm", labels_shifted=False)),  # registered first
         ("gpt2", dict(final_norm="transformer.ln_f", restores_length=True)),
-        ("llama", dict(restores_length=False, labels_shifted=False)),
+        ("openai-gpt", dict(final_norm="transformer.h.1", restores_length=True)),  # post-norm, a list out
+        ("llama", dict(restores_length=False, labels_shifted=False, looped=False)),
+        # looped: its norm runs between the passes too, and a short output there is not the decoder's
+        ("dory", dict(final_norm="model.norm", looped=True, restores_length=False)),
         ("llama4_text", dict(decoder="model", decoder_layers="model.layers")),  # get_decoder() is the model
         ("modernbert-decoder", dict(decoder="model")),  # get_decoder() is its head
         ("dbrx", dict(attention="norm_attn_norm.attn")),  # one level below the layer
@@ -50,7 +54,7 @@ def test_rows_read_off_the_model(model_type, rows):
     layout = derive_layout(model)
     assert {row: getattr(layout, row) for row in rows} == rows
     assert layout.model_types == (model_type,) and structure_problems(model, layout) == []
-    assert layout.layer_inputs or model_type in ("bert", "marian", "opt", "gpt2")  # absolute positions
+    assert layout.layer_inputs or model_type in ("bert", "marian", "opt", "gpt2", "openai-gpt")  # absolute
 
 
 @pytest.mark.parametrize(
@@ -73,6 +77,19 @@ def test_kv_heads_fall_back_to_heads():
     assert layout.kv_heads is None and layout.head_counts(model.config) == (4, 4)
 
 
+class _OwnScoresAttention(LlamaAttention):
+    def forward(self, hidden_states, **kwargs):  # scores of its own code, not the registry's
+        return hidden_states, None
+
+
+def test_attention_of_its_own_code_that_cpshard_does_not_know_is_refused():
+    model = tiny_model("llama", attn_implementation="auto")
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = _OwnScoresAttention
+    with pytest.raises(LayoutError, match="does not call attention through transformers' attention registry"):
+        derive_layout(model)
+
+
 @pytest.mark.parametrize(
     "model_type, words",
     [
@@ -80,12 +97,15 @@ def test_kv_heads_fall_back_to_heads():
             "inkling2_text",
             ["k_proj.sconv.conv1d (Conv1d: a convolution along the sequence)", "outside the attention"],
         ),
-        ("xlm", ["transformer.attentions (MultiHeadAttention) has an attention module"]),
-        ("hy_v4", ["model.layers.0 receives a residual stream of shape [1, 13, 4, 64]"]),
-        ("dory", ["model.layers.0 runs 2 times in one forward (looped layers)"]),
+        ("xlm", ["transformer.attentions.0 (MultiHeadAttention)", "no layer module"]),
+        ("hy_v4", ["model.layers.0.self_attn.indexer (HYV4Indexer)", "sparse attention"]),  # its stream cut
+        ("deepseek_v4", ["self_attn.compressor (DeepseekV4HCACompressor", "windows of tokens"]),
+        ("hrm_text", ["model.H_module.layers.0 (HrmTextDecoderLayer) runs beside model.L_module.layers"]),
         ("kolibri1_1", ["model.layers.1.self_attn.indexer (Kolibri1_1Indexer)", "sparse attention"]),
-        ("deepseek_v32", ["self_attn.indexer (DeepseekV32Indexer)", "a short probe cannot vouch"]),
-        ("openai-gpt", ["transformer.h.0.attn (Attention)", "attention registry"]),
+        (
+            "xlnet",
+            ["transformer.layer.0.rel_attn (XLNetRelativeAttention)", "two-stream", "attention registry"],
+        ),
         ("musicgen", ["does not run on token ids and labels alone", "RuntimeError"]),  # ids per codebook
     ],
 )

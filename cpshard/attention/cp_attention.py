@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from cpshard.attention.blocks import call_blocks, rows_without_keys
 from cpshard.attention.decode import decode_attention
 from cpshard.attention.ring import Ring, RingAttention
+from cpshard.attention.sparse import attend_selected, selects_keys
 from cpshard.attention.traced_ring import traced_ring
 from cpshard.attention.ulysses import causal, heads_for_sequences, sequences_for_heads, ulysses_attention
 from cpshard.call import TRACED_KEY, active_decode, current_call, split_call
@@ -125,6 +126,8 @@ def _cp_attention(inner: str):
 
     def split(module, query, key, value, attention_mask, call, **kwargs):
         function = _inner_function(inner, module)
+        if selects_keys(module, call):  # DeepSeek's sparse attention, cp or not: see cpshard.attention.sparse
+            return attend_selected(function, module, query, key, value, attention_mask, **kwargs)
         if call is None:
             return function(module, query, key, value, attention_mask, **kwargs)
         if call.implementation == "ulysses":

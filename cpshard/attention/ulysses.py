@@ -93,10 +93,11 @@ def _mask_heads(mask, heads: int, mesh, axis: str):
 
 
 def sequences_for_heads(output, layout, mesh, axis: str, path: str):
-    """Ulysses' second half: the head-split output goes back to sequence-split."""
-    return redistribute(
-        output, *(spec.renamed("cp", axis) for spec in layout.attn_output), mesh, name=f"{path} out"
-    )
+    """Ulysses' second half: the head-split output goes back to sequence-split, contiguous as
+    transformers' attention functions give it (Afmoe's and Dory's ``view`` of it fails on the all-to-all's
+    strides at cp 4)."""
+    specs = (spec.renamed("cp", axis) for spec in layout.attn_output)
+    return redistribute(output, *specs, mesh, name=f"{path} out").contiguous()
 
 
 #: above this many bytes, sdpa's float mask is built per block of queries, never whole (see _blocked_sdpa);

@@ -37,6 +37,11 @@ PROMPT_KEYS = ("input_ids", "attention_mask")
 def check_servable(model, layout) -> None:
     """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
     prepares the same model, so every rank raises alike)."""
+    if layout.sparse_attention:
+        raise ValueError(
+            f"{type(model).__name__}: its indexer selects keys per query over the whole cache, which cp "
+            "generation's split cache does not hold on any rank; generate without cp"
+        )
     if layout.per_head_params:
         raise ValueError(
             f"{type(model).__name__}: the per-head parameters {layout.per_head_params} (attention sinks) "

@@ -11,11 +11,12 @@ Layers that hold a linear-attention mixer instead of attention (Gated DeltaNet, 
 slots hold one of :data:`~cpshard.layouts.layout.RECURRENT_KERNELS`) become the layout's recurrent rows.
 
 What is refused, naming the module and why: other token mixing along the sequence outside the attention
-function (convolutions, state-space layers, attention modules that do not call transformers' attention
-registry), attention that selects its keys with an indexer (sparse attention), and what the recording
-refuses (a residual stream not shaped ``[b, s, d]``, layers entered more than once per forward). A derived
-layout is not a tested file: cp_forward verifies it once per model on a probe batch before trusting it
-(:mod:`cpshard.runtime.probe`).
+function (convolutions, state-space layers, compressors that pool windows of tokens, attention modules
+that do not call transformers' attention registry), attention that selects its keys with an indexer of a
+kind other than DeepSeek's (whose keys cp gathers: :mod:`cpshard.attention.sparse`), and what the recording
+refuses (a residual stream whose sequence dim cannot be told, layers of the same kind run from a second
+list). A derived layout is not a tested file: cp_forward verifies it once per model on a probe batch before
+trusting it (:mod:`cpshard.runtime.probe`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from torch import nn
 
 from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.layouts.errors import LayoutError
+from cpshard.layouts.family_attention import not_rewritten
 from cpshard.layouts.layout import (
     CONV_SLOT,
     HEAD_TRANSFORMS,
     HOOKED,
     RECURRENT_KERNELS,
+    SPARSE_ATTENTION,
     Layout,
     Recurrent,
     calls_attention_registry,
@@ -132,6 +135,17 @@ def _holds_attention(layer: nn.Module, rows) -> bool:
     return found is None or any(name != found[1].module for name in _attention_candidates(layer))
 
 
+def _refuse_known(path: str, module: nn.Module) -> None:
+    """A :class:`LayoutError` that says what the attention in ``module`` (at ``path``) is, where cpshard
+    knows why it does not rewrite it (:func:`not_rewritten`); nothing otherwise."""
+    reason = not_rewritten(module)
+    if reason:
+        raise LayoutError(
+            f"{path} ({type(module).__name__}) is {reason}, which cpshard does not rewrite onto "
+            "transformers' attention registry: cp cannot serve it"
+        )
+
+
 def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> tuple[str, tuple[str, ...]]:
     """The path in every layer that holds no recurrent mixer (``(index, layer)`` pairs) of its attention
     module (one that calls transformers' attention registry), and the class names of the modules some
@@ -146,12 +160,14 @@ def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> tu
             odd = [(i, m) for i, m in modules if not calls_attention_registry(m)]
             custom = [(i, m) for i, m in odd if _is_attention(m)] or (odd if len(odd) == len(modules) else [])
             if custom:
+                _refuse_known(f"{layers_path}.{custom[0][0]}.{name}", custom[0][1])
                 raise LayoutError(
                     f"{layers_path}.{custom[0][0]}.{name} ({type(custom[0][1]).__name__}) does not call "
                     "attention through transformers' attention registry, so cp cannot make it attend over "
                     "the whole sequence (linear or custom attention mixes tokens where cp cannot see)"
                 )
             return name, tuple(sorted({type(m).__name__ for _, m in odd}))
+    _refuse_known(f"{layers_path}.{layers[0][0]}", layers[0][1])
     first = _attention_candidates(layers[0][1])
     raise LayoutError(
         f"not every layer of {layers_path} ({type(layers[0][1]).__name__}) has an attention module"
@@ -161,7 +177,8 @@ def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> tu
 
 def _token_mixers(layers: nn.ModuleList, layers_path: str, served: tuple[Recurrent, ...]) -> list[str]:
     """Modules inside the layers that mix tokens along the sequence by themselves: convolutions, state (but
-    the recurrent mixers of ``served`` and what they hold)."""
+    the recurrent mixers of ``served`` and what they hold), compressors (DeepSeek-V4's pooled keys, whose
+    windows a short probe may not fill, so it cannot vouch for them)."""
     found = []
     for index, layer in enumerate(layers):
         mixer = {row.module for row in served if submodule(layer, row.module) is not None}
@@ -173,6 +190,10 @@ def _token_mixers(layers: nn.ModuleList, layers_path: str, served: tuple[Recurre
                 found.append(f"{path} ({type(module).__name__}: a convolution along the sequence)")
             elif any(isinstance(module._parameters.get(p), nn.Parameter) for p in _STATE_PARAMETERS[:2]):
                 found.append(f"{path} ({type(module).__name__}: a state-space layer carries state along it)")
+            elif name.rpartition(".")[2] == "compressor" or type(module).__name__.endswith("Compressor"):
+                found.append(
+                    f"{path} ({type(module).__name__}: it pools windows of tokens into compressed keys)"
+                )
     return found
 
 
@@ -186,6 +207,13 @@ def _key_selectors(layers: nn.ModuleList, layers_path: str) -> list[str]:
         for name, module in layer.named_modules()
         if name.rpartition(".")[2] == "indexer" or type(module).__name__.endswith("Indexer")
     ]
+
+
+def _sparse_attention(layers: nn.ModuleList, attention: str) -> tuple[str, ...]:
+    """``(attention,)`` where every layer's attention module is one of the sparse attention classes cp serves
+    with gathered keys (:data:`SPARSE_ATTENTION`), else ``()`` (an indexer of another kind is refused)."""
+    served = all(type(submodule(layer, attention)).__name__ in SPARSE_ATTENTION for layer in layers)
+    return (attention,) if attention and served else ()
 
 
 def _final_norm(decoder: nn.Module, top: str, ran: tuple[str, ...]) -> str | None:
@@ -276,17 +304,19 @@ def derive_layout(model: nn.Module) -> Layout:
         recording = Recording(DECODER.layer_inputs, (), False)
     else:
         recording = record_forward(model, decoder, layers, layers_path, top)
-    indexers = _key_selectors(layers, layers_path)
+    sparse = _sparse_attention(layers, attention)
+    indexers = [] if sparse else _key_selectors(layers, layers_path)
     if indexers:
         raise LayoutError(
             f"{indexers[0]}: an indexer selects keys per query (sparse attention) inside the attention "
             "module, where each cp rank would score its own slice; on a sequence no longer than its "
-            "selection it takes every key, so a short probe cannot vouch for it. cp does not serve sparse "
-            "attention yet: run this model without cp"
+            "selection it takes every key, so a short probe cannot vouch for it. cp serves DeepSeek's sparse "
+            f"attention ({', '.join(SPARSE_ATTENTION)}), not this kind yet: run this model without cp"
         )
     norm = _final_norm(decoder, top, recording.children)
     final = _join(decoder_path, norm) if norm else _join(layers_path, str(len(layers) - 1))
-    restores = bool(recording.children) and restores_length(model, model.get_submodule(final))
+    runs = recording.children.count(norm) if recording.looped and norm else 1
+    restores = bool(recording.children) and restores_length(model, model.get_submodule(final), runs)
     return replace(
         DECODER,
         name=f"derived:{top_config.model_type}",
@@ -297,6 +327,7 @@ def derive_layout(model: nn.Module) -> Layout:
         final_norm=final,
         kv_heads=kv_heads,
         mlp_width=width,
+        hidden=recording.hidden,
         layer_inputs=recording.layer_inputs,
         head_transforms=tuple(name for name in HEAD_TRANSFORMS if getattr(config, name, None)),
         tensor_parallel=plan,
@@ -310,6 +341,8 @@ def derive_layout(model: nn.Module) -> Layout:
         ),
         recurrent=recurrent,
         pointwise=pointwise,
+        sparse_attention=sparse,
         labels_shifted=recording.labels_shifted,
         restores_length=restores,
+        looped=recording.looped,
     )

@@ -1,6 +1,8 @@
-"""Attention of the families that compute it in their own code (Bloom, GPT-Neo, MPT, XGLM), rewritten to
-call it through transformers' attention registry, as its newer models do, so that cp's attention serves it
-(Falcon's own code calls the registry since transformers 5.25, its ALiBi folded into the mask).
+"""Attention of the families that compute it in their own code (Bloom, GPT-Neo, MPT, XGLM; and the classics
+whose own code is plain attention: OpenAI GPT, GPT-NeoX-Japanese, MegatronBERT, RemBERT, RoFormer, TrOCR,
+BigBird's ``original_full``), rewritten to call it through transformers' attention registry, as its newer
+models do, so that cp's attention serves it (Falcon's own code calls the registry since transformers 5.25,
+its ALiBi folded into the mask). What cpshard does not rewrite, it names (:data:`NOT_REWRITTEN`).
 
 Each forward is the family's own: its projections, output projection and dropout, read from the pinned
 transformers, and each rewrite is checked against the code it was written for before it goes in
@@ -18,6 +20,7 @@ refuse ALiBi and GPT-Neo's window with a clear error.
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
@@ -57,7 +60,8 @@ def _eager_then(hide):
 
     def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         key, value = (repeat_kv(x, module.num_key_value_groups) for x in (key, value))
-        scores = torch.matmul(query, key.transpose(2, 3)) * scaling + attention_mask
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        scores = scores if attention_mask is None else scores + attention_mask
         weights = nn.functional.softmax(hide(scores, attention_mask).float(), dim=-1).to(value.dtype)
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
         return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
@@ -75,8 +79,22 @@ def _clamped(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.max(scores, torch.full((), _hidden_value(scores.dtype), device=scores.device))
 
 
+#: the score OpenAI GPT gives a later key, whatever q·k (its padding mask added after)
+_OPENAI_LATER = -1e4
+
+
+def _later_fixed(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """OpenAI GPT's ``w * b - 1e4 * (1 - b)``: a later key's score is -1e4 plus the padding mask (what
+    :func:`_openai` put in ``mask`` there), gradient 0; a row of padding sees only those. The causal part
+    comes from the shape: the queries and keys are whole sequences from their first position (one process,
+    Ulysses; the ring refuses a mask of -1e4)."""
+    later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+    fixed = torch.full((), _OPENAI_LATER, dtype=scores.dtype, device=scores.device)
+    return torch.where(later, fixed if mask is None else mask, scores)
+
+
 #: the families whose own code treats hidden scores otherwise than by adding the mask
-_HIDING = {"MptAttention": _filled, "XGLMAttention": _clamped}
+_HIDING = {"MptAttention": _filled, "XGLMAttention": _clamped, "Attention": _later_fixed}
 #: the eager attention of those, and of GPT-Neo (float32 scores, its weights cast to the values' dtype)
 _EAGER = {name: _eager_then(hide) for name, hide in _HIDING.items()} | {
     "GPTNeoSelfAttention": _eager_then(lambda scores, mask: scores)
@@ -163,20 +181,106 @@ def _mpt(module, config, hidden_states, position_bias, cache=None, attention_mas
     return module.out_proj(output), weights
 
 
+def _self_attention_only(module: nn.Module, other_states) -> None:
+    """Refuse cross-attention (keys from other states, an encoder's): cp splits a decoder's own sequence."""
+    if other_states is not None:
+        raise ValueError(
+            f"{type(module).__name__}: cross-attention is not a decoder's self-attention; cp cannot serve it"
+        )
+
+
+def _cached(cache, key, value, module: nn.Module, kwargs: dict):
+    """``key`` and ``value`` after the past in ``cache`` (an encoder-decoder cache: its self-attention part),
+    or as they are without one."""
+    if cache is None:
+        return key, value
+    return getattr(cache, "self_attention_cache", cache).update(key, value, module.layer_idx, kwargs=kwargs)
+
+
 def _xglm(module, config, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
-    if key_value_states is not None:
-        raise ValueError("XGLM's cross-attention is not a decoder's self-attention: cp does not serve it")
+    """XGLM's attention, and TrOCR's and MVP's (the same code, hidden scores without XGLM's clamp)."""
+    _self_attention_only(module, key_value_states)
     batch, length = hidden_states.shape[:2]
     query = (module.q_proj(hidden_states) * module.scaling).view(batch, length, -1, module.head_dim)
     key, value = (
         p(hidden_states).view(batch, length, -1, module.head_dim) for p in (module.k_proj, module.v_proj)
     )
     query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-    if cache is not None:
-        key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
-    mask = _additive(_whole(attention_mask, "XGLM"), query.dtype)
+    key, value = _cached(cache, key, value, module, kwargs)
+    mask = _additive(_whole(attention_mask, type(module).__name__.removesuffix("Attention")), query.dtype)
     output, weights = _attend(module, config, query, key, value, mask, 1.0, module.dropout)
     return module.out_proj(output), weights
+
+
+def _mvp(module, config, hidden_states, attn_prompt=None, **kwargs):
+    """MVP's attention: BART's, as XGLM's; its prompts (``use_prompt``) are keys and values put before the
+    sequence's in every layer, where cp's attention sees the sequence's alone."""
+    if attn_prompt is not None:
+        raise ValueError(
+            "MVP's prompts (config.use_prompt) put keys before the sequence's inside attention, which cp's "
+            "attention does not see: set use_prompt=False, or run this model without cp"
+        )
+    return _xglm(module, config, hidden_states, **kwargs)
+
+
+def _own(module: nn.Module, name: str):
+    """``name`` from the modeling module that defines ``module``'s class (imported already, with it)."""
+    return getattr(sys.modules[type(module).__module__], name)
+
+
+def _openai(module, config, x, attention_mask=None, output_attentions=False):
+    query, key, value = (
+        module.split_heads(part) for part in module.c_attn(x).split(module.split_size, dim=2)
+    )
+    mask = attention_mask  # OpenAI GPT's padding mask, [B, 1, 1, keys]: the later keys' -1e4 goes in first
+    if mask is not None:
+        later = torch.ones(mask.shape[-1], mask.shape[-1], device=mask.device).tril().bool()
+        mask = additive_mask(later, mask.dtype, _OPENAI_LATER) + mask
+    scaling = value.shape[-1] ** -0.5 if module.scale else 1.0
+    output, weights = _attend(module, config, query, key, value, mask, scaling, module.attn_dropout.p)
+    return [module.resid_dropout(module.c_proj(output))] + ([weights] if output_attentions else [])
+
+
+def _gpt_neox_japanese(
+    module, config, hidden_states, attention_mask, position_embeddings, layer_past=None, **kwargs
+):
+    qkv = module.query_key_value(hidden_states)
+    qkv = qkv.view(*qkv.shape[:-1], module.num_attention_heads, 3 * module.head_size).permute(0, 2, 1, 3)
+    query, key, value = qkv.split(module.head_size, dim=-1)
+    cos, sin = position_embeddings
+    rotated = _own(module, "apply_rotary_pos_emb")(
+        query[..., : module.rotary_ndims], key[..., : module.rotary_ndims], cos, sin
+    )
+    query, key = (
+        torch.cat((r, x[..., module.rotary_ndims :]), dim=-1) for r, x in zip(rotated, (query, key))
+    )
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, module.layer_idx)
+    output, weights = _attend(
+        module, config, query, key, value, attention_mask, 1 / module.norm_factor, module.attention_dropout.p
+    )
+    return module.dense(output), weights, module.dense_bias
+
+
+def _bert(
+    module, config, hidden_states, attention_mask=None, encoder_hidden_states=None, cache=None, **kwargs
+):
+    """BERT's self-attention of its own (MegatronBERT, RemBERT, BigBird's ``original_full``; RoFormer with
+    its rotary, on v too where ``rotary_value``), as a decoder."""
+    _self_attention_only(module, encoder_hidden_states)
+    shape = (*hidden_states.shape[:-1], -1, module.attention_head_size)
+    query, key, value = (
+        p(hidden_states).view(shape).transpose(1, 2) for p in (module.query, module.key, module.value)
+    )
+    rotary = kwargs.get("sinusoidal_pos")
+    if rotary is not None:
+        rotated = module.apply_rotary_position_embeddings(
+            rotary, query, key, value if module.rotary_value else None
+        )
+        query, key, value = (*rotated, value)[:3]
+    key, value = _cached(cache, key, value, module, kwargs)
+    scaling = module.attention_head_size**-0.5
+    return _attend(module, config, query, key, value, attention_mask, scaling, module.dropout.p)
 
 
 #: each family's attention class, by name, and its forward through the registry
@@ -185,10 +289,43 @@ FORWARDS = {
     "GPTNeoSelfAttention": _gpt_neo,
     "MptAttention": _mpt,
     "XGLMAttention": _xglm,
+    "Attention": _openai,
+    "GPTNeoXJapaneseAttention": _gpt_neox_japanese,
+    "MegatronBertSelfAttention": _bert,
+    "RemBertSelfAttention": _bert,
+    "RoFormerSelfAttention": _bert,
+    "TrOCRAttention": _xglm,
+    "BigBirdSelfAttention": _bert,
+    "MvpAttention": _mvp,
+}
+#: attention of causal LM types that cpshard does not rewrite, by class (its modeling module under
+#: ``transformers.models``), and why: none is causal attention over one sequence that a registry function
+#: could compute, or its model does what a cut sequence cannot follow (CPM-Ant's prompt, GIT's image
+#: tokens, XLM's layers that are no modules)
+NOT_REWRITTEN = {
+    "big_bird.modeling_big_bird.BigBirdBlockSparseAttention": "BigBird's block-sparse attention (sliding, "
+    "global and random blocks, in both directions; attention_type='original_full' is served)",
+    "xlnet.modeling_xlnet.XLNetRelativeAttention": "XLNet's two-stream relative attention (a permutation LM: "
+    "content and query streams over a memory, in both directions unless attn_type='uni')",
+    "reformer.modeling_reformer.LSHSelfAttention": "Reformer's LSH attention (keys hashed into buckets, "
+    "sorted and attended in chunks)",
+    "reformer.modeling_reformer.LocalSelfAttention": "Reformer's chunked local attention (each chunk attends "
+    "to itself and the chunks before it)",
+    "prophetnet.modeling_prophetnet.ProphetNetNgramSelfAttention": "ProphetNet's n-stream self-attention (n "
+    "streams that predict the next n tokens beside the main stream)",
+    "cpmant.modeling_cpmant.CpmAntAttention": "CPM-Ant's attention (a position bias per query and key) over "
+    "prompt tokens its model puts before the sequence and cuts off after its encoder, which on a rank's "
+    "slice would cut other rows",
+    "git.modeling_git.GitSelfAttention": "GIT's attention (BERT's, after image tokens: its causal LM's loss "
+    "skips the image tokens' positions, so it needs pixel_values beside token ids and labels)",
+    "xlm.modeling_xlm.MultiHeadAttention": "XLM's attention, in no layer module (its model's forward runs "
+    "lists of attentions, norms and FFNs and masks the whole sequence between them) and in both directions "
+    "unless config.causal",
 }
 #: what each rewrite was written against: its family's modeling module, and there the attention class, the
 #: layer that calls it (the arguments it is given), the model's forward (its mask and ALiBi) and the ALiBi
-#: builder, each with the fingerprint of its code in transformers 5.24.0 and 5.25.0 (the same in both)
+#: or rotary builder, each with the fingerprint of its code in transformers 5.25.0 (Bloom's, GPT-Neo's,
+#: MPT's and XGLM's the same in 5.24.0)
 WRITTEN_AGAINST = {
     "BloomAttention": (
         "transformers.models.bloom.modeling_bloom",
@@ -225,12 +362,90 @@ WRITTEN_AGAINST = {
             "XGLMModel.forward": "aac31ef6192f82c1",
         },
     ),
+    "Attention": (
+        "transformers.models.openai.modeling_openai",
+        {
+            "Attention": "4cc2237a174337de",
+            "Block": "01341b9ec98c2857",
+            "OpenAIGPTModel.forward": "51a1baeebe622801",
+        },
+    ),
+    "GPTNeoXJapaneseAttention": (
+        "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese",
+        {
+            "GPTNeoXJapaneseAttention": "7a763802f227e2f8",
+            "GPTNeoXJapaneseLayer": "f4240bf1cdc37226",
+            "GPTNeoXJapaneseModel.forward": "69a8511127057955",
+            "apply_rotary_pos_emb": "78f654a6b1ef507c",
+        },
+    ),
+    "MegatronBertSelfAttention": (
+        "transformers.models.megatron_bert.modeling_megatron_bert",
+        {
+            "MegatronBertSelfAttention": "940373d7113e962a",
+            "MegatronBertAttention": "53825ebac7dab54d",
+            "MegatronBertModel.forward": "c3e8ae18e583ac7c",
+        },
+    ),
+    "RemBertSelfAttention": (
+        "transformers.models.rembert.modeling_rembert",
+        {
+            "RemBertSelfAttention": "dc49a1d92a45b875",
+            "RemBertAttention": "111345e31af67aef",
+            "RemBertModel.forward": "0a91dbc6d062606f",
+        },
+    ),
+    "RoFormerSelfAttention": (
+        "transformers.models.roformer.modeling_roformer",
+        {
+            "RoFormerSelfAttention": "c50147aca55c58f9",
+            "RoFormerAttention": "9a78d1d9b987d05a",
+            "RoFormerEncoder.forward": "eb727af059b22cae",
+            "RoFormerModel.forward": "51c159815d725c8b",
+        },
+    ),
+    "BigBirdSelfAttention": (
+        "transformers.models.big_bird.modeling_big_bird",
+        {
+            "BigBirdSelfAttention": "54bcc4026a92433e",
+            "BigBirdAttention": "ed8b26eb9453aa96",
+            "BigBirdModel.forward": "5167fc83c7b8f1ca",
+        },
+    ),
+    "MvpAttention": (
+        "transformers.models.mvp.modeling_mvp",
+        {
+            "MvpAttention": "0dd37bbf5e4c489a",
+            "MvpDecoderLayer": "997b6e84dd638e34",
+            "MvpDecoder.forward": "2a5776184ed9e25d",
+        },
+    ),
+    "TrOCRAttention": (
+        "transformers.models.trocr.modeling_trocr",
+        {
+            "TrOCRAttention": "7c791d3afd56d208",
+            "TrOCRDecoderLayer": "aee8042d338b679d",
+            "TrOCRDecoder.forward": "36c9c2f9fdc5ee2b",
+        },
+    ),
 }
 
 
 def rewritten(module: nn.Module) -> bool:
-    """Whether ``module``'s class is one whose attention this module rewrites."""
-    return type(module).__name__ in FORWARDS
+    """Whether ``module``'s class is one whose attention this module rewrites (by name and modeling module:
+    OpenAI GPT's ``Attention`` shares its name with FSMT's)."""
+    family = WRITTEN_AGAINST.get(type(module).__name__)
+    return family is not None and type(module).__module__ == family[0]
+
+
+def not_rewritten(module: nn.Module) -> str | None:
+    """Why cpshard does not rewrite the attention inside ``module`` (:data:`NOT_REWRITTEN`), None where it
+    has no reason on record."""
+    for inner in module.modules():
+        name = f"{type(inner).__module__.removeprefix('transformers.models.')}.{type(inner).__name__}"
+        if name in NOT_REWRITTEN:
+            return NOT_REWRITTEN[name]
+    return None
 
 
 def score_bias(module: nn.Module, config) -> str | None:

@@ -57,6 +57,9 @@ XLSTM = "xLSTMLayer"
 ZAYA_CCA = "ZayaCCAProjection"
 #: Inkling's decoder layer: four convolutions, attention that places its queries by index (kernel "inkling")
 INKLING = "InklingDecoderLayer"
+#: attention modules whose indexer selects keys per query (DeepSeek's sparse attention), which cp serves with
+#: the rank's queries against gathered keys (:mod:`cpshard.attention.sparse`)
+SPARSE_ATTENTION = ("DeepseekV32Attention", "GlmMoeDsaAttention", "AXK2Attention", "Dots3NoteTextAttention")
 #: the recurrent kernels served by hooks on a mixer of a known class, not by a kernel slot
 HOOKED = MappingProxyType(
     {
@@ -154,7 +157,8 @@ class Layout:
     heads: str
     kv_heads: str | None
     mlp_width: str | None
-    #: the residual stream, cut once at the first decoder layer (a slice: no communication)
+    #: the residual stream, cut once at the first decoder layer (a slice: no communication); in a looped
+    #: layout, at its first entry only
     hidden: tuple[Spec, Spec]
     #: q, k and v: sequence-split in, head-split out (one all-to-all each)
     qkv: tuple[Spec, Spec]
@@ -178,12 +182,19 @@ class Layout:
     #: parameters of the attention module with one entry per head on dim 0 (attention sinks): under
     #: Ulysses each rank's attention sees the entries of its own heads
     per_head_params: tuple[str, ...] = ()
+    #: attention modules inside a decoder layer whose indexer selects keys per query (one of
+    #: :data:`SPARSE_ATTENTION`): each rank's queries attend over keys gathered whole, not exchanged
+    sparse_attention: tuple[str, ...] = ()
     #: the model's own loss reads ``labels`` as already shifted (BART's causal LMs): cp_forward then
     #: takes a batch's ``labels`` as its ``shift_labels``
     labels_shifted: bool = False
     #: the decoder reshapes its final hidden states to the input's length (GPT-2's ``view(output_shape)``):
     #: each rank's rows are given in a tensor of that length, and taken out again at the LM head
     restores_length: bool = False
+    #: the decoder enters its layers more than once per forward (Dory's recurrent section): the stream is cut
+    #: where it comes in whole, later entries take the slice on; the final norm runs between passes too, so
+    #: the order stays contiguous (undone on its output, it would be undone mid-stream)
+    looped: bool = False
     #: each decoder layer's MLP module (dense: token by token), which ``make_cp_forward(mlp_tile=N)`` runs
     #: a block of tokens at a time (:mod:`cpshard.runtime.tiled_mlp`)
     mlp: str | None = None

@@ -2,8 +2,12 @@
 (:mod:`cpshard.layouts.derive`): the per-position inputs each decoder layer receives (by name or by
 position; a value one layer returns and the next receives is carried, not cut), the order in which the
 decoder's own children ran, whether the loss reads ``labels`` as already shifted (BART's causal LMs), and
-whether the decoder reshapes its output to the input's length (GPT-2). Refused here, naming the layer: a
-residual stream not shaped ``[b, s, d]``, layers entered more than once per forward, a model that does not
+whether the decoder reshapes its output to the input's length (GPT-2). The residual stream may hold several
+copies of each token (DeepSeek-V4's hyper-connections ``[b, s, n, d]``, Gemma 3n's AltUp ``[n, b, s, d]``):
+its spec says where the sequence sits; the mixing across copies is per token, so the cut stays a slice.
+Layers entered more than once per forward (Dory's recurrent section) are looped: the stream is cut at its
+first entry only. Refused here, naming the layer: a residual stream whose sequence dim cannot be told, layers
+of the same kind run from another list beside the decoder's (HRM's H and L stacks), a model that does not
 run on token ids and labels alone. No gradients.
 """
 
@@ -35,6 +39,29 @@ def _sequence_spec(tensor: torch.Tensor) -> tuple | None:
     return specs(" ".join(["b", *names]), " ".join(["b", *names]).replace(" s", " s@cp", 1))
 
 
+def _stream_spec(hidden) -> tuple | None:
+    """(before, after) specs for the residual stream the first layer receives: ``b s d`` (the generic
+    decoder's, as it is), or with a dim of copies ``n`` wherever the model keeps it (``b s n d``,
+    ``n b s d``), the probe's batch of one telling ``b`` from ``n``. None where they cannot be told."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (3, 4):
+        return None
+    if hidden.dim() == 3:
+        return specs("b s d", "b s@cp d")
+    shape = list(hidden.shape[:-1])
+    if shape.count(PROBE_LENGTH) != 1 or shape.count(1) != 1:
+        return None
+    names = " ".join(["s" if size == PROBE_LENGTH else "b" if size == 1 else "n" for size in shape] + ["d"])
+    return specs(names, names.replace("s", "s@cp", 1))
+
+
+def _parts(value) -> tuple:
+    """The tensors of one layer argument: a rotary pair's two, or every pair's of a dict of them per rope
+    type (DeepSeek-V4's ``{"main": ..., "compress": ...}``), cut alike."""
+    if isinstance(value, dict):
+        return tuple(part for inner in value.values() for part in _parts(inner))
+    return value if isinstance(value, tuple) else (value,)
+
+
 def _layer_arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict:
     """A decoder layer's arguments by name, positional ones included (Gemma4 passes its per-layer input
     second, unnamed)."""
@@ -56,6 +83,10 @@ class Recording:
     layer_inputs: tuple
     children: tuple[str, ...]
     labels_shifted: bool
+    #: the residual stream's (before, after) specs
+    hidden: tuple = specs("b s d", "b s@cp d")
+    #: some layer ran more than once (looped layers)
+    looped: bool = False
 
 
 def record_forward(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_path: str, top: str):
@@ -68,12 +99,13 @@ def record_forward(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, 
         calls.append(module)
         children.append(top)
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if module is layers[0] and (not isinstance(hidden, torch.Tensor) or hidden.dim() != 3):
-            shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-            seen["hidden"] = shape
+        if module is layers[0]:
+            seen["hidden"] = _stream_spec(hidden) or (
+                list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            )
         named = _layer_arguments(module, args, kwargs)
         for key, value in list(named.items())[1:]:
-            parts = value if isinstance(value, tuple) else (value,)
+            parts = _parts(value)
             if "mask" in key or key in PER_KEY_INPUTS or not all(isinstance(v, torch.Tensor) for v in parts):
                 continue
             if any(id(v) in produced for v in parts):
@@ -85,7 +117,12 @@ def record_forward(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, 
     def carried(module, args, output):
         produced.update((id(v), v) for v in (output if isinstance(output, tuple) else (output,)))
 
+    strays = []  # layers of the same kind run from outside ``layers``
     handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    handles += [
+        stray.register_forward_pre_hook(lambda *_, path=path: strays.append(path))
+        for path, stray in _layers_beside(model, layers)
+    ]
     handles += [layer.register_forward_hook(carried) for layer in layers]
     handles += [
         child.register_forward_hook(lambda *_, name=name: children.append(name))
@@ -105,25 +142,42 @@ def record_forward(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, 
     finally:
         for handle in handles:
             handle.remove()
-    if "hidden" in seen:
+    if not isinstance(seen["hidden"], tuple):
         raise LayoutError(
             f"{layers_path}.0 receives a residual stream of shape {seen['hidden']}, not [batch, sequence, "
-            "hidden]: cpshard cuts a stream of that shape only"
+            "hidden] with at most one dim of copies: cpshard cannot tell which dim to cut"
         )
-    if calls.count(layers[0]) > 1:
+    if strays:
         raise LayoutError(
-            f"{layers_path}.0 runs {calls.count(layers[0])} times in one forward (looped layers): the "
-            "sequence would be cut again on each pass"
+            f"{strays[0]} ({type(layers[0]).__name__}) runs beside {layers_path} in one forward: the decoder "
+            "passes the stream through more than one list of layers (HRM's H and L stacks, which add "
+            "whole-sequence states to it before every pass), and cpshard cuts it once, at one list's entry"
         )
     inputs = tuple((key, *pair) for key, pair in seen.get("inputs", {}).items())
-    return Recording(inputs, tuple(children), _reads_labels_shifted(output, ids))
+    labels_shifted = _reads_labels_shifted(output, ids)
+    looped = len({id(layer) for layer in calls}) < len(calls)
+    return Recording(inputs, tuple(children), labels_shifted, seen["hidden"], looped=looped)
 
 
-def restores_length(model: nn.Module, final: nn.Module) -> bool:
+def _layers_beside(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, nn.Module]]:
+    """The model's modules of the first layer's class outside ``layers`` (HRM's second stack), by path; not
+    those inside a layer (Zamba's hybrid layers hold a Mamba layer)."""
+    kind, own = type(layers[0]), {id(module) for module in layers.modules()}
+    return [(path, m) for path, m in model.named_modules() if type(m) is kind and id(m) not in own]
+
+
+def restores_length(model: nn.Module, final: nn.Module, runs: int = 1) -> bool:
     """Whether the model fails when its final hidden states are one position short, as a cp rank's are:
-    the decoder reshapes them to the input's length (GPT-2's ``view(output_shape)``)."""
+    the decoder reshapes them to the input's length (GPT-2's ``view(output_shape)``). ``final`` runs
+    ``runs`` times per forward (Dory's norm, between loops too): only its last output is the final one."""
+    ran = []
 
     def short(module, args, output):
+        ran.append(module)
+        if len(ran) != runs:
+            return None
+        if isinstance(output, tuple | list):  # a post-norm layer's outputs (OpenAI GPT's blocks: a list)
+            return type(output)((output[0][:, :-1], *output[1:]))
         return output[:, :-1] if isinstance(output, torch.Tensor) else None
 
     handle = final.register_forward_hook(short)

@@ -21,6 +21,8 @@ from cpshard.interfaces import Hook
 
 
 def _cut(value, before, after, call: CallPlan):
+    if isinstance(value, dict):  # a rotary pair per rope type (DeepSeek-V4)
+        return {key: _cut(v, before, after, call) for key, v in value.items()}
     if isinstance(value, tuple):
         return tuple(_cut(v, before, after, call) for v in value)
     if not isinstance(value, torch.Tensor):
@@ -46,7 +48,7 @@ def _cut_layer_inputs(first: bool, names: tuple[str, ...], module, args, kwargs)
     if call is None:
         return None
     layout = call.layout
-    if first:
+    if first and _enters_whole(args[0] if args else kwargs["hidden_states"], call):
         if args:
             args = (_cut(args[0], *layout.hidden, call), *args[1:])
         else:
@@ -62,6 +64,24 @@ def _cut_layer_inputs(first: bool, names: tuple[str, ...], module, args, kwargs)
     return args, kwargs
 
 
+def _enters_whole(stream: torch.Tensor, call: CallPlan) -> bool:
+    """Whether the residual stream comes into the first layer whole, to be cut: always, but in a looped
+    layout only at its first entry; a later one brings the slice the layers gave back, cut already."""
+    layout = call.layout
+    return not layout.looped or stream.shape[layout.hidden[1].sharded_dim("cp")] == call.padded_length
+
+
+@torch._dynamo.disable
+def _cut_at_norm(module, args, kwargs):
+    """In a looped layout the final norm may meet the stream before any layer (Dory without input layers
+    normalizes the embeddings it adds back before every pass): it is cut there, so that what comes back is
+    the slice."""
+    call = split_call()
+    if call is None or not call.layout.looped or not args or not _enters_whole(args[0], call):
+        return None
+    return (_cut(args[0], *call.layout.hidden, call), *args[1:]), kwargs
+
+
 def _for_compiled_layer(layer, args, kwargs, call: CallPlan) -> None:
     """What a compiled layer's attention needs, resolved out here (see :mod:`cpshard.comm.channel`); the
     sequence dims marked dynamic, so that the first compile serves every length."""
@@ -73,7 +93,10 @@ def _for_compiled_layer(layer, args, kwargs, call: CallPlan) -> None:
             kwargs["attention_mask"] = mask
         for dim in (-2, -1):
             torch._dynamo.maybe_mark_dynamic(mask, dim % mask.dim())
-    cut = [args[0] if args else kwargs["hidden_states"]]
+    stream = args[0] if args else kwargs["hidden_states"]
+    if isinstance(stream, torch.Tensor):  # its sequence dim where the spec puts it (Gemma 3n's ``n b s d``)
+        torch._dynamo.maybe_mark_dynamic(stream, call.layout.hidden[1].sharded_dim("cp"))
+    cut = []
     for key, _, _ in call.layout.layer_inputs:
         value = kwargs.get(key)
         cut += value if isinstance(value, tuple) else [value]
@@ -95,13 +118,14 @@ def _contiguous_again(module, args, output):
     call = split_call()
     if call is None or (call.order == "contiguous" and not call.layout.restores_length):
         return None
-    hidden = output[0] if isinstance(output, tuple) else output
+    several = isinstance(output, tuple | list)  # a layer's outputs (OpenAI GPT's blocks: a list)
+    hidden = output[0] if several else output
     if call.order != "contiguous":
         group = call.mesh.get_group("cp")
         hidden = to_chunks(hidden, 1, call.order, call.padded_length, call.length, group, "undo order")
     if call.layout.restores_length:
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, call.padded_length - hidden.shape[1]))
-    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+    return type(output)((hidden, *output[1:])) if several else hidden
 
 
 def held_rows_only(hidden: torch.Tensor) -> torch.Tensor:
@@ -121,8 +145,9 @@ def _head_input(module, args, kwargs):
 
 
 def cut_hooks(layers: torch.nn.ModuleList, final_norm: torch.nn.Module, head: torch.nn.Module) -> list[Hook]:
-    """The cut on every decoder layer (the first also cuts the residual stream), the order undone after
-    the final norm (or the last layer), and the rows this rank holds taken at the LM ``head``."""
+    """The cut on every decoder layer (the first also cuts the residual stream; in a looped layout, the
+    final norm too where the stream meets it whole), the order undone after the final norm (or the last
+    layer), and the rows this rank holds taken at the LM ``head``."""
     cuts = [
         Hook(
             layer,
@@ -131,4 +156,5 @@ def cut_hooks(layers: torch.nn.ModuleList, final_norm: torch.nn.Module, head: to
         )
         for index, layer in enumerate(layers)
     ]
-    return [*cuts, Hook(final_norm, _contiguous_again, pre=False), Hook(head, _head_input, pre=True)]
+    ends = [Hook(final_norm, _cut_at_norm, pre=True), Hook(final_norm, _contiguous_again, pre=False)]
+    return [*cuts, *ends, Hook(head, _head_input, pre=True)]

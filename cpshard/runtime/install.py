@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 
 from cpshard.attention.cp_attention import PREFIX as ATTENTION_PREFIX
 from cpshard.attention.cp_attention import cp_attention_name
+from cpshard.attention.sparse import sparse_attention_hooks
 from cpshard.interfaces import install_hooks
 from cpshard.layouts.family_attention import rewrite, rewritten
 from cpshard.layouts.layout import Layout, attention_layers
@@ -86,7 +87,8 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
     layers = model.get_submodule(layout.decoder_layers)
     # one install: a recurrent mixer may be the layer itself (Inkling's), which holds a cut hook too
     cut = cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings())
-    install_hooks(cut + install_recurrent(layers, layout.recurrent, layout.decoder_layers))
+    sparse = sparse_attention_hooks(layers, layout.decoder_layers, layout.sparse_attention)
+    install_hooks(cut + install_recurrent(layers, layout.recurrent, layout.decoder_layers) + sparse)
     if layout.experts:
         install_experts(model)
     if tiles_mlp:

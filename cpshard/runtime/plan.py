@@ -80,6 +80,11 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
         check_compiled_parallelism(tp, ep)
     if layout.recurrent:
         check_recurrent_parallelism(layout, options, tp, ep)
+    if layout.sparse_attention and max(tp, ep) > 1:
+        raise ValueError(
+            f"tp={tp}, ep={ep}: cp serves the sparse attention of {layout.sparse_attention} (keys gathered "
+            "whole) with cp alone (and fsdp) yet"
+        )
     if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
         raise ValueError(
             f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
@@ -138,17 +143,34 @@ def _packed_refusal(layout: Layout) -> str | None:
     )
 
 
-def choose_order(sequence_order: str, implementation: str, batch: dict, recurrent: bool = False) -> str:
+def _contiguous_only(layout: Layout) -> str | None:
+    """Why ``layout`` runs in contiguous order only (None: it takes any)."""
+    if layout.recurrent:
+        return (
+            "the model's linear-attention layers carry a state along the sequence, passed from rank to rank "
+            "in contiguous order"
+        )
+    if layout.looped:
+        return (
+            f"the model enters its layers more than once per forward and runs its final norm "
+            f"({layout.final_norm}) between the passes too, where another order would be undone mid-stream"
+        )
+    return None
+
+
+def choose_order(
+    sequence_order: str, implementation: str, batch: dict, contiguous_only: str | None = None
+) -> str:
     """The sequence order: the one asked for, else contiguous for Ulysses (its attention sees whole
-    sequences) and for models with recurrent layers (their state passes from rank to rank along the
-    sequence), striped for ring and hybrid on packed documents, head-tail on whole ones."""
-    if recurrent and sequence_order not in ("auto", "contiguous"):
+    sequences) and for layouts that hold to it (``contiguous_only`` says why: recurrent layers pass their
+    state from rank to rank along the sequence), striped for ring and hybrid on packed documents, head-tail
+    on whole ones."""
+    if contiguous_only and sequence_order not in ("auto", "contiguous"):
         raise ValueError(
-            f"sequence_order={sequence_order!r}: the model's linear-attention layers carry a state along the "
-            "sequence, passed from rank to rank in contiguous order; pass sequence_order='auto' or "
+            f"sequence_order={sequence_order!r}: {contiguous_only}; pass sequence_order='auto' or "
             "'contiguous'"
         )
-    if recurrent:
+    if contiguous_only:
         return "contiguous"
     if sequence_order != "auto":
         if implementation == "ulysses" and sequence_order != "contiguous":
@@ -252,6 +274,6 @@ def plan_call(
     if layout.labels_shifted:
         batch = labels_read_as_shifted(batch)
     check_batch(batch, mesh, getattr(text_config(model), "vocab_size", None), _packed_refusal(layout))
-    order = choose_order(options.sequence_order, implementation, batch, bool(layout.recurrent))
+    order = choose_order(options.sequence_order, implementation, batch, _contiguous_only(layout))
     padded = pad_batch(batch, cp_size(mesh), getattr(text_config(model), "pad_token_id", None), order)
     return _call_plan(layout, options, module_names, mesh, (implementation, degree, order), padded), padded

@@ -55,17 +55,27 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def _first(output):
-    return output[0] if isinstance(output, tuple) else output
+    return output[0] if isinstance(output, tuple | list) else output  # OpenAI GPT's blocks: a list
 
 
-def _layer_outputs(layers, final, run) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Each layer's output hidden states during ``run()`` and, under a cp call, the real positions this
-    rank holds (None outside one: the whole sequence). The ``final`` module's output (a post-norm decoder's
-    last layer) is already back in contiguous order, its real rows first."""
+def _batch_and_sequence_first(hidden: torch.Tensor, stream) -> torch.Tensor:
+    """A layer's output with its batch and sequence dims first, where the residual ``stream``'s spec puts
+    them elsewhere (Gemma 3n's copies ``n b s d``), so that one process and cp compare the same rows."""
+    names = [dim.name for dim in stream.dims]
+    return (
+        hidden.movedim((names.index("b"), names.index("s")), (0, 1)) if hidden.dim() == len(names) else hidden
+    )
+
+
+def _layer_outputs(layers, final, stream, run) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each layer's output hidden states during ``run()`` (batch and sequence first, whatever the residual
+    ``stream``'s spec) and, under a cp call, the real positions this rank holds (None outside one: the
+    whole sequence). The ``final`` module's output (a post-norm decoder's last layer) is already back in
+    contiguous order, its real rows first."""
     outputs = []
 
     def keep(module, args, output):
-        hidden, call, held = _first(output), split_call(), None
+        hidden, call, held = _batch_and_sequence_first(_first(output), stream), split_call(), None
         if call is not None and module is final:
             held = chunk_positions(call.length, call.cp_size, cp_rank(call.mesh))
             hidden = hidden[:, : len(held)]
@@ -145,7 +155,11 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
 
     with torch.no_grad():
         final = model.get_submodule(layout.final_norm)
-        theirs, ours = _layer_outputs(layers, final, plain), _layer_outputs(layers, final, under_cp)
+        stream = layout.hidden[0]
+        theirs, ours = (
+            _layer_outputs(layers, final, stream, plain),
+            _layer_outputs(layers, final, stream, under_cp),
+        )
     differing = [
         i
         for i, ((mine, held), (whole, _)) in enumerate(zip(ours, theirs, strict=True))

@@ -109,8 +109,13 @@ _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_group
 #: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default); a
 #: composite config's parts (its text, vision and audio configs) are looked up here by their own types
 PER_TYPE = {
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa"), _LATENT),
-    **dict.fromkeys(("longcat_flash", "minicpm3", "sarvam_mla", "youtu", "axk1", "axk2"), _LATENT),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite"), _LATENT),
+    # DeepSeek's sparse attention: a small indexer keeping 4 keys per query, fewer than the zoo's 11 tokens
+    **dict.fromkeys(
+        ("deepseek_v32", "glm_moe_dsa", "axk2"),
+        dict(_LATENT, index_n_heads=2, index_head_dim=16, index_topk=4),
+    ),
+    **dict.fromkeys(("longcat_flash", "minicpm3", "sarvam_mla", "youtu", "axk1"), _LATENT),
     **dict.fromkeys(("gpt_bigcode", "openai-gpt", "gpt2", "biogpt", "xglm", "opt", "gpt_neo"), _ABSOLUTE),
     "gptj": dict(rotary_dim=8),
     "codegen": dict(rotary_dim=8),
@@ -207,6 +212,7 @@ PER_TYPE = {
         shared_experts_intermediate_size=32,
         index_n_heads=2,
         index_head_dim=16,
+        index_topk=4,
         num_key_value_heads=4,
     ),
     "dots3_note_vision_encoder": dict(

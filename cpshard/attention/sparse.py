@@ -1,0 +1,182 @@
+"""DeepSeek's sparse attention (DSA: deepseek_v32, glm_moe_dsa, axk2, dots3_note) under cp: the queries stay,
+the keys gather.
+
+A lightning indexer scores every key for each query, sums the scores over its own heads and keeps a top-k;
+the sum over indexer heads comes before the top-k, so a head split does not fit. Under cp each rank keeps
+its queries and gathers the key side whole, in sequence order: the compressed latent and the rope key the
+module hands its cache (``cache.update``; their gradients come back reduce-scattered) and the indexer's key
+(``cache.update_indexer``; the indexer runs without gradients). A cache of no past that gathers
+(:class:`WholeKeys`) puts them in place, and the module's attention mask is cut to the rank's query rows.
+The module then runs its own code: it scores its queries against every key, selects what one process selects
+for them, expands the keys and calls the attention function, which cp passes through (its queries are the
+rank's, its keys whole: nothing to exchange). Each rank holds ``[B, L/cp, indexer heads, L]`` scores, a
+cp-th of one process's. Bytes a layer and rank: ``B x L/cp x (latent + rope + indexer key)`` elements
+forward, the latent and rope key's gradients backward.
+
+Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpshard.call import CallPlan, split_call
+from cpshard.comm.collectives import all_gather_shards
+from cpshard.comm.record import expect
+from cpshard.interfaces import Hook
+from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.layout import SPARSE_ATTENTION
+from cpshard.spec.sequence import positions
+
+#: what the hooks, the cache and the selection were written against in transformers 5.25.0, by attention class
+WRITTEN_AGAINST = {
+    "DeepseekV32Attention": (
+        "transformers.models.deepseek_v32.modeling_deepseek_v32",
+        {
+            "DeepseekV32Attention": "58a86569eff43eef",
+            "DeepseekV32Indexer": "dea91f90fed91626",
+            "DeepseekV32DecoderLayer.forward": "6638598f45b2c79d",
+        },
+    ),
+    "GlmMoeDsaAttention": (
+        "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa",
+        {
+            "GlmMoeDsaAttention": "597dea187740525e",
+            "GlmMoeDsaIndexer": "957c1665150ecfc4",
+            "GlmMoeDsaDecoderLayer.forward": "cb31dfb70f1f04f0",
+        },
+    ),
+    "AXK2Attention": (
+        "transformers.models.axk2.modeling_axk2",
+        {
+            "AXK2Attention": "a7103c9c32996eeb",
+            "AXK2Indexer": "400fa20d22ebb7cc",
+            "AXK2DecoderLayer.forward": "6638598f45b2c79d",
+        },
+    ),
+    "Dots3NoteTextAttention": (
+        "transformers.models.dots3_note.modeling_dots3_note",
+        {
+            "Dots3NoteTextAttention": "f17b75a25516585b",
+            "Dots3NoteTextIndexer": "4d3afee4875e7b0b",
+            "Dots3NoteTextDecoderLayer.forward": "6638598f45b2c79d",
+        },
+    ),
+}
+
+
+def check_sparse_attention_unchanged(class_name: str) -> None:
+    check_written_for(f"{class_name} (its keys gathered by cpshard)", *WRITTEN_AGAINST[class_name])
+
+
+def attend_selected(function, module, query, key, value, attention_mask, indices=None, **kwargs):
+    """The model's attention over the keys its indexer selected (``indices`` ``[B, S, k]``), as its eager and
+    sdpa paths select them: a module sees cpshard's implementation name, not "sdpa" or "eager", and so hands
+    the indices to the attention function (for a kernel that takes them) instead of folding them into its
+    mask; this folds them in its way (its code is fingerprinted). Under cp its queries are the rank's and its
+    keys whole: nothing to exchange."""
+    if indices is not None:
+        batch, _, rows, _ = query.shape
+        hidden = (
+            indices.new_ones((batch, rows, key.shape[2]), dtype=torch.bool)
+            .scatter(-1, indices.long(), False)
+            .unsqueeze(1)
+        )
+        if attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask & ~hidden
+        else:
+            attention_mask = attention_mask.masked_fill(hidden, torch.finfo(query.dtype).min)
+    return function(module, query, key, value, attention_mask, **kwargs)
+
+
+def selects_keys(module: nn.Module, call: CallPlan | None) -> bool:
+    """Whether ``module`` is a sparse attention module (served by :func:`attend_selected`); under a cp call
+    whose layout does not gather its keys, an error (its queries and keys would be the rank's alone)."""
+    if type(module).__name__ not in SPARSE_ATTENTION:
+        return False
+    if call is not None and not call.layout.sparse_attention:
+        raise ValueError(
+            f"{call.name_of(module)} selects its keys with an indexer, and the layout {call.layout.name!r} "
+            "does not gather them (sparse_attention): use the derived layout (layout='auto')"
+        )
+    return True
+
+
+def _rank(call: CallPlan) -> tuple[int, int]:
+    group = call.mesh.get_group("cp")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _sequence_order(call: CallPlan) -> torch.Tensor:
+    """Where each position of the ranks' slices, gathered in rank order, lies in the sequence."""
+    _, size = _rank(call)
+    held = torch.cat([positions(call.order, call.padded_length, size, r) for r in range(size)])
+    return torch.argsort(held)
+
+
+class WholeKeys:
+    """The cache a sparse attention module reads under cp: no past; what it hands on gathered over the cp
+    ranks into the whole sequence's, in order, without cp's padding: each query's row of indexer scores is
+    then one process's row, value for value, and its top-k breaks ties (many scores are exactly 0 after the
+    indexer's ReLU) as one process's does."""
+
+    def __init__(self, call: CallPlan, path: str):
+        self.call, self.path = call, path
+
+    def _whole(self, parts: list[torch.Tensor], dim: int, what: str, gradient: bool) -> list[torch.Tensor]:
+        call, (_, size) = self.call, _rank(self.call)
+        rows = [part.movedim(dim, 0).contiguous() for part in parts]
+        nbytes = sum(row.numel() * row.element_size() for row in rows)
+        expect(self.path, "all_gather", "forward", 1, nbytes)
+        if gradient:
+            expect(self.path, "reduce_scatter", "backward", 1, nbytes * size)
+        whole = all_gather_shards(
+            rows, [row.shape[0] * size for row in rows], call.mesh.get_group("cp"), what
+        )
+        order = call.shared(("sequence order",), lambda: _sequence_order(call)).to(rows[0].device)
+        return [x.index_select(0, order[: call.length]).movedim(0, dim) for x in whole]
+
+    def update(self, key_states, value_states, layer_idx: int, kwargs=None):
+        """The compressed latent and the rope key ``[B, 1, L/cp, d]``, whole."""
+        return tuple(self._whole([key_states, value_states], 2, f"{self.path} latent and rope key", True))
+
+    def update_indexer(self, key, layer_idx: int):
+        """The indexer's key ``[B, L/cp, d]``, whole."""
+        return self._whole([key], 1, f"{self.path} indexer key", False)[0]
+
+
+def _whole_keys(path: str, module, args, kwargs):
+    call = split_call()
+    if call is None:
+        return None
+    if kwargs.get("cache") is not None:
+        raise ValueError(
+            f"{path}: a cache in a cp forward; cp serves DeepSeek's sparse attention in training"
+        )
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise ValueError(
+            f"{path}: cp needs the whole [B, 1, L, L] mask the indexer scores with, got {mask!r}"
+        )
+    if mask.shape[-2:] != (call.padded_length, call.padded_length):
+        raise ValueError(f"{path}: a mask of {tuple(mask.shape)} for a sequence of {call.padded_length}")
+    rank, size = _rank(call)
+    rows = positions(call.order, call.padded_length, size, rank).to(mask.device)
+    cut = mask.index_select(2, rows)[..., : call.length]
+    return args, {**kwargs, "attention_mask": cut, "cache": WholeKeys(call, path)}
+
+
+def sparse_attention_hooks(layers: nn.ModuleList, layers_path: str, paths: tuple[str, ...]) -> list[Hook]:
+    """The pre-hook of each layer's sparse attention module (at ``paths`` inside it; checked against its
+    code first)."""
+    hooks = []
+    for index, layer in enumerate(layers):
+        for path in paths:
+            module = layer.get_submodule(path)
+            check_sparse_attention_unchanged(type(module).__name__)
+            hooks.append(Hook(module, partial(_whole_keys, f"{layers_path}.{index}.{path}"), pre=True))
+    return hooks

@@ -1,0 +1,162 @@
+"""DeepSeek's sparse attention under cp (deepseek_v32, glm_moe_dsa, axk2, dots3_note): each rank's queries
+against the keys gathered whole. Exact against the model's own code in one process (loss, logits, every
+gradient), the indexer selecting the same set of keys for every real query (ties included: many scores are
+exactly 0 after its ReLU), the bytes those of the key side alone; what it does not serve, refused on every
+rank."""
+
+import pytest
+import torch
+
+import cpshard
+from cpshard.attention import sparse
+from cpshard.comm.record import recording
+from cpshard.layouts.derive import derive_layout
+from cpshard.spec.sequence import positions
+from cpshard.tools.parity import check_parity, failing_rows
+from cpshard.tools.tiny import tiny_batch, tiny_model
+
+
+def _model(model_type: str, topk: int):
+    return tiny_model(model_type, attn_implementation="auto", index_topk=topk)
+
+
+def selections(model, run) -> list[torch.Tensor]:
+    """The indexer's top-k key indices ``[B, T, k]`` of each layer during ``run()``."""
+    found = []
+    hooks = [
+        module.register_forward_hook(lambda module, args, output: found.append(output))
+        for name, module in model.named_modules()
+        if name.endswith("indexer")
+    ]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
+
+
+def differing_selections(ours: list, theirs: list, batch: dict, order: str, length: int) -> list[tuple]:
+    """``(layer, row, position)`` of every real query whose selected keys differ from one process's, among
+    the keys it may see (a query that sees fewer keys than the top-k fills it with hidden ones, at -inf,
+    whichever: the mask hides them again)."""
+    cp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+    differing = []
+    for layer, (mine, whole) in enumerate(zip(ours, theirs, strict=True)):
+        held = positions(order, mine.shape[1] * cp, cp, rank).tolist()
+        for row in range(mine.shape[0]):
+            for index, position in enumerate(held):
+                if position >= length or not mask[row, position]:
+                    continue
+                seen = {key for key in range(position + 1) if mask[row, key]}
+                if seen & set(mine[row, index].tolist()) != seen & set(whole[row, position].tolist()):
+                    differing.append((layer, row, position))
+    return differing
+
+
+def against_one_process(
+    model_type: str, topk: int, length: int, pad: str | None, order: str, impl: str
+) -> dict:
+    model, mesh = _model(model_type, topk), cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    own = _model(model_type, topk)  # the model's own code, which cpshard never prepared ("sdpa", not its own)
+    batch = tiny_batch(model.config.vocab_size, 2, length, pad=pad)
+    forward = cpshard.make_cp_forward(model, implementation=impl, sequence_order=order)
+    params = cpshard.params_of(model)
+    forward(params, batch, mesh)  # the derived layout's probe, unrecorded
+    with recording() as log:
+        failing = failing_rows([check_parity(own, batch, mesh, forward, params)])
+    ours = selections(model, lambda: forward(params, batch, mesh))
+    with torch.no_grad():
+        theirs = selections(own, lambda: own(**batch))
+    gathered = {}
+    for event in log.events:
+        if event.name.endswith(("latent and rope key", "indexer key")):
+            gathered[event.op, event.phase] = gathered.get((event.op, event.phase), 0) + event.nbytes
+    return {
+        "failing": failing,
+        "selections differ": differing_selections(ours, theirs, batch, order, length),
+        "sparse": all(s.shape[-1] < length for s in theirs),
+        "gathered bytes": gathered,
+        "local tokens": ours[0].shape[1],
+    }
+
+
+#: (type, top-k, L, padding, sequence order, implementation): head-tail (ring's) puts the gathered keys out
+#: of sequence order, which the gather puts back
+CASES = [
+    ("deepseek_v32", 4, 37, "left", "contiguous", "ulysses"),
+    ("deepseek_v32", 4, 37, None, "head_tail", "ring"),
+    ("deepseek_v32", 16, 64, "left", "contiguous", "ulysses"),
+    ("glm_moe_dsa", 4, 37, "left", "contiguous", "ulysses"),
+    ("axk2", 4, 37, "left", "contiguous", "ulysses"),  # a gated output beside the same indexer
+    ("dots3_note_text", 4, 37, "left", "contiguous", "ulysses"),  # sliding layers without an indexer
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_sparse_attention_is_exact_at_cp2(ranks2, case):
+    for result in ranks2.run(against_one_process, *case):
+        assert result["failing"] == [] and result["selections differ"] == [], result
+        assert result["sparse"], result  # the indexer selects fewer keys than there are
+
+
+@pytest.mark.parametrize("case", [("deepseek_v32", 4, 37, "left", "head_tail", "ring")], ids=str)
+def test_sparse_attention_is_exact_at_cp4(ranks4, case):
+    config = _model(case[0], case[1]).config
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    for result in ranks4.run(against_one_process, *case):
+        assert result["failing"] == [] and result["selections differ"] == [], result
+        # per layer and rank (B = 2, fp32): its latent, rope key and indexer key all-gathered, the first two's
+        # gradients reduce-scattered (every rank's, cp = 4); no hidden states, no queries
+        per_token = 2 * 4 * result["local tokens"]
+        layers = config.num_hidden_layers
+        assert result["gathered bytes"] == {
+            ("all_gather", "forward"): layers * per_token * (latent + config.index_head_dim),
+            ("reduce_scatter", "backward"): layers * 4 * per_token * latent,
+        }, result
+
+
+def refusals() -> list[str]:
+    messages = []
+    model = _model("deepseek_v32", 4)
+    batch = tiny_batch(model.config.vocab_size, 2, 16)
+    attempts = [
+        lambda: cpshard.make_cp_forward(model)(
+            cpshard.params_of(model), batch, cpshard.make_mesh(cp=2, tp=2)
+        ),
+        lambda: cpshard.make_cp_prefill(model),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append("no error")
+        except (ValueError, cpshard.LayoutError) as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_what_sparse_attention_does_not_serve_is_refused_on_every_rank(ranks4):
+    results = ranks4.run(refusals)
+    assert all(result == results[0] for result in results), results
+    tp, generation = results[0]
+    assert "cp serves the sparse attention of ('self_attn',) (keys gathered whole) with cp alone" in tp, tp
+    assert "its indexer selects keys per query over the whole cache" in generation, generation
+
+
+def test_the_derived_layout_names_the_sparse_attention_and_other_indexers_stay_refused():
+    for model_type in ("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note_text"):
+        assert derive_layout(_model(model_type, 4)).sparse_attention == ("self_attn",), model_type
+    with pytest.raises(cpshard.LayoutError, match="Kolibri1_1Indexer.*not this kind yet"):
+        derive_layout(tiny_model("kolibri1_1", attn_implementation="auto"))
+
+
+def test_other_code_is_refused_at_setup(monkeypatch):
+    module, _ = sparse.WRITTEN_AGAINST["DeepseekV32Attention"]
+    monkeypatch.setitem(
+        sparse.WRITTEN_AGAINST, "DeepseekV32Attention", (module, {"DeepseekV32Indexer": "0" * 16})
+    )
+    with pytest.raises(
+        cpshard.LayoutError, match="DeepseekV32Attention .its keys gathered by cpshard.: cpshard"
+    ):
+        cpshard.make_cp_forward(_model("deepseek_v32", 4))
