@@ -64,7 +64,7 @@ def test_other_decoders_get_the_generic_layout(models, model_type):
         (
             "xlm",
             "'xlm' (XLMWithLMHeadModel)",
-            "transformer.attentions (MultiHeadAttention) has an attention module",
+            "transformer.attentions.0 (MultiHeadAttention) is XLM's attention, in no layer module",
         ),
         (torch.nn.Linear(2, 2), "'Linear' (Linear)", "not a transformers model"),
         (torch.nn.Module(), "'Module' (Module)", "not a transformers model"),

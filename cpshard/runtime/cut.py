@@ -77,7 +77,7 @@ def _cut_at_norm(module, args, kwargs):
     normalizes the embeddings it adds back before every pass): it is cut there, so that what comes back is
     the slice."""
     call = split_call()
-    if call is None or not call.layout.looped or not args or not _enters_whole(args[0], call):
+    if call is None or not args or not _enters_whole(args[0], call):
         return None
     return (_cut(args[0], *call.layout.hidden, call), *args[1:]), kwargs
 
@@ -144,7 +144,9 @@ def _head_input(module, args, kwargs):
     return (held_rows_only(args[0]), *args[1:]), kwargs
 
 
-def cut_hooks(layers: torch.nn.ModuleList, final_norm: torch.nn.Module, head: torch.nn.Module) -> list[Hook]:
+def cut_hooks(
+    layers: torch.nn.ModuleList, final_norm: torch.nn.Module, head: torch.nn.Module, looped: bool
+) -> list[Hook]:
     """The cut on every decoder layer (the first also cuts the residual stream; in a looped layout, the
     final norm too where the stream meets it whole), the order undone after the final norm (or the last
     layer), and the rows this rank holds taken at the LM ``head``."""
@@ -156,5 +158,6 @@ def cut_hooks(layers: torch.nn.ModuleList, final_norm: torch.nn.Module, head: to
         )
         for index, layer in enumerate(layers)
     ]
-    ends = [Hook(final_norm, _cut_at_norm, pre=True), Hook(final_norm, _contiguous_again, pre=False)]
+    ends = [Hook(final_norm, _cut_at_norm, pre=True)] if looped else []
+    ends.append(Hook(final_norm, _contiguous_again, pre=False))
     return [*cuts, *ends, Hook(head, _head_input, pre=True)]

@@ -86,7 +86,8 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
     install_attention(model, layout)
     layers = model.get_submodule(layout.decoder_layers)
     # one install: a recurrent mixer may be the layer itself (Inkling's), which holds a cut hook too
-    cut = cut_hooks(layers, model.get_submodule(layout.final_norm), model.get_output_embeddings())
+    final_norm, head = model.get_submodule(layout.final_norm), model.get_output_embeddings()
+    cut = cut_hooks(layers, final_norm, head, layout.looped)
     sparse = sparse_attention_hooks(layers, layout.decoder_layers, layout.sparse_attention)
     install_hooks(cut + install_recurrent(layers, layout.recurrent, layout.decoder_layers) + sparse)
     if layout.experts:
