@@ -1,8 +1,8 @@
-"""DeepSeek's sparse attention under cp (deepseek_v32, glm_moe_dsa, axk2, dots3_note): each rank's queries
-against the keys gathered whole. Exact against the model's own code in one process (loss, logits, every
-gradient), the indexer selecting the same set of keys for every real query (ties included: many scores are
-exactly 0 after its ReLU), the bytes those of the key side alone; what it does not serve, refused on every
-rank."""
+"""Attention that selects its keys per query under cp (DeepSeek's: deepseek_v32, glm_moe_dsa, axk2,
+dots3_note; Doge's dynamic mask): each rank's queries against the keys gathered whole. Exact against the
+model's own code in one process (loss, logits, every gradient), the indexer selecting the same set of keys
+for every real query (ties included: many scores are exactly 0 after its ReLU), the bytes those of the key
+side alone; what it does not serve, refused on every rank."""
 
 import pytest
 import torch
@@ -17,7 +17,10 @@ from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def _model(model_type: str, topk: int):
-    return tiny_model(model_type, attn_implementation="auto", index_topk=topk)
+    """The tiny model with its indexer keeping ``topk`` keys per query (Doge: its dynamic mask keeping
+    ``topk`` keys per head and query, beyond which it masks)."""
+    selection = "keep_window_size" if model_type == "doge" else "index_topk"
+    return tiny_model(model_type, attn_implementation="auto", **{selection: topk})
 
 
 def selections(model, run) -> list[torch.Tensor]:
@@ -78,7 +81,7 @@ def against_one_process(
         "selections differ": differing_selections(ours, theirs, batch, order, length),
         "sparse": all(s.shape[-1] < length for s in theirs),
         "gathered bytes": gathered,
-        "local tokens": ours[0].shape[1],
+        "local tokens": -(-length // torch.distributed.get_world_size()),
     }
 
 
@@ -91,6 +94,8 @@ CASES = [
     ("glm_moe_dsa", 4, 37, "left", "contiguous", "ulysses"),
     ("axk2", 4, 37, "left", "contiguous", "ulysses"),  # a gated output beside the same indexer
     ("dots3_note_text", 4, 37, "left", "contiguous", "ulysses"),  # sliding layers without an indexer
+    ("doge", 8, 37, "left", "contiguous", "ulysses"),  # a dynamic mask per head from every key's value
+    ("doge", 8, 37, None, "head_tail", "ring"),
 ]
 
 

@@ -1,5 +1,6 @@
-"""DeepSeek's sparse attention (DSA: deepseek_v32, glm_moe_dsa, axk2, dots3_note) under cp: the queries stay,
-the keys gather.
+"""Attention that selects its keys per query inside its module, under cp: the queries stay, the keys gather.
+DeepSeek's sparse attention (DSA: deepseek_v32, glm_moe_dsa, axk2, dots3_note), and Doge's dynamic mask
+(each head keeps its ``keep_window_size`` highest-scored keys per query, scored from every key's value).
 
 A lightning indexer scores every key for each query, sums the scores over its own heads and keeps a top-k;
 the sum over indexer heads comes before the top-k, so a head split does not fit. Under cp each rank keeps
@@ -57,6 +58,10 @@ WRITTEN_AGAINST = {
             "AXK2Indexer": "400fa20d22ebb7cc",
             "AXK2DecoderLayer.forward": "6638598f45b2c79d",
         },
+    ),
+    "DogeAttention": (
+        "transformers.models.doge.modeling_doge",
+        {"DogeAttention": "6f55fc8cbf4c05ff", "DogeDecoderLayer.forward": "6d400fcf2efb3614"},
     ),
     "Dots3NoteTextAttention": (
         "transformers.models.dots3_note.modeling_dots3_note",

@@ -57,9 +57,15 @@ XLSTM = "xLSTMLayer"
 ZAYA_CCA = "ZayaCCAProjection"
 #: Inkling's decoder layer: four convolutions, attention that places its queries by index (kernel "inkling")
 INKLING = "InklingDecoderLayer"
-#: attention modules whose indexer selects keys per query (DeepSeek's sparse attention), which cp serves with
-#: the rank's queries against gathered keys (:mod:`cpshard.attention.sparse`)
-SPARSE_ATTENTION = ("DeepseekV32Attention", "GlmMoeDsaAttention", "AXK2Attention", "Dots3NoteTextAttention")
+#: attention modules that select keys per query (DeepSeek's sparse attention, Doge's dynamic mask), which cp
+#: serves with the rank's queries against gathered keys (:mod:`cpshard.attention.sparse`)
+SPARSE_ATTENTION = (
+    "DeepseekV32Attention",
+    "GlmMoeDsaAttention",
+    "AXK2Attention",
+    "Dots3NoteTextAttention",
+    "DogeAttention",
+)
 #: the recurrent kernels served by hooks on a mixer of a known class, not by a kernel slot
 HOOKED = MappingProxyType(
     {
