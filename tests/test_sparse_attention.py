@@ -131,6 +131,9 @@ def refusals() -> list[str]:
             cpshard.params_of(model), batch, cpshard.make_mesh(cp=2, tp=2)
         ),
         lambda: cpshard.make_cp_prefill(model),
+        lambda: cpshard.make_cp_forward(model, compile="aot_eager")(
+            cpshard.params_of(model), batch, cpshard.make_mesh(cp=4)
+        ),
     ]
     for attempt in attempts:
         try:
@@ -144,9 +147,10 @@ def refusals() -> list[str]:
 def test_what_sparse_attention_does_not_serve_is_refused_on_every_rank(ranks4):
     results = ranks4.run(refusals)
     assert all(result == results[0] for result in results), results
-    tp, generation = results[0]
-    assert "cp serves the sparse attention of ('self_attn',) (keys gathered whole) with cp alone" in tp, tp
+    tp, generation, compiled = results[0]
+    assert tp.startswith("tp=2, ep=1, compile=False: cp serves the sparse attention of ('self_attn',)"), tp
     assert "its indexer selects keys per query over the whole cache" in generation, generation
+    assert compiled.startswith("tp=1, ep=1, compile='aot_eager': cp serves the sparse attention"), compiled
 
 
 def test_the_derived_layout_names_the_sparse_attention_and_other_indexers_stay_refused():

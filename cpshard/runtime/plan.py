@@ -80,10 +80,10 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
         check_compiled_parallelism(tp, ep)
     if layout.recurrent:
         check_recurrent_parallelism(layout, options, tp, ep)
-    if layout.sparse_attention and max(tp, ep) > 1:
+    if layout.sparse_attention and (max(tp, ep) > 1 or options.compile):
         raise ValueError(
-            f"tp={tp}, ep={ep}: cp serves the sparse attention of {layout.sparse_attention} (keys gathered "
-            "whole) with cp alone (and fsdp) yet"
+            f"tp={tp}, ep={ep}, compile={options.compile!r}: cp serves the sparse attention of "
+            f"{layout.sparse_attention} (keys gathered whole) with cp alone (and fsdp), eagerly, yet"
         )
     if max(tp, ep) > 1 and not any(isinstance(value, DTensor) for value in params.values()):
         raise ValueError(
