@@ -48,7 +48,11 @@ def probe_with(hook, module: str) -> str:
     Falcon's rewrite did on transformers 5.25), or the model's own code that raises with or without cp."""
     model = tiny_model("llama", attn_implementation="auto")
     model.get_submodule(module).register_forward_pre_hook(hook)
-    forward = cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed"))
+    return probe_message(model, cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed")))
+
+
+def probe_message(model, forward) -> str:
+    """The probe's LayoutError message at ``forward``'s first call on a 9-token batch at cp=2."""
     try:
         forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 9), cpshard.make_mesh(cp=2))
     except cpshard.LayoutError as error:
@@ -170,11 +174,7 @@ def probe_of_a_cp_run_that_drops_the_padding_mask() -> str:
         self, params, {k: v for k, v in batch.items() if k != "attention_mask"}, mesh
     )
     forward.__class__ = dropping
-    try:
-        forward(cpshard.params_of(model), tiny_batch(model.config.vocab_size, 2, 9), cpshard.make_mesh(cp=2))
-    except cpshard.LayoutError as error:
-        return str(error)
-    return "no error"
+    return probe_message(model, forward)
 
 
 def test_the_probe_has_a_padded_row(ranks2):

@@ -64,22 +64,26 @@ def _sum_outputs(name: str, module, args, output):
     return None if group is None else sum_over_group(output, group, name)
 
 
+def _holds_any(layer: nn.Module, path: str, paths) -> bool:
+    """Whether one of ``paths`` (module paths inside a decoder layer) is the module at ``path`` or inside
+    it, and this layer has it."""
+    inside = [p for p in paths if p == path or p.startswith(f"{path}.")]
+    return any(submodule(layer, p) is not None for p in inside)
+
+
 def holds_colwise(layer: nn.Module, path: str, layout: Layout) -> bool:
     """The module at ``path`` holds a column-wise layer of the plan in this layer. A hybrid's mixer of another
     kind under the same name (Nemotron-H's Mamba2 ``mixer`` beside its attention ``mixer``) runs whole on
     every tp rank: its input gradient is whole there already, and summing it over tp would count it tp
     times."""
-    inside = [
-        p for p, style in layout.tensor_parallel.items() if style == "colwise" and p.startswith(f"{path}.")
-    ]
-    return any(submodule(layer, p) is not None for p in inside)
+    colwise = [p for p, style in layout.tensor_parallel.items() if style == "colwise" and p != path]
+    return _holds_any(layer, path, colwise)
 
 
 def holds_experts(layer: nn.Module, path: str, layout: Layout) -> bool:
     """The module at ``path`` holds one of the layer's experts modules (a MoE block: its router runs
     replicated and :mod:`cpshard.parallel.experts` sums its experts' input gradients over tp itself)."""
-    inside = [e for e in layout.experts if e == path or e.startswith(f"{path}.")]
-    return any(submodule(layer, e) is not None for e in inside)
+    return _holds_any(layer, path, layout.experts)
 
 
 def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
