@@ -150,3 +150,28 @@ def test_ring_is_traced_without_claiming_a_ulysses_optimum(ranks2):
         assert as_dict["matches_optimum"] and as_dict["total_bytes"] == sum(
             g["nbytes"] for g in as_dict["groups"]
         )
+
+
+def traced_latent_attention(model_type: str) -> tuple[bool, list, int]:
+    """Whether a latent-attention model's trace meets its optimum, its attention groups, and the bytes of
+    q, k, v and the output worked out from its config by hand."""
+    model = tiny_model(model_type)
+    config, rows, length = model.config, 2, 8
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    batch = tiny_batch(config.vocab_size, rows, length)
+    step = cpshard.value_and_grad(cpshard.make_cp_forward(model))
+    step(cpshard.params_of(model), batch, mesh)  # the derived layout's probe runs here, untraced
+    report = trace_comms(step, cpshard.params_of(model), batch, mesh)
+    qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    tokens, heads = rows * length // dist.get_world_size(), config.num_attention_heads
+    by_hand = tokens * heads * (2 * qk + 2 * v) * F32  # q and k qk wide, v and the output v wide
+    attention = [(g.module, g.phase, g.count, g.nbytes) for g in report.groups if g.op == "all_to_all"]
+    return report.matches_optimum, attention, by_hand
+
+
+def test_latent_attention_s_widths_are_in_its_optimum(ranks2):
+    """MLA's q and k are nope + rope wide, its v and output v_head_dim wide (its config's head_dim is the
+    rope part alone), which the optimum counts as the exchanges move them."""
+    for matches, attention, by_hand in ranks2.run(traced_latent_attention, "deepseek_v3"):
+        assert matches and attention, attention
+        assert {(count, nbytes) for _, _, count, nbytes in attention} == {(4, by_hand)}, (attention, by_hand)

@@ -74,7 +74,20 @@ def step(tensor: str, src: Spec, dst: Spec, dims: dict, layout: Layout, sizes: d
 
 
 def head_dim(config, layout: Layout) -> int:
+    """q's and k's width per head: a latent-attention model's nope and rope parts together (its config's
+    ``head_dim`` is the rope part alone: DeepSeek-V2/V3, MiniCPM3, LongCat-Flash), else the config's
+    ``head_dim`` or hidden / heads."""
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if isinstance(nope, int) and isinstance(rope, int):
+        return nope + rope
     return getattr(config, "head_dim", None) or config.hidden_size // layout.head_counts(config)[0]
+
+
+def value_head_dim(config, layout: Layout) -> int:
+    """v's (and the attention output's) width per head: a latent-attention model's ``v_head_dim``, else
+    q's."""
+    width = getattr(config, "v_head_dim", None)
+    return width if isinstance(width, int) else head_dim(config, layout)
 
 
 def attention_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype) -> tuple[Step, ...]:
@@ -83,14 +96,15 @@ def attention_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.
     heads."""
     heads, kv_heads = layout.head_counts(config)
     kv_total = kv_heads * kv_replication(heads, kv_heads, sizes["cp"])
-    itemsize, size = torch.empty((), dtype=dtype).element_size(), head_dim(config, layout)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    qk, v = head_dim(config, layout), value_head_dim(config, layout)
     parts = (
-        ("q", layout.qkv, heads),
-        ("k", layout.qkv, kv_total),
-        ("v", layout.qkv, kv_total),
-        ("out", layout.attn_output, heads),
+        ("q", layout.qkv, heads, qk),
+        ("k", layout.qkv, kv_total, qk),
+        ("v", layout.qkv, kv_total, v),
+        ("out", layout.attn_output, heads, v),
     )
-    return tuple(step(name, *pair, {"h": h, "d": size}, layout, sizes, itemsize) for name, pair, h in parts)
+    return tuple(step(name, *pair, {"h": h, "d": d}, layout, sizes, itemsize) for name, pair, h, d in parts)
 
 
 def cut_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype) -> tuple[Step, ...]:

@@ -21,7 +21,7 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from cpshard.call import CallPlan, split_call
 from cpshard.comm.record import CommEvent, Expected, recording
-from cpshard.debug.analytic import attention_paths, head_dim
+from cpshard.debug.analytic import attention_paths, head_dim, value_head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
 from cpshard.layouts.layout import text_config
@@ -78,6 +78,7 @@ class _Run:
             heads=layout.head_counts(config)[0],
             kv_heads=layout.head_counts(config)[1],
             head_dim=head_dim(config, layout),
+            value_head_dim=value_head_dim(config, layout),
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             itemsize=floating[0].element_size() if floating else 4,
         )

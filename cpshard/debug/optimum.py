@@ -15,6 +15,7 @@ import torch
 from cpshard.attention.choice import choose_implementation
 from cpshard.attention.ulysses import kv_replication
 from cpshard.comm.redistribute import plan
+from cpshard.debug.analytic import head_dim, value_head_dim
 from cpshard.layouts.layout import text_config
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.forward import params_of
@@ -52,18 +53,21 @@ def ulysses_optimum(
     head_dim: int,
     param_bytes: int,
     itemsize: int = 4,
+    value_head_dim: int | None = None,
 ) -> CommOptimum:
     """Bytes per rank per Ulysses training step on a cp-only mesh (inputs of each collective).
 
     Per decoder layer, forward and again backward: one all-to-all each of q, k, v and the
     attention output, each of ``B * L/cp * heads * head_dim`` elements (k and v with the kv
-    heads after replication). Then one all-reduce of every gradient and one of the fp32 loss.
+    heads after replication; v and the output ``value_head_dim`` wide where it differs, as in
+    latent attention). Then one all-reduce of every gradient and one of the fp32 loss.
     """
     if cp == 1:
         return CommOptimum(0, 0, 0)
     tokens = batch * padded_length_for(length, cp) // cp
     kv = kv_heads * kv_replication(heads, kv_heads, cp)
-    per_layer = tokens * head_dim * itemsize * (heads + kv + kv + heads)
+    v = head_dim if value_head_dim is None else value_head_dim
+    per_layer = tokens * itemsize * ((heads + kv) * head_dim + (kv + heads) * v)
     return CommOptimum(all_to_all=2 * layers * per_layer, gradients=param_bytes, loss=4)
 
 
@@ -82,6 +86,7 @@ def ring_optimum(
     param_bytes: int,
     itemsize: int = 4,
     rank: int = 0,
+    value_head_dim: int | None = None,
 ) -> CommOptimum:
     """Bytes rank ``rank`` puts into collectives per ring (``degree`` 1) or hybrid training step,
     when every block is needed (head-tail under a causal mask; skipped blocks only save).
@@ -94,8 +99,9 @@ def ring_optimum(
     padded = padded_length_for(length, cp, order)
     tokens = batch * padded // cp
     kv = kv_heads * (kv_replication(heads, kv_heads, degree) if degree > 1 else 1)
-    ulysses = 0 if degree == 1 else 2 * tokens * head_dim * itemsize * (2 * heads + 2 * kv)
-    block = 2 * tokens * kv * head_dim  # k and v of this rank's share of the heads, over its group's tokens
+    v = head_dim if value_head_dim is None else value_head_dim
+    ulysses = 0 if degree == 1 else 2 * tokens * itemsize * ((heads + kv) * head_dim + (kv + heads) * v)
+    block = tokens * kv * (head_dim + v)  # k and v of this rank's share of the heads, over its group's tokens
     ring = cp // degree
     send = layers * block * ((ring - 1) * itemsize + (ring - 1) * itemsize + ring * 4)
     undo = 0
@@ -153,7 +159,8 @@ def _sizes(model) -> dict:
         layers=len(model.get_submodule(layout.decoder_layers)),
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        head_dim=head_dim(config, layout),
+        value_head_dim=value_head_dim(config, layout),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         itemsize=params[0].element_size(),
     )
