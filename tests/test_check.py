@@ -179,7 +179,9 @@ def test_a_refusal_inside_the_ranks_is_one_line(capsys):
 
 
 def test_a_hybrid_with_linear_attention_passes(ranks2):
-    """qwen3_next: a Gated DeltaNet layer and an attention layer, every row within tolerance."""
-    parities = ranks2.run(check_job, CheckConfig("qwen3_next", seq=64))
+    """qwen3_next: a Gated DeltaNet layer and an attention layer, every row within tolerance. Each rank's
+    slice starts on the kernel's chunk grid (two chunks of 64 a rank): off it, the chunked kernel's fp32
+    rounding alone moves one process's logits by about 2e-5 of scale (see tests/test_recurrent.py)."""
+    parities = ranks2.run(check_job, CheckConfig("qwen3_next", seq=256))
     assert any(row.startswith("grad model.layers.0.linear_attn") for row in parities[0].diffs)
     assert failing_rows(parities) == []
