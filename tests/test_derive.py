@@ -1,12 +1,18 @@
 """Layouts derived from the model: the rows found in families off ``model.layers``, and the refusals."""
 
 import pytest
+import torch.distributed as dist
 from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMLA
 
+import cpshard
+from cpshard.debug import trace_comms
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.layout import structure_problems
-from cpshard.tools.tiny import tiny_model
+from cpshard.runtime.install import attention_modules
+from cpshard.tools.parity import check_parity, failing_rows
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 @pytest.mark.parametrize(
@@ -43,6 +49,8 @@ from cpshard.tools.tiny import tiny_model
         ("llama4_text", dict(decoder="model", decoder_layers="model.layers")),  # get_decoder() is the model
         ("modernbert-decoder", dict(decoder="model")),  # get_decoder() is its head
         ("dbrx", dict(attention="norm_attn_norm.attn")),  # one level below the layer
+        # two attention sublayers per layer in one list; num_hidden_layers counts them, not the layers
+        ("longcat_flash", dict(decoder_layers="model.layers", attention="self_attn")),
         (
             "gemma3",
             dict(decoder="model.language_model"),
@@ -93,11 +101,9 @@ def test_attention_of_its_own_code_that_cpshard_does_not_know_is_refused():
 @pytest.mark.parametrize(
     "model_type, words",
     [
-        (
-            "inkling2_text",
-            ["k_proj.sconv.conv1d (Conv1d: a convolution along the sequence)", "outside the attention"],
-        ),
-        ("xlm", ["transformer.attentions.0 (MultiHeadAttention)", "no layer module"]),
+        ("xlm", ["transformer.attentions.0 (MultiHeadAttention)", "no layer module", "without cp"]),
+        # no heads of one decoder: a byte encoder, a global transformer over patches, a byte decoder
+        ("blt", ["model.global_transformer.layers", "lists of layers that attend", "without cp"]),
         ("hy_v4", ["model.layers.0.self_attn.indexer (HYV4Indexer)", "sparse attention"]),  # its stream cut
         ("deepseek_v4", ["self_attn.compressor (DeepseekV4HCACompressor", "windows of tokens"]),
         ("hrm_text", ["model.H_module.layers.0 (HrmTextDecoderLayer) runs beside model.L_module.layers"]),
@@ -114,3 +120,61 @@ def test_what_cp_cannot_serve_is_refused_naming_module_and_reason(model_type, wo
         derive_layout(tiny_model(model_type, attn_implementation="auto"))
     missing = [word for word in words if word not in str(info.value)]
     assert not missing, f"{info.value} lacks {missing}"
+
+
+#: LongCat-Flash of two layers, each running two attention sublayers from its list ``self_attn``
+_LONGCAT = dict(num_hidden_layers=4, attn_implementation="auto")
+
+
+def test_each_attention_module_of_a_list_is_an_attention_module():
+    model = tiny_model("longcat_flash", **_LONGCAT)
+    found = attention_modules(model, derive_layout(model))
+    assert found == [attention for layer in model.model.layers for attention in layer.self_attn]
+    assert len(found) == 4
+
+
+class _OwnScoresMLA(LongcatFlashMLA):
+    def forward(self, hidden_states, **kwargs):  # scores of its own code, not the registry's
+        return hidden_states, None
+
+
+def test_a_list_holding_attention_of_its_own_code_is_refused_naming_that_module():
+    model = tiny_model("longcat_flash", **_LONGCAT)
+    model.model.layers[1].self_attn[1].__class__ = _OwnScoresMLA
+    with pytest.raises(LayoutError, match=r"model\.layers\.1\.self_attn\.1 \(_OwnScoresMLA\) does not call"):
+        derive_layout(model)
+
+
+def longcat_parity(implementation: str, attention_recompute: bool = False) -> dict:
+    """LongCat-Flash under cp against one process on a plain and a left-padded batch: the failing rows, and
+    the attention modules whose collectives ran (each sublayer under its own name)."""
+    model = tiny_model("longcat_flash", **_LONGCAT)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    forward = cpshard.make_cp_forward(
+        model, implementation=implementation, attention_recompute=attention_recompute
+    )
+    failing, modules = {}, set()
+    for pad in (None, "left"):
+        batch = tiny_batch(model.config.vocab_size, 2, 11, pad=pad)
+        report = trace_comms(check_parity, model, batch, mesh, forward)
+        failing[pad] = failing_rows([report.result])
+        modules |= {group.module for group in report.groups if ".self_attn." in group.module}
+    return {"failing": failing, "modules": sorted(modules)}
+
+
+_SUBLAYERS = [f"model.layers.{i}.self_attn.{j}" for i in range(2) for j in range(2)]
+_EXACT = {"failing": {None: [], "left": []}, "modules": _SUBLAYERS}
+
+
+@pytest.mark.parametrize(
+    "implementation, recompute", [("ulysses", False), ("ring", False), ("ulysses", True)]
+)
+def test_a_list_of_attention_modules_is_exact_at_cp2(ranks2, implementation, recompute):
+    for result in ranks2.run(longcat_parity, implementation, recompute):
+        assert result == _EXACT, result
+
+
+@pytest.mark.parametrize("implementation", ["ulysses", "hybrid"])
+def test_a_list_of_attention_modules_is_exact_at_cp4(ranks4, implementation):
+    for result in ranks4.run(longcat_parity, implementation):
+        assert result == _EXACT, result

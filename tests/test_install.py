@@ -98,3 +98,24 @@ def test_install_is_idempotent_on_one_process():
     with torch.no_grad():
         expected = tiny_model("qwen3")(**batch).logits  # same seed, same weights, never installed
         assert torch.equal(model(**batch).logits, expected), "outside a cp call the model is unchanged"
+
+
+def with_a_vision_tower_of_its_own_attention() -> dict:
+    """GOT-OCR2's vision tower keeps its own attention code (transformers declines to switch it, so the
+    model's top-level config keeps eager): its text decoder's attention modules take cp's, and cp serves
+    the text exactly (a batch of token ids never runs the tower)."""
+    model = tiny_model("got_ocr2", attn_implementation="auto")
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    batch = tiny_batch(model.config.text_config.vocab_size, 2, 13, pad="left")
+    worst = _worst(check_parity(model, batch, mesh, cpshard.make_cp_forward(model)))
+    return {
+        "worst": worst,
+        "text": model.config.text_config._attn_implementation,
+        "vision": model.config.vision_config._attn_implementation,
+    }
+
+
+def test_a_part_that_keeps_its_own_attention_is_left_as_it_is(ranks2):
+    for result in ranks2.run(with_a_vision_tower_of_its_own_attention):
+        assert result["worst"] <= TOLERANCE, result
+        assert (result["text"], result["vision"]) == ("cpshard_eager", "eager"), result

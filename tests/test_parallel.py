@@ -81,6 +81,9 @@ def run_training(
     mine = batches[mesh.get_local_rank("dp_replicate") * fsdp + mesh.get_local_rank("fsdp")]
     whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
 
+    grad_fn = cpshard.value_and_grad(cpshard.make_cp_forward(model, **(forward or {})))
+    if resolve_layout(model).name.startswith("derived:"):  # probed once on the plain weights, without tp
+        grad_fn(cpshard.params_of(model), whole, cpshard.make_mesh(cp=4))
     params = cpshard.params_of(cpshard.parallelize(model, mesh))
     ref_params = {name: p.detach() for name, p in cpshard.params_of(twin).items()}
     plain_fsdp = max(sizes.get("tp", 1), sizes.get("ep", 1)) == 1
@@ -89,7 +92,6 @@ def run_training(
         "same values": all(torch.equal(params[n].full_tensor(), ref_params[n]) for n in params),
         "tied stays tied": (model.lm_head.weight is model.model.embed_tokens.weight) == tied,
     }
-    grad_fn = cpshard.value_and_grad(cpshard.make_cp_forward(model, **(forward or {})))
     state, ref_state = adamw_init(params), adamw_init(ref_params)
     for step in range(STEPS):
         with recording() as log:
@@ -136,6 +138,10 @@ COMBINATIONS = {
     "tp2xcp2": (dict(tp=2, cp=2), False, "llama"),
     "fsdp2xtp2-tied": (dict(fsdp=2, tp=2, cp=1), True, "llama"),
     "tp2xcp2-qwen3-ring-nologits": (dict(tp=2, cp=2), False, "qwen3", {}, RING_NO_LOGITS),
+    # derived plans: HunYuan's query_layernorm is one head's width (per head); GLM-4's fused gate_up_proj
+    # leaves down_proj without its column-wise half, so its MLP runs whole on every tp rank
+    "tp2xcp2-derived-hunyuan": (dict(tp=2, cp=2), False, "hunyuan_v1_dense"),
+    "tp2xcp2-derived-glm4": (dict(tp=2, cp=2), False, "glm4"),
     "moe-fsdp2xcp2-ep2": (dict(fsdp=2, cp=2, ep=2), False, "qwen3_moe"),
     "moe-fsdp2xcp2-ep4": (dict(fsdp=2, cp=2, ep=4), False, "qwen3_moe"),
     "moe-hsdp2xcp2-ep2": (dict(dp_replicate=2, cp=2, ep=2), False, "qwen3_moe"),
@@ -219,6 +225,8 @@ def bad_parallel(kind: str):
     elif kind == "tp-unknown-style":
         typo = replace(resolve_layout(model), tensor_parallel=(("self_attn.q_proj", "colwsie"),))
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=typo)
+    elif kind in ("tp-derived-olmo2", "tp-derived-stablelm"):
+        cpshard.parallelize(tiny_model(kind.rsplit("-", 1)[1]), cpshard.make_mesh(cp=2, tp=2))
     elif kind == "moe-tp-without-ep":
         cpshard.parallelize(tiny_model("qwen3_moe"), cpshard.make_mesh(cp=2, tp=2))
     elif kind == "all-reduce-plan-other-tokens":
@@ -256,6 +264,16 @@ BAD = {
         "ep=2, but the layout 'llama' of model type 'llama' declares no experts",
     ),
     "tp-unknown-style": ("ValueError", "unknown tensor-parallel styles (self_attn.q_proj: 'colwsie')"),
+    # a norm over every head's width (not per head) and a forward that reshapes by the whole head count
+    "tp-derived-olmo2": (
+        "ValueError",
+        "model.layers.0.self_attn.q_norm: its weight (64,) spans the whole output of self_attn.q_proj, "
+        "which tp splits",
+    ),
+    "tp-derived-stablelm": (
+        "ValueError",
+        "model.layers.0.self_attn: its forward reshapes by self.num_heads, the whole model's head count",
+    ),
     "moe-tp-without-ep": (
         "NotImplementedError",
         "(tp=2) for the mixture-of-experts layout 'qwen3_moe' needs",

@@ -56,11 +56,23 @@ MODELS = {
     # (a window of 5 and a bias reach of 6: shorter than a rank's slice; then longer than one)
     "inkling_text": {},
     "inkling_text-long-reach": {"sliding_window_size": 160, "rel_extent": 200},
+    # as Inkling, beside a stack of block states the decoder keeps (cut where the sequence enters it);
+    # Inkling2-Loop runs its middle layers in three passes
+    "inkling2_text": {"attn_implementation": "auto"},
+    "inkling2_text-long-reach": {
+        "attn_implementation": "auto",
+        "sliding_window_size": 160,
+        "rel_extent": 200,
+    },
+    "inkling2_loop_text": {"attn_implementation": "auto"},
 }
 CHUNK = 64  # the torch kernels' chunk
 #: the models that pass no state between ranks: a convolution alone, Mamba1 split over channels
 SPLIT_OVER_CHANNELS = ("jamba", "falcon_mamba")
-STATELESS = ("lfm2_moe", "zaya", "inkling_text", "inkling_text-long-reach", *SPLIT_OVER_CHANNELS)
+STATELESS = (
+    *("lfm2_moe", "zaya", "inkling_text", "inkling_text-long-reach"),
+    *("inkling2_text", "inkling2_text-long-reach", "inkling2_loop_text", *SPLIT_OVER_CHANNELS),
+)
 #: the models whose recurrent layers have no convolution or token shift (no halo)
 NO_CONVOLUTION = ("minimax", "xlstm")
 
@@ -152,6 +164,8 @@ def test_the_mamba2_head_split_is_exact_at_cp4_with_fewer_groups_than_ranks(rank
         ("zaya", 4 * 2 * CHUNK),
         ("inkling_text", 4 * 2 * CHUNK),
         ("inkling_text-long-reach", 4 * 2 * CHUNK),
+        ("inkling2_text", 4 * 2 * CHUNK),
+        ("inkling2_loop_text", 4 * 2 * CHUNK),
     ],
 )
 def test_recurrent_layers_are_exact_at_cp4(ranks4, name, length):
@@ -307,6 +321,19 @@ def test_a_hooked_mixer_of_other_code_is_refused(monkeypatch, hooked, piece, wri
         check()
 
 
+@pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
+def test_inkling2_of_other_code_is_refused(monkeypatch, model_type):
+    """Inkling2's hooks check the code of its file (or Inkling2-Loop's) they were written against."""
+    module = importlib.import_module("cpshard.recurrent.inkling2")
+    decoder = _model(model_type).model
+    name = type(decoder).__name__
+    transformers_module, pieces = module.WRITTEN_AGAINST[name]
+    piece = next(iter(pieces))
+    monkeypatch.setitem(module.WRITTEN_AGAINST, name, (transformers_module, {**pieces, piece: "0" * 16}))
+    with pytest.raises(cpshard.LayoutError, match=f"{name} .* other code in {piece}"):
+        module.check_inkling2_unchanged(decoder)
+
+
 def test_the_head_split_refuses_heads_cp_does_not_divide(ranks2):
     messages = ranks2.run(refusal, "qwen3_next-3-value-heads", 16, recurrent="head_split")
     assert messages[0] == messages[1] and "splits 1 key and 3 value heads over cp=2" in messages[0], messages
@@ -374,6 +401,8 @@ def failing_with(name: str, case: str) -> list[str]:
         ("recurrent_gemma", "checkpointing"),  # and RG-LRU's scan slot and convolution hooks
         ("rwkv", "checkpointing"),  # and RWKV's shadowed WKV and token shift hooks
         ("xlstm", "inputs_embeds"),
+        ("inkling2_text", "checkpointing"),  # the recomputed layer reads its halos again
+        ("inkling2_loop_text", "inputs_embeds"),  # cut where they enter the decoder
     ],
 )
 def test_linear_attention_with_more_than_a_plain_batch(ranks2, name, case):
@@ -412,6 +441,7 @@ def parallel_step_against_one_process(name: str, sizes: dict) -> dict:
     [
         ("qwen3_next", dict(fsdp=2, cp=2)),
         ("nemotron_h", dict(fsdp=2, cp=2)),
+        ("inkling2_text", dict(fsdp=2, cp=2)),  # cut at the decoder's entry, on each dp group's batch
         # tp splits the attention (and dense MLP) layers; the recurrent layers run whole on every tp rank
         ("qwen3_5_text", dict(tp=2, cp=2)),
         ("nemotron_h", dict(tp=2, cp=2)),
@@ -629,6 +659,25 @@ def test_trace_comms_sets_each_linear_layer_beside_its_scheme_s_optimum(ranks2, 
         assert ops >= ({"all_to_all"} if split else {"all_gather"}), reports[0]
         if name in GENERATES:  # the prefill: state passing, and the last inputs' all-reduce
             assert {"all_gather", "all_reduce"} <= {op for op, _ in reports[1]["linear"]}, reports[1]
+
+
+def traced_inkling(name: str) -> dict:
+    """Whether trace_comms finds every group at its optimum, and the forward all-to-alls of the first layer's
+    attention (q, k, v, output, and the rows moved per query: the bias, and Inkling2's sinks)."""
+    mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
+    model = _model(name)
+    batch, params = tiny_batch(model.config.vocab_size, 2, 64, pad="left"), cpshard.params_of(model)
+    step = cpshard.value_and_grad(cpshard.make_cp_forward(model))
+    step(params, batch, mesh)  # the derived layout's probe runs here, untraced
+    report = cpshard.debug.trace_comms(step, params, batch, mesh)
+    attention = [g for g in report.groups if g.module == "model.layers.0.self_attn" and g.phase == "forward"]
+    return {"matches": report.matches_optimum, "all_to_alls": [g.count for g in attention]}
+
+
+@pytest.mark.parametrize("name, moved", [("inkling_text", 5), ("inkling2_text", 6)])
+def test_trace_comms_sets_inkling_s_halos_and_moved_rows_at_their_optimum(ranks2, name, moved):
+    for result in ranks2.run(traced_inkling, name):
+        assert result == {"matches": True, "all_to_alls": [moved]}, result
 
 
 def test_a_mamba2_mixer_s_slots_are_taken_its_fused_kernel_too():

@@ -7,7 +7,8 @@ all-to-all each makes them whole sequences over a share of the heads, the model'
 with the model's own whole-sequence mask, and one all-to-all brings the output back. Ring (and hybrid,
 Ulysses inside groups first): k and v travel the ring (:mod:`cpshard.attention.ring`) with per-block
 masks cut from that same mask; its glue is here. A prefill also leaves each layer's k and v in the
-call's ``kv_sink``; a decode step attends over the split cache (:mod:`cpshard.attention.decode`).
+call's ``kv_sink`` (once per pass, for a module that attends in several: Inkling2-Loop's looped layers); a
+decode step attends over the split cache (:mod:`cpshard.attention.decode`).
 Outside a cp call it is the inner function, untouched.
 """
 
@@ -21,7 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cpshard.attention.blocks import call_blocks, rows_without_keys
-from cpshard.attention.decode import decode_attention
+from cpshard.attention.decode import decode_attention, sink_keys
 from cpshard.attention.ring import Ring, RingAttention
 from cpshard.attention.sparse import attend_selected, selects_keys
 from cpshard.attention.traced_ring import traced_ring
@@ -31,6 +32,7 @@ from cpshard.comm.channel import TracedGroup
 from cpshard.interfaces import register_once, register_wrapper
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import FORWARDS, eager_for, hides_scores
+from cpshard.layouts.layout import PER_POSITION_ATTENTION
 
 PREFIX = "cpshard_"
 
@@ -141,20 +143,18 @@ def _cp_attention(inner: str):
         step = active_decode()
         if step is not None:
             scale, window = kwargs.get("scaling") or module.scaling, kwargs.get("sliding_window")
+            bias, sinks = kwargs.get("position_bias"), kwargs.get("sinks")
             return decode_attention(
-                step, module, query, key, value, scale, kwargs.get("softcap"), window
+                step, module, query, key, value, scale, kwargs.get("softcap"), window, bias, sinks
             ), None
         prefill = current_call()
         if prefill is not None and prefill.kv_sink is not None:  # this rank's share of the prompt's k, v
-            if id(module) in prefill.kv_sink:
-                raise ValueError(
-                    f"{type(module).__name__} attended twice in one forward (a module shared by layers); cp "
-                    "generation caches one layer per attention module"
-                )
-            prefill.kv_sink[id(module)] = (key, value, kwargs.get("sliding_window"))
+            sink_keys(prefill.kv_sink, module, (key, value, kwargs.get("sliding_window")))
         return split(module, query, key, value, attention_mask, split_call(), **kwargs)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        if type(module).__name__ in PER_POSITION_ATTENTION:  # across a position's own copies: as it is
+            return _inner_function(inner, module)(module, query, key, value, attention_mask, **kwargs)
         traced = kwargs.pop(TRACED_KEY, None)  # put there by the cut hook before a compiled layer
         if traced is not None:
             return split(module, query, key, value, attention_mask, traced, **kwargs)

@@ -52,13 +52,16 @@ class Scoring:
 @dataclass(frozen=True)
 class Block:
     """One q slice against one k/v slice: grouped q ``[B, Hkv, G, Sq, D]`` (fp32), k and v
-    ``[B, Hkv, Sk, D]``, the mask ``allowed`` ``[B or 1, 1, Sq, Sk]`` (True: may attend) and the scoring."""
+    ``[B, Hkv, Sk, D]``, the mask ``allowed`` ``[B or 1, 1, Sq, Sk]`` (True: may attend), the scoring, and a
+    bias ``[B, Hkv, G, Sq, Sk]`` added to the scores (Inkling's relative positions, in a decode step) or
+    None."""
 
     qg: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     allowed: torch.Tensor
     scoring: Scoring
+    bias: torch.Tensor | None = None
 
     def tile(self, rows: slice, cols: slice) -> Block:
         return Block(
@@ -67,6 +70,7 @@ class Block:
             self.v[:, :, cols],
             self.allowed[..., rows, cols],
             self.scoring.rows(rows),
+            None if self.bias is None else self.bias[..., rows, cols],
         )
 
 
@@ -96,6 +100,8 @@ def block_scores(block: Block):
         raw = capped * scoring.softcap
     if scoring.uniform is not None:
         raw = raw.masked_fill(scoring.uniform[:, :, None, :, None], 0.0)
+    if block.bias is not None:
+        raw = raw + block.bias
     return raw.masked_fill(~block.allowed.unsqueeze(2), NEG_INF), capped
 
 
@@ -107,7 +113,8 @@ def safe(lse: torch.Tensor) -> torch.Tensor:
 def _fused(block: Block) -> bool:
     """Whether torch's CPU flash kernel computes this block: plain scaled softmax, on the CPU."""
     scoring = block.scoring
-    return scoring.softcap is None and scoring.uniform is None and block.qg.device.type == "cpu"
+    plain = scoring.softcap is None and scoring.uniform is None and block.bias is None
+    return plain and block.qg.device.type == "cpu"
 
 
 def _flash_attention(block: Block):

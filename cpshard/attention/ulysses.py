@@ -12,6 +12,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from cpshard.comm.record import expect
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs
 from cpshard.spec.masks import additive_mask
@@ -67,19 +68,31 @@ def heads_for_sequences(module, query, key, value, kwargs: dict, layout, mesh, a
     return module, query, key, value, kwargs
 
 
+#: what a module may pass per head and query of the rank beside q: the score bias per key
+#: (``position_bias``, ``[b, h, s@cp, keys]``: Inkling's relative bias, its rows at the rank's positions)
+#: and a sink logit per query (``sinks``, ``[b, h, s@cp, 1]``: Inkling2's)
+PER_QUERY = ("position_bias", "sinks")
+
+
 def bias_for_heads(query, kwargs: dict, layout, mesh, path: str) -> dict:
-    """``kwargs`` with the score bias a module passes per head, query and key (``position_bias``,
-    ``[b, h, s@cp, keys]``: Inkling's relative bias, its rows at the rank's positions) moved as ``query``
-    (``[b, h, s@cp, d]``) is: whole queries for this rank's heads."""
-    bias = kwargs.get("position_bias")
-    if not isinstance(bias, torch.Tensor):
-        return kwargs
-    if bias.dim() != 4 or bias.shape[1:3] != query.shape[1:3]:
-        raise ValueError(
-            f"{path}: a position_bias of shape {tuple(bias.shape)} for queries {tuple(query.shape)}; cp "
-            "moves one bias row per head and query of the rank (its keys the whole sequence's), no other"
-        )
-    return {**kwargs, "position_bias": redistribute(bias, *layout.qkv, mesh, name=f"{path} position_bias")}
+    """``kwargs`` with what a module passes per head and query (:data:`PER_QUERY`) moved as ``query``
+    (``[b, h, s@cp, d]``) is: whole queries for this rank's heads, one all-to-all each way (declared for
+    :func:`cpshard.debug.trace_comms` beside q, k, v and the output). Sinks of one entry per head (a
+    parameter, not per query) are the layout's per-head parameters instead."""
+    moved = {}
+    for name in PER_QUERY:
+        value = kwargs.get(name)
+        if not isinstance(value, torch.Tensor) or name == "sinks" and value.dim() != 4:
+            continue
+        if value.dim() != 4 or value.shape[1:3] != query.shape[1:3]:
+            raise ValueError(
+                f"{path}: a {name} of shape {tuple(value.shape)} for queries {tuple(query.shape)}; cp moves "
+                "one row per head and query of the rank (its keys the whole sequence's), no other"
+            )
+        moved[name] = redistribute(value, *layout.qkv, mesh, name=f"{path} {name}")
+        for phase in ("forward", "backward") if value.requires_grad else ("forward",):
+            expect(path, "all_to_all", phase, 1, value.numel() * value.element_size())
+    return {**kwargs, **moved}
 
 
 def _mask_heads(mask, heads: int, mesh, axis: str):
@@ -117,9 +130,13 @@ def _sdpa_mask(mask: torch.Tensor, dtype: torch.dtype, kwargs: dict) -> torch.Te
 
 
 def _rows(kwargs: dict, part: slice) -> dict:
-    """``kwargs`` for a block of query rows: a score bias per query (``position_bias``) cut to them."""
-    bias = kwargs.get("position_bias")
-    return kwargs if bias is None else {**kwargs, "position_bias": bias[:, :, part]}
+    """``kwargs`` for a block of query rows: what comes per query (:data:`PER_QUERY`) cut to them."""
+    rows = {name: kwargs[name][:, :, part] for name in PER_QUERY if _per_query(kwargs.get(name))}
+    return {**kwargs, **rows}
+
+
+def _per_query(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 4
 
 
 def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):

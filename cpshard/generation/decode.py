@@ -67,7 +67,7 @@ class CPDecode:
         check_params(self.model, params)
         group = mesh.get_group("cp")
         check_step(tokens, cache, group)
-        if len(cache.layers) != self.layers:
+        if len(cache.layers) < self.layers:
             raise ValueError(f"a cache of {len(cache.layers)} layers for a model of {self.layers}")
         ensure_installed(self.model, self.layout, tp=1)  # decode serves cp meshes only
         mask, positions = cache.extended()
@@ -81,6 +81,11 @@ class CPDecode:
             raise ValueError(
                 f"cp_decode carried the recurrent states {sorted(cache.recurrent)} and the model's recurrent "
                 f"layers took {sorted(step.new_states)}: prefill and decode must run the same model"
+            )
+        if len(step.shards) != len(cache.layers):  # a looped layer attended fewer times than in the prefill
+            raise ValueError(
+                f"cp_decode attended over {len(step.shards)} of the cache's {len(cache.layers)} layers: "
+                "prefill and decode must run the same model"
             )
         layers = tuple(step.shards[number] for number in range(len(cache.layers)))
         return output.logits[:, -1], replace(

@@ -10,6 +10,7 @@ logits to every rank.
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -59,7 +60,7 @@ def check_servable(model, layout) -> None:
     text_config = model.config.get_text_config(decoder=True)
     served = (
         SERVED_LAYER_TYPES
-        + (("linear_attention", "conv", "hybrid") if layout.recurrent else ())
+        + (("linear_attention", "conv", "hybrid", "hybrid_sliding") if layout.recurrent else ())
         + (("dummy",) if layout.pointwise else ())  # a cache layer that holds nothing (MLP, MoE layers)
     )
     types = sorted(set(get_layer_types_and_kwargs(text_config)[0]) - set(served))
@@ -77,16 +78,26 @@ def layers_of(blocks: list) -> dict[int, int]:
     return {id(module): number for number, block in enumerate(blocks) for module in block.modules()}
 
 
-def sunk_layers(blocks: list, sink: dict, names: dict) -> list:
-    """Each layer's ``(keys, values, window)`` from the prefill's sink, by the module inside it that
-    attended."""
+def sunk_layers(blocks: list, sink: dict, names: dict) -> tuple[list, list[str]]:
+    """Each cache layer's ``(keys, values, window)`` from the prefill's sink and its name: each layer's by
+    the module inside it that attended, then those of the later passes of a module that attended more than
+    once, in the order they came (:func:`~cpshard.attention.decode.sink_keys`)."""
     found = [[module for module in block.modules() if id(module) in sink] for block in blocks]
     missing = [
         names[id(block)] for block, attending in zip(blocks, found, strict=True) if len(attending) != 1
     ]
     if missing:
         raise ValueError(f"the prefill saw no keys and values at {missing}: cpshard cannot cache them")
-    return [sink[id(attending[0])] for attending in found]
+    again = [key for key in sink if isinstance(key, tuple)]
+    layers_holding = Counter(id(module) for attending in found for module in attending)
+    shared = sorted({names[module] for module, _ in again if layers_holding[module] > 1})
+    if shared:
+        raise ValueError(
+            f"{shared} attended more than once in one forward from more than one layer (a module shared by "
+            "layers); cp generation caches one layer per attention module and pass"
+        )
+    layers = [sink[id(attending[0])] for attending in found] + [sink[key] for key in again]
+    return layers, [names[id(block)] for block in blocks] + [f"{names[m]} pass {n + 1}" for m, n in again]
 
 
 def check_mesh_and_params(mesh, params: dict) -> None:
@@ -203,13 +214,14 @@ class CPPrefill:
             # a model may ignore logits_to_keep (xLSTM takes any keyword): then it gave every position's
             kept = local.logits if local.logits.shape[1] == keep.numel() else local.logits[:, keep]
             logits = sum_over_group(rows_at(kept, held[keep], last), group, name="last logits")
+        layers, layer_names = sunk_layers(self.attention, call.kv_sink, names)
         cache = prefill_cache(
-            sunk_layers(self.attention, call.kv_sink, names),
+            layers,
             [positions(call.order, call.padded_length, cp, r) for r in range(cp)],
             mask,
             prompt["position_ids"],
             group,
-            [names[id(m)] for m in self.attention],
+            layer_names,
         )
         return logits, replace(cache, recurrent=dict(call.state_sink))
 

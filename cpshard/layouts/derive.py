@@ -32,12 +32,15 @@ from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import not_rewritten
 from cpshard.layouts.layout import (
     CONV_SLOT,
+    CUT_AT_ENTRY,
     HEAD_TRANSFORMS,
     HOOKED,
+    PER_POSITION_ATTENTION,
     RECURRENT_KERNELS,
     SPARSE_ATTENTION,
     Layout,
     Recurrent,
+    attention_at,
     calls_attention_registry,
     kernel_slots,
     recurrent_module,
@@ -76,9 +79,17 @@ def _decoder(model: nn.Module, found: nn.Module) -> nn.Module:
     return max(children, key=lambda c: sum(p.numel() for p in c.parameters()))
 
 
-def _decoder_layers(decoder: nn.Module, count: int | None) -> tuple[str, nn.ModuleList]:
-    """The decoder's list of layers: the shallowest ModuleList of ``count`` modules (else the longest)."""
+def _outer_lists(decoder: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The decoder's non-empty ModuleLists, by path, but those inside another list's modules: those are parts
+    of a layer, not layers (LongCat-Flash's two attention sublayers in a list per layer)."""
     lists = [(name, m) for name, m in decoder.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return [(name, m) for name, m in lists if not any(name.startswith(f"{outer}.") for outer, _ in lists)]
+
+
+def _decoder_layers(decoder: nn.Module, count: int | None) -> tuple[str, nn.ModuleList]:
+    """The decoder's list of layers: the shallowest of its outer lists with ``count`` modules (else the
+    longest); LongCat-Flash's ``num_hidden_layers`` counts its attention sublayers, twice its layers."""
+    lists = _outer_lists(decoder)
     if count is not None:
         lists = [(name, m) for name, m in lists if len(m) == count] or lists
     if not lists:
@@ -86,15 +97,30 @@ def _decoder_layers(decoder: nn.Module, count: int | None) -> tuple[str, nn.Modu
     return min(lists, key=lambda item: (item[0].count("."), -len(item[1])))
 
 
-def _is_attention(module: nn.Module) -> bool:
-    name = type(module).__name__
+def _says_attention(name: str) -> bool:
     return bool(_ATTENTION_NAME.search(name)) and not name.lower().endswith("norm")
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """By its class name; not attention across a position's own copies (Inkling2's block residuals)."""
+    name = type(module).__name__
+    return _says_attention(name) and name not in PER_POSITION_ATTENTION
+
+
+def _looks_like_attention(name: str, child: nn.Module) -> bool:
+    """Whether a layer's child ``name`` looks like attention: by its class, or a non-empty list named so
+    (LongCat-Flash's ``self_attn``, two ``LongcatFlashMLA`` sublayers, whose class names do not say attention;
+    not its ``post_attention_layernorm`` list); whether it calls the attention registry is asked after (a
+    list calls it when each of its modules does)."""
+    return (
+        _is_attention(child) or isinstance(child, nn.ModuleList) and len(child) > 0 and _says_attention(name)
+    )
 
 
 def _attention_candidates(layer: nn.Module) -> list[str]:
     """The layer's children that look like attention, else its grandchildren (DBRX's
     ``norm_attn_norm.attn``)."""
-    children = [name for name, child in layer.named_children() if _is_attention(child)]
+    children = [name for name, child in layer.named_children() if _looks_like_attention(name, child)]
     return children or [
         f"{name}.{inner}"
         for name, child in layer.named_children()
@@ -142,8 +168,18 @@ def _refuse_known(path: str, module: nn.Module) -> None:
     if reason:
         raise LayoutError(
             f"{path} ({type(module).__name__}) is {reason}, which cpshard does not rewrite onto "
-            "transformers' attention registry: cp cannot serve it"
+            "transformers' attention registry: cp cannot serve it; run this model without cp"
         )
+
+
+def _first_custom(path: str, module: nn.Module) -> tuple[str, nn.Module]:
+    """The attention module at ``path`` that does not call the attention registry, with its path: in a list of
+    them (LongCat-Flash's), the first that does not, so that the refusal names the module, not the list."""
+    if isinstance(module, nn.ModuleList):
+        return next(
+            (f"{path}.{i}", inner) for i, inner in enumerate(module) if not calls_attention_registry(inner)
+        )
+    return path, module
 
 
 def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> tuple[str, tuple[str, ...]]:
@@ -158,13 +194,15 @@ def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> tu
         modules = [(index, submodule(layer, name)) for index, layer in layers]
         if all(isinstance(m, nn.Module) for _, m in modules):
             odd = [(i, m) for i, m in modules if not calls_attention_registry(m)]
-            custom = [(i, m) for i, m in odd if _is_attention(m)] or (odd if len(odd) == len(modules) else [])
+            custom = [(i, m) for i, m in odd if _is_attention(m) or isinstance(m, nn.ModuleList)]
+            custom = custom or (odd if len(odd) == len(modules) else [])
             if custom:
-                _refuse_known(f"{layers_path}.{custom[0][0]}.{name}", custom[0][1])
+                path, module = _first_custom(f"{layers_path}.{custom[0][0]}.{name}", custom[0][1])
+                _refuse_known(path, module)
                 raise LayoutError(
-                    f"{layers_path}.{custom[0][0]}.{name} ({type(custom[0][1]).__name__}) does not call "
-                    "attention through transformers' attention registry, so cp cannot make it attend over "
-                    "the whole sequence (linear or custom attention mixes tokens where cp cannot see)"
+                    f"{path} ({type(module).__name__}) does not call attention through transformers' "
+                    "attention registry, so cp cannot make it attend over the whole sequence (linear or "
+                    "custom attention mixes tokens where cp cannot see)"
                 )
             return name, tuple(sorted({type(m).__name__ for _, m in odd}))
     _refuse_known(f"{layers_path}.{layers[0][0]}", layers[0][1])
@@ -243,16 +281,47 @@ def _per_head_params(attentions: list[nn.Module], heads: int) -> tuple[str, ...]
     return tuple(names)
 
 
+def _both_halves(plan: dict, block: str) -> bool:
+    """Whether the plan splits ``block`` (``self_attn``, ``mlp``) by columns and joins it by rows: a half
+    alone would split a whole input or leave a split output (GLM's fused ``gate_up_proj`` leaves
+    ``down_proj``, Phi's ``dense`` leaves q/k/v), so such a block runs whole on every tp rank."""
+    styles = {style for path, style in plan.items() if path.rsplit(".", 1)[0] == block}
+    return {"colwise", "rowwise"} <= styles
+
+
 def _tensor_parallel(layer: nn.Module, attention: str, head_dim: int | None) -> dict:
-    """The generic plan's rows for the modules this layer has; q/k norms of one head's width per head."""
+    """The generic plan's rows for the modules this layer has, for blocks that have both halves; the
+    attention's norms of one head's width (q_norm, HunYuan's query_layernorm) per head. Any other
+    parameter in a split block is refused under tp (:func:`cpshard.parallel.tensor.check_tensor_parallel`)."""
     present = {name for name, _ in layer.named_modules()}
     plan = {path: style for path, style in DECODER.tensor_parallel.items() if path in present}
-    for norm in ("q_norm", "k_norm"):
-        module = getattr(layer.get_submodule(attention), norm, None)
+    plan = {path: style for path, style in plan.items() if _both_halves(plan, path.rsplit(".", 1)[0])}
+    for name, module in layer.get_submodule(attention).named_children():
         weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and head_dim is not None and weight.shape[-1] == head_dim:
-            plan[f"{attention}.{norm}"] = "per_head"
+        one_head = isinstance(weight, torch.Tensor) and head_dim is not None and weight.shape == (head_dim,)
+        if one_head and "norm" in type(module).__name__.lower():
+            plan[f"{attention}.{name}"] = "per_head"
     return plan if "self_attn.q_proj" in plan else {}
+
+
+def _without_heads(config, decoder: nn.Module, decoder_path: str) -> LayoutError:
+    """Why cp cannot serve a model whose config names no ``num_attention_heads``: where its decoder runs more
+    than one list of layers that attend, each sized by a config of its own (BLT's byte encoder, global
+    transformer over patches pooled from the bytes, byte decoder and patcher), that it has no one decoder."""
+    stacks = [
+        _join(decoder_path, name)
+        for name, layers in _outer_lists(decoder)
+        if any(_is_attention(module) for module in layers.modules())
+    ]
+    if len(stacks) < 2:
+        return LayoutError(f"{type(config).__name__} has no num_attention_heads")
+    return LayoutError(
+        f"{type(config).__name__} has no num_attention_heads of one decoder: its model runs "
+        f"{len(stacks)} lists of layers that attend ({', '.join(stacks)}), each sized by a config of its "
+        "own, while cpshard serves one list of decoder layers over one sequence, cut once at its entry (BLT "
+        "pools its bytes into patches for a global transformer and cross-attends between them): run this "
+        "model without cp"
+    )
 
 
 def _config_value(config, name: str):
@@ -290,7 +359,7 @@ def derive_layout(model: nn.Module) -> Layout:
         )
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int):
-        raise LayoutError(f"{type(config).__name__} has no num_attention_heads")
+        raise _without_heads(config, decoder, decoder_path)
     kv_heads = (
         "num_key_value_heads" if isinstance(getattr(config, "num_key_value_heads", None), int) else None
     )
@@ -317,6 +386,7 @@ def derive_layout(model: nn.Module) -> Layout:
     final = _join(decoder_path, norm) if norm else _join(layers_path, str(len(layers) - 1))
     runs = recording.children.count(norm) if recording.looped and norm else 1
     restores = bool(recording.children) and restores_length(model, model.get_submodule(final), runs)
+    at_entry = any(row.kernel in CUT_AT_ENTRY for row in recurrent)  # its layers' inputs come cut
     return replace(
         DECODER,
         name=f"derived:{top_config.model_type}",
@@ -328,7 +398,8 @@ def derive_layout(model: nn.Module) -> Layout:
         kv_heads=kv_heads,
         mlp_width=width,
         hidden=recording.hidden,
-        layer_inputs=recording.layer_inputs,
+        layer_inputs=() if at_entry else recording.layer_inputs,
+        cut_at_entry=at_entry,
         head_transforms=tuple(name for name in HEAD_TRANSFORMS if getattr(config, name, None)),
         tensor_parallel=plan,
         tensor_parallel_inputs=tuple(
@@ -337,7 +408,7 @@ def derive_layout(model: nn.Module) -> Layout:
         if plan
         else (),
         per_head_params=_per_head_params(
-            [layer.get_submodule(attention) for _, layer in with_attention], heads
+            [module for _, layer in with_attention for module in attention_at(layer, attention)], heads
         ),
         recurrent=recurrent,
         pointwise=pointwise,

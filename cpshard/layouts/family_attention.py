@@ -457,8 +457,6 @@ def score_bias(module: nn.Module, config) -> str | None:
         return "ALiBi"
     if name == "GPTNeoSelfAttention" and module.attention_type == "local":
         return "a local window"
-    if name == "InklingAttention":
-        return "a relative position bias per query"
     return None
 
 

@@ -36,6 +36,7 @@ RECURRENT_KERNELS = MappingProxyType(
         "mlstm": "scalar",  # xLSTM's mLSTM: a forget gate per head and token
         "zaya_cca": "none",  # ZAYA's attention projection: short convolutions and a delayed value, no state
         "inkling": "none",  # Inkling's decoder layer: four short convolutions, no state
+        "inkling2": "none",  # Inkling2's decoder layers: four short convolutions, no state
         "mamba_chunk_scan_combined": "scalar",  # Mamba2's SSD scan
         "selective_scan_fn": "diagonal",  # Mamba1's selective scan: a decay per channel and state dim
         "causal_conv1d_fn": "none",  # a short convolution alone (LFM2's ShortConv): no state past its window
@@ -57,6 +58,24 @@ XLSTM = "xLSTMLayer"
 ZAYA_CCA = "ZayaCCAProjection"
 #: Inkling's decoder layer: four convolutions, attention that places its queries by index (kernel "inkling")
 INKLING = "InklingDecoderLayer"
+#: Inkling2's decoder layers (and Inkling2-Loop's): as Inkling's, beside a stack of block states the decoder
+#: keeps between its layers (kernel "inkling2", which cuts the sequence where it enters the decoder)
+INKLING2 = (
+    "Inkling2SlidingDecoderLayer",
+    "Inkling2FullDecoderLayer",
+    "Inkling2LoopSlidingDecoderLayer",
+    "Inkling2LoopSlidingLoopDecoderLayer",
+    "Inkling2LoopFullDecoderLayer",
+    "Inkling2LoopFullLoopDecoderLayer",
+)
+#: modules that call the attention registry across a position's own copies, not along the sequence
+#: (Inkling2's block attention residuals: the position's block states are the keys): nothing crosses
+#: positions, so cp's attention runs the model's own function on each rank's slice as it is
+PER_POSITION_ATTENTION = (
+    "Inkling2BlockAttentionResidual",
+    "Inkling2LoopBlockAttentionResidual",
+    "Inkling2LoopMessageAttentionResidual",
+)
 #: attention modules that select keys per query (DeepSeek's sparse attention, Doge's dynamic mask), which cp
 #: serves with the rank's queries against gathered keys (:mod:`cpshard.attention.sparse`)
 SPARSE_ATTENTION = (
@@ -66,17 +85,21 @@ SPARSE_ATTENTION = (
     "Dots3NoteTextAttention",
     "DogeAttention",
 )
-#: the recurrent kernels served by hooks on a mixer of a known class, not by a kernel slot
+#: the recurrent kernels served by hooks on a mixer of a known class (or classes), not by a kernel slot
 HOOKED = MappingProxyType(
     {
-        "lightning": LIGHTNING,
-        "rg_lru": RG_LRU,
-        "rwkv": RWKV,
-        "mlstm": XLSTM,
-        "zaya_cca": ZAYA_CCA,
-        "inkling": INKLING,
+        "lightning": (LIGHTNING,),
+        "rg_lru": (RG_LRU,),
+        "rwkv": (RWKV,),
+        "mlstm": (XLSTM,),
+        "zaya_cca": (ZAYA_CCA,),
+        "inkling": (INKLING,),
+        "inkling2": INKLING2,
     }
 )
+#: the hooked kernels whose decoder keeps per-position values of its own between its layers: cut where the
+#: sequence enters the decoder (:attr:`Layout.cut_at_entry`)
+CUT_AT_ENTRY = frozenset({"inkling2"})
 #: the slot of the short causal convolution in front of them
 CONV_SLOT = "causal_conv1d_fn"
 
@@ -113,7 +136,7 @@ def kernel_slots(module: nn.Module) -> dict:
 def serves(module: nn.Module, kernel: str) -> bool:
     """Whether ``module`` is a recurrent mixer of ``kernel``: one that holds its slot, or for a
     :data:`HOOKED` kernel, one of its class."""
-    return type(module).__name__ == HOOKED[kernel] if kernel in HOOKED else kernel in kernel_slots(module)
+    return type(module).__name__ in HOOKED[kernel] if kernel in HOOKED else kernel in kernel_slots(module)
 
 
 def recurrent_module(layer: nn.Module, rows: tuple[Recurrent, ...]) -> tuple[nn.Module, Recurrent] | None:
@@ -201,6 +224,10 @@ class Layout:
     #: where it comes in whole, later entries take the slice on; the final norm runs between passes too, so
     #: the order stays contiguous (undone on its output, it would be undone mid-stream)
     looped: bool = False
+    #: the decoder keeps per-position values of its own between its layers (Inkling2's block states, which
+    #: each layer adds to): the sequence is cut where it enters the decoder (by its recurrent mixers'
+    #: hooks), so the decoder's own loop holds slices only, and its layers receive their inputs cut
+    cut_at_entry: bool = False
     #: each decoder layer's MLP module (dense: token by token), which ``make_cp_forward(mlp_tile=N)`` runs
     #: a block of tokens at a time (:mod:`cpshard.runtime.tiled_mlp`)
     mlp: str | None = None
@@ -263,8 +290,19 @@ def calls_attention_registry(module: nn.Module) -> bool:
     """Whether ``module`` (or a module inside it: BERT's ``attention.self``) calls its attention function
     through transformers' registry (the function cpshard replaces); read from the source, since a class
     flag may be missing or wrong); or whose attention cpshard rewrites to call it
-    (:mod:`cpshard.layouts.family_attention`)."""
+    (:mod:`cpshard.layouts.family_attention`). A list of attention modules (LongCat-Flash's two per layer)
+    calls it when each of them does: one that did not would attend over a rank's slice alone."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) > 0 and all(calls_attention_registry(inner) for inner in module)
     return any(_forward_calls_registry(inner) or rewritten(inner) for inner in module.modules())
+
+
+def attention_at(layer: nn.Module, path: str) -> list[nn.Module]:
+    """The attention modules ``layer`` holds at ``path``: the module there, or each module of a list there
+    (LongCat-Flash's layers run two attention sublayers, ``self_attn.0`` and ``self_attn.1``), so that what
+    acts per attention module (recompute, per-head parameters, the byte counts) acts on each of them."""
+    module = layer.get_submodule(path)
+    return list(module) if isinstance(module, nn.ModuleList) else [module]
 
 
 def _from_rows(rows: dict) -> Layout:

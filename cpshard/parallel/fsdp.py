@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout | str = "auto
     check_mesh(mesh)
     if max(mesh_size(mesh, "tp"), expert_degree(mesh)) > 1:  # only then does the layout's plan matter
         layout = resolve_layout(model, layout)
-        check_tensor_parallel(text_config(model), layout, mesh_size(mesh, "tp"))
+        check_tensor_parallel(model, layout, mesh_size(mesh, "tp"))
         check_expert_parallel(text_config(model), layout, expert_degree(mesh), mesh_size(mesh, "tp"))
     else:
         layout = None

@@ -11,7 +11,9 @@ Ulysses then splits over ``cp``. Hooks are installed once per model and act only
 
 from __future__ import annotations
 
-from functools import partial
+import inspect
+import re
+from functools import cache, partial
 
 from torch import nn
 
@@ -19,11 +21,13 @@ from cpshard.call import current_call
 from cpshard.comm.collectives import sum_grads_over_group, sum_over_group
 from cpshard.comm.record import serving
 from cpshard.interfaces import Hook
-from cpshard.layouts.layout import TP_STYLES, Layout, submodule
+from cpshard.layouts.layout import TP_STYLES, Layout, submodule, text_config
 
 
-def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
-    """The plan names known styles, and every count it splits divides by ``tp``: a clear error otherwise."""
+def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
+    """The plan names known styles, every count it splits divides by ``tp``, and every block it splits
+    holds nothing the split would cut unplaced: a clear error otherwise, before any collective."""
+    config = text_config(model)
     unknown = [
         f"{path}: {style!r}" for path, style in layout.tensor_parallel.items() if style not in TP_STYLES
     ]
@@ -41,6 +45,85 @@ def check_tensor_parallel(config, layout: Layout, tp: int) -> None:
             f"tp={tp} must divide {', '.join(f'{name}={count}' for name, count in bad.items())}: "
             "each tp rank holds an equal share of the heads and features; choose a tp that divides them"
         )
+    layers = submodule(model, layout.decoder_layers)
+    problems = [
+        (f"{i}.{path}", why)
+        for i, layer in enumerate(layers or ())
+        for path, why in _split_problems(layer, layout)
+    ]
+    if problems:
+        where, what = problems[0]
+        raise ValueError(
+            f"{layout.decoder_layers}.{where}: {what}; cpshard's tensor parallelism (layout {layout.name!r}) "
+            f"cannot serve it at tp={tp}, and would give wrong results or fail inside the model: run this "
+            "model with tp=1 (cp, fsdp and the rest serve it), or give the module a style in a layout file "
+            "('per_head' for a weight each head applies alike)"
+        )
+
+
+#: a block's own code reading the whole model's head count, where a tp rank holds a share of the heads
+_HEAD_COUNTS = re.compile(
+    r"\bself\.(num_heads|num_attention_heads|num_key_value_heads|n_heads|num_kv_heads)\b"
+)
+
+
+@cache
+def _reads_head_count(block_type: type) -> str | None:
+    """The head-count attribute that ``block_type``'s forward reshapes by (StableLM's
+    ``view(b, s, self.num_heads, d)``), or None: under tp a rank's projections hold heads / tp."""
+    try:
+        found = _HEAD_COUNTS.search(inspect.getsource(block_type.forward))
+    except (OSError, TypeError):
+        return None
+    return found.group(0) if found else None
+
+
+def _split_problems(layer: nn.Module, layout: Layout) -> list[tuple[str, str]]:
+    """``(module path in the layer list, why)`` for what the plan's split of this layer's blocks would cut
+    unplaced: a parameter of a split block (self_attn, mlp) that the plan places nowhere (each tp rank
+    would apply all of it to its own heads or features: Olmo2's q_norm over every head's width, BitNet's
+    sub-norms, Apertus' xIELU parameters, Cohere's per-head norm of shape (heads, head_dim)), and a
+    block's code that reads the whole model's head count."""
+    return [
+        problem
+        for path in layout.tensor_parallel_inputs
+        if (block := submodule(layer, path)) is not None
+        and holds_colwise(layer, path, layout)
+        and not holds_experts(layer, path, layout)
+        for problem in _block_problems(block, path, layout)
+    ]
+
+
+def _block_problems(block: nn.Module, path: str, layout: Layout) -> list[tuple[str, str]]:
+    """What the split of ``block`` (at ``path`` in its layer) would cut unplaced: see _split_problems."""
+    styles = {
+        p[len(path) + 1 :]: style for p, style in layout.tensor_parallel.items() if p.startswith(f"{path}.")
+    }
+    split = {
+        getattr(m, "out_features", None): f"{path}.{p}"
+        for p, m in block.named_modules()
+        if styles.get(p) == "colwise"
+    }
+    problems = []
+    for name, param in block.named_parameters():
+        owner, _, own = name.rpartition(".")
+        if any(owner == p or owner.startswith(f"{p}.") for p in styles):
+            continue
+        spans = next((split[n] for n in param.shape if n in split), None)
+        norm = " (a norm over every head's width needs its statistic over all of them)"
+        why = (
+            f"spans the whole output of {spans}, which tp splits: each tp rank holds a share of that width"
+            + (norm if param.dim() == 1 else "")
+            if spans
+            else "sits in a block tp splits, placed nowhere by the plan: each tp rank would apply it whole "
+            "to its own share of the heads or features, and count its gradient on that share alone"
+        )
+        problems.append((f"{path}.{owner}" if owner else path, f"its {own} {tuple(param.shape)} {why}"))
+    count = _reads_head_count(type(block))
+    if count:
+        why = f"its forward reshapes by {count}, the whole model's head count, where a tp rank holds a share"
+        problems.append((path, why))
+    return problems
 
 
 def _tp_group():

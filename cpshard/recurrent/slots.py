@@ -33,11 +33,19 @@ from cpshard.call import split_call
 from cpshard.comm.collectives import all_to_all
 from cpshard.comm.record import expect
 from cpshard.interfaces import Hook
-from cpshard.layouts.layout import FUSED_SLOTS, RECURRENT_KERNELS, Recurrent, kernel_slots, recurrent_module
+from cpshard.layouts.layout import (
+    CUT_AT_ENTRY,
+    FUSED_SLOTS,
+    RECURRENT_KERNELS,
+    Recurrent,
+    kernel_slots,
+    recurrent_module,
+)
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.inkling import check_inkling_unchanged, inkling_hooks
+from cpshard.recurrent.inkling2 import inkling2_entry_hooks
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
 from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
@@ -207,6 +215,8 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
         if found is None:
             continue
         module, row = found
+        if row.kernel in CUT_AT_ENTRY:  # served through the decoder's entry hook (entry_hooks)
+            continue
         slots, path = kernel_slots(module), f"{layers_path}.{index}.{row.module}"
         hooks.append(Hook(module, _cut_mask, pre=True))
         if row.kernel in HOOKED_MIXERS:
@@ -220,6 +230,16 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
         if row.conv is not None:
             _take(slots, row.conv, Halo, path)
     return hooks
+
+
+def entry_hooks(
+    decoder: nn.Module, layers: nn.ModuleList, layers_path: str, rows: tuple[Recurrent, ...]
+) -> list[Hook]:
+    """The hooks of mixers whose decoder keeps per-position values of its own between its ``layers``
+    (:data:`~cpshard.layouts.layout.CUT_AT_ENTRY`): the cut where the sequence enters the ``decoder``,
+    and what its layers hold."""
+    kernels = sorted({row.kernel for row in rows} & CUT_AT_ENTRY)
+    return [hook for kernel in kernels for hook in ENTRY_HOOKS[kernel](decoder, layers, layers_path)]
 
 
 def _on_mixer(hooks):
@@ -237,5 +257,7 @@ HOOKED_MIXERS = {
     "zaya_cca": (check_zaya_unchanged, _on_mixer(zaya_hooks)),
     "inkling": (check_inkling_unchanged, _on_mixer(inkling_hooks)),
 }
+#: the installers of the decoder's entry hooks, by kernel (:func:`entry_hooks`)
+ENTRY_HOOKS = {"inkling2": inkling2_entry_hooks}
 #: the slot that serves each decay kind's kernel ("none": the kernel is a convolution, served by its halo)
 SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan, "diagonal": ChannelSplit, "none": Halo}

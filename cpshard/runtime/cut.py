@@ -18,6 +18,7 @@ from cpshard.call import TRACED_KEY, CallPlan, split_call
 from cpshard.comm.redistribute import redistribute
 from cpshard.comm.reorder import to_chunks
 from cpshard.interfaces import Hook
+from cpshard.layouts.layout import Layout
 
 
 def _cut(value, before, after, call: CallPlan):
@@ -145,11 +146,12 @@ def _head_input(module, args, kwargs):
 
 
 def cut_hooks(
-    layers: torch.nn.ModuleList, final_norm: torch.nn.Module, head: torch.nn.Module, looped: bool
+    layers: torch.nn.ModuleList, final_norm: torch.nn.Module, head: torch.nn.Module, layout: Layout
 ) -> list[Hook]:
     """The cut on every decoder layer (the first also cuts the residual stream; in a looped layout, the
-    final norm too where the stream meets it whole), the order undone after the final norm (or the last
-    layer), and the rows this rank holds taken at the LM ``head``."""
+    final norm too where the stream meets it whole; none where the layout cuts at the decoder's entry),
+    the order undone after the final norm (or the last layer), and the rows this rank holds taken at the
+    LM ``head``."""
     cuts = [
         Hook(
             layer,
@@ -157,7 +159,8 @@ def cut_hooks(
             pre=True,
         )
         for index, layer in enumerate(layers)
+        if not layout.cut_at_entry
     ]
-    ends = [Hook(final_norm, _cut_at_norm, pre=True)] if looped else []
+    ends = [Hook(final_norm, _cut_at_norm, pre=True)] if layout.looped else []
     ends.append(Hook(final_norm, _contiguous_again, pre=False))
     return [*cuts, *ends, Hook(head, _head_input, pre=True)]

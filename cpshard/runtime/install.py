@@ -26,20 +26,25 @@ from cpshard.attention.cp_attention import cp_attention_name
 from cpshard.attention.sparse import sparse_attention_hooks
 from cpshard.interfaces import install_hooks
 from cpshard.layouts.family_attention import rewrite, rewritten
-from cpshard.layouts.layout import Layout, attention_layers
+from cpshard.layouts.layout import Layout, attention_at, attention_layers
 from cpshard.parallel.experts import PREFIX as EXPERTS_PREFIX
 from cpshard.parallel.experts import experts_modules, install_experts
 from cpshard.parallel.tensor import tensor_parallel_hooks
-from cpshard.recurrent.slots import install_recurrent
+from cpshard.recurrent.slots import entry_hooks, install_recurrent
 from cpshard.runtime.cut import cut_hooks
 from cpshard.runtime.recompute import RecomputedForward, install_forward
 from cpshard.runtime.tiled_mlp import install_tiled_mlp
 
 
 def attention_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
-    """The attention module of every layer that holds one (not a recurrent mixer)."""
+    """The attention modules of every layer that holds attention (not a recurrent mixer): one a layer, or
+    each of a layer's list of them (LongCat-Flash's two)."""
     layers = model.get_submodule(layout.decoder_layers)
-    return [layer.get_submodule(layout.attention) for layer in attention_layers(layers, layout)]
+    return [
+        module
+        for layer in attention_layers(layers, layout)
+        for module in attention_at(layer, layout.attention)
+    ]
 
 
 def install_attention(model: nn.Module, layout: Layout) -> None:
@@ -48,8 +53,7 @@ def install_attention(model: nn.Module, layout: Layout) -> None:
     modules = attention_modules(model, layout)
     if not modules:
         return
-    in_use = {getattr(getattr(m, "config", None), "_attn_implementation", None) for m in modules}
-    in_use = {name for name in in_use | {model.config._attn_implementation} if name is not None}
+    in_use = {name for name in _implementations(model, modules) if name is not None}
     unwrapped = sorted(name for name in in_use if not name.startswith(ATTENTION_PREFIX))
     if len(unwrapped) > 1:
         raise ValueError(
@@ -58,6 +62,16 @@ def install_attention(model: nn.Module, layout: Layout) -> None:
         )
     if unwrapped:
         _set_implementation(model, cp_attention_name(unwrapped[0]), layout)
+
+
+def _implementations(model: nn.Module, modules: list[nn.Module]) -> set[str | None]:
+    """The attention implementations the layout's attention ``modules`` dispatch to: their own configs'
+    (a multimodal model's text part), the model's for a module that holds none. Not the top-level config's,
+    which a part that keeps its own attention code holds back (GOT-OCR2's vision tower, which cp never runs:
+    its forward takes token ids and labels alone)."""
+    configs = [getattr(module, "config", None) for module in modules]
+    configs = [config if isinstance(config, PretrainedConfig) else model.config for config in configs]
+    return {getattr(config, "_attn_implementation", None) for config in configs}
 
 
 def _set_implementation(model: nn.Module, name: str, layout: Layout) -> None:
@@ -69,10 +83,11 @@ def _set_implementation(model: nn.Module, name: str, layout: Layout) -> None:
                 module.config._attn_implementation_internal = name
     else:
         model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
+    taken = _implementations(model, attention_modules(model, layout))
+    if taken != {name}:
         raise ValueError(
-            f"{type(model).__name__} did not take the attention implementation {name!r} (it has "
-            f"{model.config._attn_implementation!r}), so cp's attention would not run: report this model type"
+            f"{type(model).__name__}'s attention modules did not take the attention implementation {name!r} "
+            f"(they have {sorted(map(str, taken))}), so cp's attention would not run: report this model type"
         )
 
 
@@ -87,9 +102,11 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
     layers = model.get_submodule(layout.decoder_layers)
     # one install: a recurrent mixer may be the layer itself (Inkling's), which holds a cut hook too
     final_norm, head = model.get_submodule(layout.final_norm), model.get_output_embeddings()
-    cut = cut_hooks(layers, final_norm, head, layout.looped)
+    cut = cut_hooks(layers, final_norm, head, layout)
     sparse = sparse_attention_hooks(layers, layout.decoder_layers, layout.sparse_attention)
-    install_hooks(cut + install_recurrent(layers, layout.recurrent, layout.decoder_layers) + sparse)
+    recurrent = install_recurrent(layers, layout.recurrent, layout.decoder_layers)
+    entry = entry_hooks(model.get_submodule(layout.decoder), layers, layout.decoder_layers, layout.recurrent)
+    install_hooks(cut + recurrent + entry + sparse)
     if layout.experts:
         install_experts(model)
     if tiles_mlp:

@@ -74,12 +74,12 @@ class CPOptions:
 def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dict) -> tuple[str, int]:
     """``(implementation, Ulysses degree)`` for this mesh, after the checks of tp, ep and compile."""
     cp, tp, ep = cp_size(mesh), mesh_size(mesh, "tp"), expert_degree(mesh)
-    check_tensor_parallel(text_config(model), layout, tp)
+    if layout.recurrent:  # first: what recurrent layers refuse says more than a module tp would cut
+        check_recurrent_parallelism(layout, options, tp, ep)
+    check_tensor_parallel(model, layout, tp)
     check_expert_parallel(text_config(model), layout, ep, tp)
     if options.compile:
         check_compiled_parallelism(tp, ep)
-    if layout.recurrent:
-        check_recurrent_parallelism(layout, options, tp, ep)
     if layout.sparse_attention and (max(tp, ep) > 1 or options.compile):
         raise ValueError(
             f"tp={tp}, ep={ep}, compile={options.compile!r}: cp serves the sparse attention of "

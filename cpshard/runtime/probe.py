@@ -266,8 +266,9 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
             f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: it is not a "
             f"registered file tested on the installed transformers {transformers.__version__} (tested: "
             f"{WRITTEN_FOR}), and it is verified on the plain model's parameters only; call "
-            "cp_forward once with cpshard.params_of(model) before cpshard.parallelize(model, mesh), then "
-            "call it with the parallel ones"
+            "cp_forward once with cpshard.params_of(model) before cpshard.parallelize(model, mesh), on a "
+            "mesh without tp or ep (cpshard.make_mesh(cp=...): one with them takes the parallel parameters "
+            "only), then call it with the parallel ones"
         )
     verified.add(key)  # the probe's own cp call must not probe again
     try:

@@ -105,6 +105,16 @@ _INKLING = dict(
     rel_extent=6,
     log_scaling_n_floor=2,
 )
+#: Inkling2: as Inkling, four layers in blocks of two (block states stacked at layers 0 and 2); Inkling2-Loop
+#: in blocks of one, its middle two layers run in more than one pass
+_INKLING2 = dict(
+    _INKLING,
+    num_hidden_layers=4,
+    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+    n_layers_per_attn_res_block=2,
+    swa_head_dim=16,
+    unpadded_vocab_size=SMALL["vocab_size"],  # the LM head's width (200058 by default)
+)
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=64)
 #: sizes for model types that :data:`SMALL` does not cover (None: leave the config's own default); a
 #: composite config's parts (its text, vision and audio configs) are looked up here by their own types
@@ -225,10 +235,12 @@ PER_TYPE = {
         adapter_out_dim=SMALL["hidden_size"],
         downsample_hidden_size=32,
     ),
-    **dict.fromkeys(
-        ("inkling2_text", "inkling2_loop_text", "mimo_v2_flash", "solar_open", "hy_v4"), _FEW_EXPERTS
-    ),
+    **dict.fromkeys(("mimo_v2_flash", "solar_open", "hy_v4"), _FEW_EXPERTS),
     "inkling_text": _INKLING,
+    "inkling2_text": _INKLING2,
+    "inkling2_loop_text": dict(
+        _INKLING2, n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3
+    ),
     "ergo": dict(
         num_experts=4,
         num_experts_per_tok=2,
