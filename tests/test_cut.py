@@ -13,12 +13,19 @@ under Ulysses, plain and left-padded.
 
 Dory enters its layers more than once per forward (looped): the stream is cut where it comes in whole, once,
 and later passes take the slice on; exact at cp 2 and 4, Ulysses and ring, plain and left-padded.
+
+HRM (hrm_text) runs two stacks of layers in cycles from its own loop, whole-sequence states beside them: cut
+where the sequence enters its decoder, every pass of both stacks holds the rank's slice; exact at cp 2 and 4,
+Ulysses and ring, plain and left-padded; compile and head-tail order refused.
 """
+
+from functools import partial
 
 import pytest
 import torch
 
 import cpshard
+from cpshard.call import split_call
 from cpshard.tools.parity import check_parity, failing_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
@@ -130,3 +137,55 @@ def head_tail_refusal() -> str:
 def test_looped_layers_refuse_an_order_undone_mid_stream(ranks2):
     for message in ranks2.run(head_tail_refusal):
         assert "more than once per forward" in message and "model.norm" in message, message
+
+
+def hrm_rows(cp: int) -> dict:
+    """Per (implementation, padding): the rows (loss, logits, every gradient) in which HRM's text model (two
+    stacks of layers run in cycles from its own loop, cut where the sequence enters it) differs from one
+    process on two rows of 11 tokens (not a multiple of ``cp``)."""
+    mesh, failing, lengths = cpshard.make_mesh(cp=cp), {}, set()
+    model = tiny_model("hrm_text", attn_implementation="auto")
+    stacks = (model.model.L_module.layers[0], model.model.H_module.layers[0])
+    seen = [s.register_forward_pre_hook(partial(_held_length, lengths)) for s in stacks]
+    for implementation in ("ulysses", "ring"):
+        forward = cpshard.make_cp_forward(model, implementation=implementation)
+        assert forward.layout.cut_at_entry and forward.layout.final_norm == "model.H_module.final_norm"
+        for pad in (None, "left"):
+            batch = tiny_batch(model.config.vocab_size, 2, 11, pad=pad)
+            failing[implementation, pad] = failing_rows([check_parity(model, batch, mesh, forward)])
+    for handle in seen:
+        handle.remove()
+    assert lengths and all(held == share for held, share in lengths), lengths
+    return failing
+
+
+def _held_length(lengths: set, layer, args) -> None:
+    """Under a cp call, the length a stack's layer receives and the rank's share of the call's sequence: in
+    every pass of both stacks they agree (the cut at the decoder's entry left nothing whole)."""
+    call = split_call()
+    if call is not None:
+        lengths.add((args[0].shape[1], call.padded_length // call.cp_size))
+
+
+@pytest.mark.parametrize("ranks", ["ranks2", "ranks4"])
+def test_stacks_run_in_cycles_are_exact_cut_at_the_decoders_entry(request, ranks):
+    for failing in request.getfixturevalue(ranks).run(hrm_rows, int(ranks[-1])):
+        assert not any(failing.values()), failing
+
+
+def hrm_refusals() -> list[str]:
+    """What cp does not serve beside HRM's entry cut yet, each a ValueError on every rank: a compiled layer
+    (its call resolved by the layers' cut hooks, not installed), and an order other than contiguous."""
+    model, mesh = tiny_model("hrm_text", attn_implementation="auto"), cpshard.make_mesh(cp=2)
+    batch, found = tiny_batch(model.config.vocab_size, 2, 11), []
+    for options in (dict(compile=True), dict(implementation="ring", sequence_order="head_tail")):
+        with pytest.raises(ValueError) as info:
+            cpshard.make_cp_forward(model, **options)(cpshard.params_of(model), batch, mesh)
+        found.append(str(info.value))
+    return found
+
+
+def test_stacks_run_in_cycles_refuse_what_the_entry_cut_does_not_serve(ranks2):
+    for compiled, ordered in ranks2.run(hrm_refusals):
+        assert "cut where the sequence enters it (model)" in compiled, compiled
+        assert "sequence_order='head_tail'" in ordered and "where it enters the decoder (model)" in ordered

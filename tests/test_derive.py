@@ -2,6 +2,7 @@
 
 import pytest
 import torch.distributed as dist
+from transformers.models.hrm_text.modeling_hrm_text import HrmTextModel
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMLA
 
@@ -9,7 +10,8 @@ import cpshard
 from cpshard.debug import trace_comms
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.errors import LayoutError
-from cpshard.layouts.layout import structure_problems
+from cpshard.layouts.layout import ENTERED_DECODERS, structure_problems
+from cpshard.recurrent.slots import DECODER_ENTRY_HOOKS
 from cpshard.runtime.install import attention_modules
 from cpshard.tools.parity import check_parity, failing_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -104,10 +106,7 @@ def test_attention_of_its_own_code_that_cpshard_does_not_know_is_refused():
         ("xlm", ["transformer.attentions.0 (MultiHeadAttention)", "no layer module", "without cp"]),
         # no heads of one decoder: a byte encoder, a global transformer over patches, a byte decoder
         ("blt", ["model.global_transformer.layers", "lists of layers that attend", "without cp"]),
-        ("hy_v4", ["model.layers.0.self_attn.indexer (HYV4Indexer)", "sparse attention"]),  # its stream cut
         ("deepseek_v4", ["self_attn.compressor (DeepseekV4HCACompressor", "windows of tokens"]),
-        ("hrm_text", ["model.H_module.layers.0 (HrmTextDecoderLayer) runs beside model.L_module.layers"]),
-        ("kolibri1_1", ["model.layers.1.self_attn.indexer (Kolibri1_1Indexer)", "sparse attention"]),
         (
             "xlnet",
             ["transformer.layer.0.rel_attn (XLNetRelativeAttention)", "two-stream", "attention registry"],
@@ -120,6 +119,27 @@ def test_what_cp_cannot_serve_is_refused_naming_module_and_reason(model_type, wo
         derive_layout(tiny_model(model_type, attn_implementation="auto"))
     missing = [word for word in words if word not in str(info.value)]
     assert not missing, f"{info.value} lacks {missing}"
+
+
+class _UnreadStacks(HrmTextModel):
+    """HRM's decoder under a class cpshard has not read: its loop over two stacks is not known to be per
+    position outside attention."""
+
+
+def test_layers_run_from_a_second_list_are_refused_beside_an_unread_decoder():
+    model = tiny_model("hrm_text", attn_implementation="auto")
+    model.model.__class__ = _UnreadStacks
+    with pytest.raises(LayoutError) as info:
+        derive_layout(model)
+    words = ["model.H_module.layers.0 (HrmTextDecoderLayer) runs beside model.L_module.layers", "not read"]
+    assert all(word in str(info.value) for word in words), info.value
+
+
+def test_hrm_is_cut_where_the_sequence_enters_its_decoder():
+    layout = derive_layout(tiny_model("hrm_text", attn_implementation="auto"))
+    assert layout.cut_at_entry and layout.looped and layout.layer_inputs == ()
+    assert layout.final_norm == "model.H_module.final_norm" and not layout.restores_length
+    assert set(DECODER_ENTRY_HOOKS) == ENTERED_DECODERS  # each decoder the recording admits has its hook
 
 
 #: LongCat-Flash of two layers, each running two attention sublayers from its list ``self_attn``

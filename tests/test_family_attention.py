@@ -188,6 +188,7 @@ def test_rotary_falcon_generates_as_its_own_code(ranks2):
     [
         ("bloom", "adds ALiBi to its attention scores"),
         ("gpt_neo", "adds a local window to its attention scores"),
+        ("hrm_text", "does not serve HRM's decoder"),
     ],
 )
 def test_generation_refuses_what_its_cache_does_not_carry_on_every_rank(ranks2, model_type, words):

@@ -1,6 +1,10 @@
 """Attention that selects its keys per query inside its module, under cp: the queries stay, the keys gather.
-DeepSeek's sparse attention (DSA: deepseek_v32, glm_moe_dsa, axk2, dots3_note), and Doge's dynamic mask
-(each head keeps its ``keep_window_size`` highest-scored keys per query, scored from every key's value).
+DeepSeek's sparse attention (DSA: deepseek_v32, glm_moe_dsa, axk2, dots3_note; hy_v4 with sinks, a gate and
+layers that reuse the previous indexer's top-k), Doge's dynamic mask (each head keeps its ``keep_window_size``
+highest-scored keys per query, scored from every key's value), and Kolibri 1.1's indexed layers (NoPE; a
+weightless indexer picks blocks of keys into a pool, then keys from the pool, sinks and local keys besides;
+later indexed layers may reuse an earlier one's keys, values and pool; its sliding layers are cp's ordinary
+attention). What each class hands its cache, and so what is gathered, is :data:`GATHERS`.
 
 A lightning indexer scores every key for each query, sums the scores over its own heads and keeps a top-k;
 the sum over indexer heads comes before the top-k, so a head split does not fit. Under cp each rank keeps
@@ -12,7 +16,11 @@ The module then runs its own code: it scores its queries against every key, sele
 for them, expands the keys and calls the attention function, which cp passes through (its queries are the
 rank's, its keys whole: nothing to exchange). Each rank holds ``[B, L/cp, indexer heads, L]`` scores, a
 cp-th of one process's. Bytes a layer and rank: ``B x L/cp x (latent + rope + indexer key)`` elements
-forward, the latent and rope key's gradients backward.
+forward, the latent and rope key's gradients backward (Doge and Kolibri: its keys and values, both ways).
+Every query's selection depends on its own row of the mask and the whole keys alone, so it is one process's
+on any sequence order (Kolibri's pool zeroes, in its block averages, keys no query of the rank sees where one
+process zeroes those no query sees: the rank's extra ones lie past each of its queries' last key, in blocks
+its scoring sets to 0 or hides for that query).
 
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 """
@@ -20,6 +28,7 @@ Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code i
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +80,50 @@ WRITTEN_AGAINST = {
             "Dots3NoteTextDecoderLayer.forward": "6638598f45b2c79d",
         },
     ),
+    "HYV4Attention": (
+        "transformers.models.hy_v4.modeling_hy_v4",
+        {
+            "HYV4Attention": "b65cb4ce7dcdddc1",
+            "HYV4Indexer": "97adbaf463b08b9a",
+            "HYV4DecoderLayer.forward": "3a222403c0e38c21",
+            "HYV4Model.forward": "350847db47cd735d",
+        },
+    ),
+    "Kolibri1_1Attention": (
+        "transformers.models.kolibri1_1.modeling_kolibri1_1",
+        {
+            "Kolibri1_1Attention": "d3fa8f7c500b89ea",
+            "Kolibri1_1Indexer": "34946dc7eb4eca15",
+            "Kolibri1_1DecoderLayer.forward": "e58d713bf5ad819d",
+            "Kolibri1_1Model.forward": "6c5b005341f99f5e",
+        },
+    ),
+}
+
+
+class Gathers(NamedTuple):
+    """What a module of a sparse attention class hands its cache, which cp gathers whole: ``update``, the
+    pair it hands ``cache.update`` (named so in the communication record; their gradients come back
+    reduce-scattered), and, where its indexer has a key, that key (``cache.update_indexer``, no gradient).
+    ``only_with``: where not all the class's modules select keys, the attribute those that do have set (the
+    others run cp's ordinary attention over their own slice: their keys are not gathered)."""
+
+    update: str
+    only_with: str | None = None
+
+
+_LATENT = Gathers("latent and rope key")
+#: what each sparse attention class gathers (:data:`~cpshard.layouts.layout.SPARSE_ATTENTION`): DeepSeek's
+#: compressed latent and rope key, or the keys and values themselves (Doge's dynamic mask, Kolibri 1.1's NoPE
+#: indexed layers, whose sliding layers have no indexer and are cp's ordinary attention)
+GATHERS = {
+    "DeepseekV32Attention": _LATENT,
+    "GlmMoeDsaAttention": _LATENT,
+    "AXK2Attention": _LATENT,
+    "Dots3NoteTextAttention": _LATENT,
+    "HYV4Attention": _LATENT,
+    "DogeAttention": Gathers("key and value"),
+    "Kolibri1_1Attention": Gathers("key and value", only_with="indexer"),
 }
 
 
@@ -101,7 +154,8 @@ def attend_selected(function, module, query, key, value, attention_mask, indices
 def selects_keys(module: nn.Module, call: CallPlan | None) -> bool:
     """Whether ``module`` is a sparse attention module (served by :func:`attend_selected`); under a cp call
     whose layout does not gather its keys, an error (its queries and keys would be the rank's alone)."""
-    if type(module).__name__ not in SPARSE_ATTENTION:
+    name = type(module).__name__
+    if name not in SPARSE_ATTENTION or not _gathered(module, GATHERS[name]):
         return False
     if call is not None and not call.layout.sparse_attention:
         raise ValueError(
@@ -109,6 +163,11 @@ def selects_keys(module: nn.Module, call: CallPlan | None) -> bool:
             "does not gather them (sparse_attention): use the derived layout (layout='auto')"
         )
     return True
+
+
+def _gathered(module: nn.Module, gathers: Gathers) -> bool:
+    """Whether ``module`` (of a sparse attention class) selects its keys, and so has them gathered."""
+    return gathers.only_with is None or getattr(module, gathers.only_with, None) is not None
 
 
 def _rank(call: CallPlan) -> tuple[int, int]:
@@ -129,8 +188,8 @@ class WholeKeys:
     then one process's row, value for value, and its top-k breaks ties (many scores are exactly 0 after the
     indexer's ReLU) as one process's does."""
 
-    def __init__(self, call: CallPlan, path: str):
-        self.call, self.path = call, path
+    def __init__(self, call: CallPlan, path: str, update: str):
+        self.call, self.path, self.what = call, path, update
 
     def _whole(self, parts: list[torch.Tensor], dim: int, what: str, gradient: bool) -> list[torch.Tensor]:
         call, (_, size) = self.call, _rank(self.call)
@@ -146,22 +205,21 @@ class WholeKeys:
         return [x.index_select(0, order[: call.length]).movedim(0, dim) for x in whole]
 
     def update(self, key_states, value_states, layer_idx: int, kwargs=None):
-        """The compressed latent and the rope key ``[B, 1, L/cp, d]``, whole."""
-        return tuple(self._whole([key_states, value_states], 2, f"{self.path} latent and rope key", True))
+        """The pair the module hands on ``[B, heads, L/cp, d]`` (the compressed latent and the rope key, or
+        the keys and values), whole."""
+        return tuple(self._whole([key_states, value_states], 2, f"{self.path} {self.what}", True))
 
     def update_indexer(self, key, layer_idx: int):
         """The indexer's key ``[B, L/cp, d]``, whole."""
         return self._whole([key], 1, f"{self.path} indexer key", False)[0]
 
 
-def _whole_keys(path: str, module, args, kwargs):
+def _whole_keys(path: str, update: str, module, args, kwargs):
     call = split_call()
     if call is None:
         return None
     if kwargs.get("cache") is not None:
-        raise ValueError(
-            f"{path}: a cache in a cp forward; cp serves DeepSeek's sparse attention in training"
-        )
+        raise ValueError(f"{path}: a cache in a cp forward; cp serves sparse attention in training")
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         raise ValueError(
@@ -172,16 +230,19 @@ def _whole_keys(path: str, module, args, kwargs):
     rank, size = _rank(call)
     rows = positions(call.order, call.padded_length, size, rank).to(mask.device)
     cut = mask.index_select(2, rows)[..., : call.length]
-    return args, {**kwargs, "attention_mask": cut, "cache": WholeKeys(call, path)}
+    return args, {**kwargs, "attention_mask": cut, "cache": WholeKeys(call, path, update)}
 
 
 def sparse_attention_hooks(layers: nn.ModuleList, layers_path: str, paths: tuple[str, ...]) -> list[Hook]:
     """The pre-hook of each layer's sparse attention module (at ``paths`` inside it; checked against its
-    code first)."""
+    code first) that selects its keys."""
     hooks = []
     for index, layer in enumerate(layers):
         for path in paths:
             module = layer.get_submodule(path)
-            check_sparse_attention_unchanged(type(module).__name__)
-            hooks.append(Hook(module, partial(_whole_keys, f"{layers_path}.{index}.{path}"), pre=True))
+            name = type(module).__name__
+            check_sparse_attention_unchanged(name)
+            if _gathered(module, GATHERS[name]):
+                where = f"{layers_path}.{index}.{path}"
+                hooks.append(Hook(module, partial(_whole_keys, where, GATHERS[name].update), pre=True))
     return hooks

@@ -20,6 +20,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from cpshard.attention.kv_cache import ShardedKVCache, prefill_cache
 from cpshard.comm.collectives import sum_over_group
 from cpshard.layouts.family_attention import score_bias
+from cpshard.layouts.layout import ENTERED_DECODERS
 from cpshard.layouts.registry import resolve_layout
 from cpshard.parallel.mesh import cp_rank
 from cpshard.runtime.batch import BatchError, validate
@@ -42,6 +43,11 @@ def check_servable(model, layout) -> None:
         raise ValueError(
             f"{type(model).__name__}: its indexer selects keys per query over the whole cache, which cp "
             "generation's split cache does not hold on any rank; generate without cp"
+        )
+    if type(model.get_submodule(layout.decoder)).__name__ in ENTERED_DECODERS:
+        raise ValueError(
+            f"{type(model).__name__}: cp generation does not serve HRM's decoder (its cache holds a layer "
+            "per stack pass, which cp's split cache does not place); generate without cp"
         )
     if layout.per_head_params:
         raise ValueError(

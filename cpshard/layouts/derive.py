@@ -12,11 +12,11 @@ slots hold one of :data:`~cpshard.layouts.layout.RECURRENT_KERNELS`) become the 
 
 What is refused, naming the module and why: other token mixing along the sequence outside the attention
 function (convolutions, state-space layers, compressors that pool windows of tokens, attention modules
-that do not call transformers' attention registry), attention that selects its keys with an indexer of a
-kind other than DeepSeek's (whose keys cp gathers: :mod:`cpshard.attention.sparse`), and what the recording
-refuses (a residual stream whose sequence dim cannot be told, layers of the same kind run from a second
-list). A derived layout is not a tested file: cp_forward verifies it once per model on a probe batch before
-trusting it (:mod:`cpshard.runtime.probe`).
+that do not call transformers' attention registry), attention that selects its keys with an indexer in a
+class cpshard has not read (it gathers the keys of those it has: :mod:`cpshard.attention.sparse`), and what
+the recording refuses (a residual stream whose sequence dim cannot be told, layers of the same kind run
+from a second list). A derived layout is not a tested file: cp_forward verifies it once per model on a probe
+batch before trusting it (:mod:`cpshard.runtime.probe`).
 """
 
 from __future__ import annotations
@@ -237,8 +237,9 @@ def _token_mixers(layers: nn.ModuleList, layers_path: str, served: tuple[Recurre
 
 def _key_selectors(layers: nn.ModuleList, layers_path: str) -> list[str]:
     """The indexers inside the layers: sparse attention that selects keys per query (DeepSeek-V3.2's, GLM-5's,
-    Kolibri 1.1's, MiniMax-M3's sparse layers). Found by module, not by config: a config may declare an
-    indexer that no layer builds."""
+    Kolibri 1.1's, HY-V4's, MiniMax-M3's sparse layers), refused where its attention class is not one cp
+    gathers the keys of. Found by module, not by config: a config may declare an indexer that no layer
+    builds."""
     return [
         f"{_join(layers_path, str(index), name)} ({type(module).__name__})"
         for index, layer in enumerate(layers)
@@ -264,6 +265,15 @@ def _final_norm(decoder: nn.Module, top: str, ran: tuple[str, ...]) -> str | Non
         after += [name for name in order if "final" in name]
     norms = [n for n in after if "norm" in type(getattr(decoder, n)).__name__.lower()]
     return norms[-1] if norms else None
+
+
+def _last_stack_norm(decoder: nn.Module, ran: tuple[str, ...]) -> tuple[str | None, int]:
+    """Where a second stack of layers runs beside the decoder's list (HRM's H stack, last in every cycle):
+    the last norm the decoder's child that ran last holds, which gives the decoder's output (HRM's
+    ``H_module.final_norm``), and how many times it runs per forward (once per cycle)."""
+    last = ran[-1]
+    norms = [n for n, m in getattr(decoder, last).named_children() if "norm" in type(m).__name__.lower()]
+    return (f"{last}.{norms[-1]}" if norms else None), ran.count(last)
 
 
 def _per_head_params(attentions: list[nn.Module], heads: int) -> tuple[str, ...]:
@@ -379,14 +389,17 @@ def derive_layout(model: nn.Module) -> Layout:
         raise LayoutError(
             f"{indexers[0]}: an indexer selects keys per query (sparse attention) inside the attention "
             "module, where each cp rank would score its own slice; on a sequence no longer than its "
-            "selection it takes every key, so a short probe cannot vouch for it. cp serves DeepSeek's sparse "
-            f"attention ({', '.join(SPARSE_ATTENTION)}), not this kind yet: run this model without cp"
+            "selection it takes every key, so a short probe cannot vouch for it. cp serves the sparse "
+            f"attention of {', '.join(SPARSE_ATTENTION)}, not this kind yet: run this model without cp"
         )
     norm = _final_norm(decoder, top, recording.children)
-    final = _join(decoder_path, norm) if norm else _join(layers_path, str(len(layers) - 1))
     runs = recording.children.count(norm) if recording.looped and norm else 1
+    if recording.beside:
+        norm, runs = _last_stack_norm(decoder, recording.children)
+    final = _join(decoder_path, norm) if norm else _join(layers_path, str(len(layers) - 1))
     restores = bool(recording.children) and restores_length(model, model.get_submodule(final), runs)
-    at_entry = any(row.kernel in CUT_AT_ENTRY for row in recurrent)  # its layers' inputs come cut
+    # its layers' inputs come cut: by Inkling2's mixers' hooks, by HRM's decoder's (a second stack beside)
+    at_entry = any(row.kernel in CUT_AT_ENTRY for row in recurrent) or bool(recording.beside)
     return replace(
         DECODER,
         name=f"derived:{top_config.model_type}",

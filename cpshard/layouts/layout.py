@@ -76,14 +76,17 @@ PER_POSITION_ATTENTION = (
     "Inkling2LoopBlockAttentionResidual",
     "Inkling2LoopMessageAttentionResidual",
 )
-#: attention modules that select keys per query (DeepSeek's sparse attention, Doge's dynamic mask), which cp
-#: serves with the rank's queries against gathered keys (:mod:`cpshard.attention.sparse`)
+#: attention modules that select keys per query (DeepSeek's sparse attention and HY-V4's, Doge's dynamic mask,
+#: Kolibri 1.1's indexed layers), which cp serves with the rank's queries against gathered keys
+#: (:mod:`cpshard.attention.sparse`)
 SPARSE_ATTENTION = (
     "DeepseekV32Attention",
     "GlmMoeDsaAttention",
     "AXK2Attention",
     "Dots3NoteTextAttention",
     "DogeAttention",
+    "HYV4Attention",
+    "Kolibri1_1Attention",
 )
 #: the recurrent kernels served by hooks on a mixer of a known class (or classes), not by a kernel slot
 HOOKED = MappingProxyType(
@@ -102,6 +105,10 @@ HOOKED = MappingProxyType(
 CUT_AT_ENTRY = frozenset({"inkling2"})
 #: the slot of the short causal convolution in front of them
 CONV_SLOT = "causal_conv1d_fn"
+#: the decoders that run their layers from more than one list, whole-sequence states kept beside them (HRM's
+#: H and L stacks), whose code cpshard has read (every op per position but attention): cut where the
+#: sequence enters the decoder (:attr:`Layout.cut_at_entry`); any other such decoder is refused
+ENTERED_DECODERS = frozenset({"HrmTextModel"})
 
 
 @dataclass(frozen=True)
@@ -225,8 +232,9 @@ class Layout:
     #: the order stays contiguous (undone on its output, it would be undone mid-stream)
     looped: bool = False
     #: the decoder keeps per-position values of its own between its layers (Inkling2's block states, which
-    #: each layer adds to): the sequence is cut where it enters the decoder (by its recurrent mixers'
-    #: hooks), so the decoder's own loop holds slices only, and its layers receive their inputs cut
+    #: each layer adds to; HRM's H and L states, :data:`ENTERED_DECODERS`): the sequence is cut where it
+    #: enters the decoder (by its recurrent mixers' hooks, or the decoder's), so the decoder's own loop holds
+    #: slices only, and its layers receive their inputs cut
     cut_at_entry: bool = False
     #: each decoder layer's MLP module (dense: token by token), which ``make_cp_forward(mlp_tile=N)`` runs
     #: a block of tokens at a time (:mod:`cpshard.runtime.tiled_mlp`)

@@ -6,9 +6,11 @@ whether the decoder reshapes its output to the input's length (GPT-2). The resid
 copies of each token (DeepSeek-V4's hyper-connections ``[b, s, n, d]``, Gemma 3n's AltUp ``[n, b, s, d]``):
 its spec says where the sequence sits; the mixing across copies is per token, so the cut stays a slice.
 Layers entered more than once per forward (Dory's recurrent section) are looped: the stream is cut at its
-first entry only. Refused here, naming the layer: a residual stream whose sequence dim cannot be told, layers
-of the same kind run from another list beside the decoder's (HRM's H and L stacks), a model that does not
-run on token ids and labels alone. No gradients.
+first entry only. Layers of the same kind run from another list beside the decoder's (HRM's H and L stacks)
+are recorded for a decoder whose code cpshard has read (:data:`~cpshard.layouts.layout.ENTERED_DECODERS`:
+cut where the sequence enters it). Refused here, naming the layer: a residual stream whose sequence dim
+cannot be told, such layers beside any other decoder, a model that does not run on token ids and labels
+alone. No gradients.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import PER_KEY_INPUTS
-from cpshard.layouts.layout import specs, text_config
+from cpshard.layouts.layout import ENTERED_DECODERS, specs, text_config
 
 #: the sequence length of the recording run: odd and prime, so no other size is mistaken for it
 PROBE_LENGTH = 13
@@ -87,6 +89,8 @@ class Recording:
     hidden: tuple = specs("b s d", "b s@cp d")
     #: some layer ran more than once (looped layers)
     looped: bool = False
+    #: layers of the same kind ran from another list beside the decoder's (HRM's second stack), by path
+    beside: tuple[str, ...] = ()
 
 
 def record_forward(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, layers_path: str, top: str):
@@ -147,16 +151,18 @@ def record_forward(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, 
             f"{layers_path}.0 receives a residual stream of shape {seen['hidden']}, not [batch, sequence, "
             "hidden] with at most one dim of copies: cpshard cannot tell which dim to cut"
         )
-    if strays:
+    if strays and type(decoder).__name__ not in ENTERED_DECODERS:
         raise LayoutError(
             f"{strays[0]} ({type(layers[0]).__name__}) runs beside {layers_path} in one forward: the decoder "
-            "passes the stream through more than one list of layers (HRM's H and L stacks, which add "
-            "whole-sequence states to it before every pass), and cpshard cuts it once, at one list's entry"
+            "passes the stream through more than one list of layers, and what its own loop keeps and adds "
+            "between them is code cpshard has not read (it cuts such a decoder at its entry only where it "
+            f"knows every op outside attention is per position: {', '.join(sorted(ENTERED_DECODERS))})"
         )
     inputs = tuple((key, *pair) for key, pair in seen.get("inputs", {}).items())
     labels_shifted = _reads_labels_shifted(output, ids)
     looped = len({id(layer) for layer in calls}) < len(calls)
-    return Recording(inputs, tuple(children), labels_shifted, seen["hidden"], looped=looped)
+    beside = tuple(dict.fromkeys(strays))
+    return Recording(inputs, tuple(children), labels_shifted, seen["hidden"], looped=looped, beside=beside)
 
 
 def _layers_beside(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, nn.Module]]:

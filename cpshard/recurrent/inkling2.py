@@ -8,10 +8,11 @@ states ``[b, s, n, d]`` in its own loop: at a block boundary it appends the hidd
 and every layer reads the stack through an attention over a position's own blocks (per position: nothing
 crosses positions; :data:`~cpshard.layouts.layout.PER_POSITION_ATTENTION`). Cut at the first layer, the stack
 would hold the whole sequence's embeddings beside the later layers' slices, so cp cuts where the sequence
-enters the decoder instead (:func:`_enter`, a pre-hook on the decoder): it embeds the tokens and builds the
-masks on the whole sequence with the model's own functions (the padding mask of the convolutions cut to the
-rank's positions, the attention masks whole: cp's attention sees whole sequences), and hands the decoder the
-rank's slice of the embeddings and of ``position_ids``, and a cache that holds no past (:class:`_Entry`).
+enters the decoder instead (:func:`_enter`, a pre-hook on the decoder; :mod:`cpshard.recurrent.entry`): it
+embeds the tokens and builds the masks on the whole sequence with the model's own functions (the padding
+mask of the convolutions cut to the rank's positions, the attention masks whole: cp's attention sees whole
+sequences), and hands the decoder the rank's slice of the embeddings and of ``position_ids``, and a cache
+that holds no past (:class:`_Entry`).
 Through that cache the model's own code does the rest: each convolution's state is the previous rank's last
 ``K - 1`` (masked) inputs (a halo; rank 0 receives the zeros the model pads), and the relative distances it
 builds count the rank's queries from its first position against the whole sequence's keys, so each
@@ -37,16 +38,15 @@ Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code i
 
 from __future__ import annotations
 
-import sys
 from functools import partial
 
 import torch
 from torch import nn
 
 from cpshard.call import active_decode, split_call
-from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
+from cpshard.recurrent.entry import entered, model_function
 from cpshard.recurrent.inkling import SliceCache, StepCache, no_past_hooks
 from cpshard.recurrent.slot import cut_to_rank
 
@@ -127,18 +127,24 @@ class _EntryStep(_Decoder, StepCache):
     token's bias row; its keys and values pass through to cp's decode over the split cache."""
 
 
-def _whole_masks(decoder: nn.Module, embeds: torch.Tensor, mask, positions: torch.Tensor) -> dict:
+def _whole_masks(decoder: nn.Module, call, embeds: torch.Tensor, mask, positions: torch.Tensor) -> dict:
     """The decoder's masks by attention type, built on the whole sequence by the model's own functions as
-    its forward builds them (the names its modeling file imports)."""
-    code = sys.modules[type(decoder).__module__]
+    its forward builds them; the padding mask of the convolutions cut to the rank's positions (they run on
+    the rank's slice), the attention masks whole (cp's attention sees whole sequences)."""
     given = dict(
         config=decoder.config, inputs_embeds=embeds, attention_mask=mask, cache=None, position_ids=positions
     )
-    return {
-        "full_attention": code.create_causal_mask(**given),
-        "sliding_attention": code.create_sliding_window_causal_mask(**given),
-        "linear_attention": code.create_recurrent_attention_mask(**given),
+    masks = {
+        kind: model_function(decoder, name)(**given)
+        for kind, name in (
+            ("full_attention", "create_causal_mask"),
+            ("sliding_attention", "create_sliding_window_causal_mask"),
+            ("linear_attention", "create_recurrent_attention_mask"),
+        )
     }
+    if masks["linear_attention"] is not None:
+        masks["linear_attention"] = cut_to_rank(masks["linear_attention"], call)
+    return masks
 
 
 def _check_inputs(decoder: nn.Module, args, kwargs) -> None:
@@ -168,25 +174,8 @@ def _enter(layers_path: str, decoder: nn.Module, args, kwargs):
     _check_inputs(decoder, args, kwargs)
     if call is None:
         return _step(layers_path, step, kwargs)
-    embeds = kwargs.get("inputs_embeds")
-    if embeds is None:
-        embeds = decoder.embed_tokens(kwargs["input_ids"])
-    positions = kwargs.get("position_ids")
-    if positions is None:  # as the model counts them
-        positions = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
-    masks = _whole_masks(decoder, embeds, kwargs.get("attention_mask"), positions)
-    if masks["linear_attention"] is not None:
-        masks["linear_attention"] = cut_to_rank(masks["linear_attention"], call)
-    sliced = redistribute(embeds, *call.layout.hidden, call.mesh)
-    cache = _Entry(call, sliced.shape[1], layers_path)
-    return (), {
-        **kwargs,
-        "input_ids": None,
-        "inputs_embeds": sliced,
-        "position_ids": cut_to_rank(positions, call),
-        "attention_mask": masks,
-        "cache": cache,
-    }
+    cut = entered(decoder, kwargs, call, partial(_whole_masks, decoder, call))
+    return (), {**cut, "cache": _Entry(call, cut["inputs_embeds"].shape[1], layers_path)}
 
 
 def inkling2_entry_hooks(decoder: nn.Module, layers: nn.ModuleList, layers_path: str) -> list[Hook]:

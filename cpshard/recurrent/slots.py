@@ -37,6 +37,7 @@ from cpshard.layouts.layout import (
     CUT_AT_ENTRY,
     FUSED_SLOTS,
     RECURRENT_KERNELS,
+    Layout,
     Recurrent,
     kernel_slots,
     recurrent_module,
@@ -44,6 +45,7 @@ from cpshard.layouts.layout import (
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
+from cpshard.recurrent.hrm import hrm_entry_hooks
 from cpshard.recurrent.inkling import check_inkling_unchanged, inkling_hooks
 from cpshard.recurrent.inkling2 import inkling2_entry_hooks
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
@@ -232,14 +234,22 @@ def install_recurrent(layers: nn.ModuleList, rows: tuple[Recurrent, ...], layers
     return hooks
 
 
-def entry_hooks(
-    decoder: nn.Module, layers: nn.ModuleList, layers_path: str, rows: tuple[Recurrent, ...]
-) -> list[Hook]:
-    """The hooks of mixers whose decoder keeps per-position values of its own between its ``layers``
-    (:data:`~cpshard.layouts.layout.CUT_AT_ENTRY`): the cut where the sequence enters the ``decoder``,
-    and what its layers hold."""
-    kernels = sorted({row.kernel for row in rows} & CUT_AT_ENTRY)
-    return [hook for kernel in kernels for hook in ENTRY_HOOKS[kernel](decoder, layers, layers_path)]
+def entry_hooks(decoder: nn.Module, layers: nn.ModuleList, layout: Layout) -> list[Hook]:
+    """The hooks that cut the sequence where it enters the ``decoder``, and what its ``layers`` hold: those
+    of its mixers' kernel (:data:`~cpshard.layouts.layout.CUT_AT_ENTRY`), else, in a layout cut there
+    (:attr:`Layout.cut_at_entry`), the decoder's class's (:data:`~cpshard.layouts.layout.ENTERED_DECODERS`).
+    A layout cut there with neither is refused: nothing would cut the sequence at all."""
+    kernels = sorted({row.kernel for row in layout.recurrent} & CUT_AT_ENTRY)
+    installers = [ENTRY_HOOKS[kernel] for kernel in kernels]
+    if layout.cut_at_entry and not installers and type(decoder).__name__ in DECODER_ENTRY_HOOKS:
+        installers.append(DECODER_ENTRY_HOOKS[type(decoder).__name__])
+    if layout.cut_at_entry and not installers:
+        raise ValueError(
+            f"layout {layout.name!r} cuts the sequence where it enters {layout.decoder} "
+            f"({type(decoder).__name__}), for which cpshard has no entry hook (kernels "
+            f"{', '.join(sorted(CUT_AT_ENTRY))}; decoders {', '.join(sorted(DECODER_ENTRY_HOOKS))})"
+        )
+    return [hook for install in installers for hook in install(decoder, layers, layout.decoder_layers)]
 
 
 def _on_mixer(hooks):
@@ -259,5 +269,8 @@ HOOKED_MIXERS = {
 }
 #: the installers of the decoder's entry hooks, by kernel (:func:`entry_hooks`)
 ENTRY_HOOKS = {"inkling2": inkling2_entry_hooks}
+#: the installers of the decoder's entry hooks, by the decoder's class
+#: (:data:`~cpshard.layouts.layout.ENTERED_DECODERS`, whose names these are)
+DECODER_ENTRY_HOOKS = {"HrmTextModel": hrm_entry_hooks}
 #: the slot that serves each decay kind's kernel ("none": the kernel is a convolution, served by its halo)
 SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan, "diagonal": ChannelSplit, "none": Halo}

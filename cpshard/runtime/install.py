@@ -105,7 +105,7 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
     cut = cut_hooks(layers, final_norm, head, layout)
     sparse = sparse_attention_hooks(layers, layout.decoder_layers, layout.sparse_attention)
     recurrent = install_recurrent(layers, layout.recurrent, layout.decoder_layers)
-    entry = entry_hooks(model.get_submodule(layout.decoder), layers, layout.decoder_layers, layout.recurrent)
+    entry = entry_hooks(model.get_submodule(layout.decoder), layers, layout)
     install_hooks(cut + recurrent + entry + sparse)
     if layout.experts:
         install_experts(model)

@@ -74,10 +74,17 @@ class CPOptions:
 def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dict) -> tuple[str, int]:
     """``(implementation, Ulysses degree)`` for this mesh, after the checks of tp, ep and compile."""
     cp, tp, ep = cp_size(mesh), mesh_size(mesh, "tp"), expert_degree(mesh)
-    if layout.recurrent:  # first: what recurrent layers refuse says more than a module tp would cut
-        check_recurrent_parallelism(layout, options, tp, ep)
-    check_tensor_parallel(model, layout, tp)
     check_expert_parallel(text_config(model), layout, ep, tp)
+    if layout.recurrent:  # before tp's: what recurrent layers refuse says more than a module tp would cut
+        check_recurrent_parallelism(layout, options, tp, ep)
+    if layout.cut_at_entry and (max(tp, ep) > 1 or options.compile):
+        # the layers' cut hooks, which resolve a compiled layer's call, are not installed; tp's hooks go on
+        # the decoder's list, not on a second stack beside it (HRM's)
+        raise ValueError(
+            f"tp={tp}, ep={ep}, compile={options.compile!r}: cp serves a decoder cut where the sequence "
+            f"enters it ({layout.decoder}) with cp alone (and fsdp), eagerly, yet"
+        )
+    check_tensor_parallel(model, layout, tp)
     if options.compile:
         check_compiled_parallelism(tp, ep)
     if layout.sparse_attention and (max(tp, ep) > 1 or options.compile):
@@ -149,6 +156,11 @@ def _contiguous_only(layout: Layout) -> str | None:
         return (
             "the model's linear-attention layers carry a state along the sequence, passed from rank to rank "
             "in contiguous order"
+        )
+    if layout.cut_at_entry:
+        return (
+            f"the sequence is cut into contiguous slices where it enters the decoder ({layout.decoder}), "
+            "whose own loop keeps per-position states beside its layers"
         )
     if layout.looped:
         return (

@@ -235,11 +235,22 @@ PER_TYPE = {
         adapter_out_dim=SMALL["hidden_size"],
         downsample_hidden_size=32,
     ),
-    **dict.fromkeys(("mimo_v2_flash", "solar_open", "hy_v4"), _FEW_EXPERTS),
+    **dict.fromkeys(("mimo_v2_flash", "solar_open"), _FEW_EXPERTS),
+    # DeepSeek's sparse attention with sinks and a gate: a small indexer keeping 4 keys per query in its first
+    # layer, which its second layer reuses ("shared"), over a residual stream of four copies
+    "hy_v4": dict(
+        _LATENT, index_n_heads=2, index_head_dim=16, index_topk=4, indexer_types=["full", "shared"]
+    ),
     "inkling_text": _INKLING,
     "inkling2_text": _INKLING2,
+    # at the default init its passes amplify fp32 rounding: its own cached generate and its own forward
+    # over the whole sequence differ by 3e-5 of its logits; at this init by 1e-6
     "inkling2_loop_text": dict(
-        _INKLING2, n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3
+        _INKLING2,
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=3,
+        initializer_range=0.05,
     ),
     "ergo": dict(
         num_experts=4,
