@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 import cpshard
-from cpshard.tools.parity import check_parity, tensor_group
+from cpshard.tools.parity import beyond_own_rounding, check_parity, failing_rows, tensor_group
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
@@ -36,3 +36,34 @@ def test_parity_catches_a_wrong_forward(ranks2):
             > 1e-3 * parity.scales["grad model.layers.0.self_attn"]
         )
         assert parity.diffs["logits"] <= 1e-5
+
+
+def rows_beyond_rounding_of_a_wrong_cp_run() -> dict:
+    """A cp run that loses the padding mask (its gradients wrong on the padded rows) against the rounding
+    allowance: its rows stay failing; the right run's rows pass at 1e-5 before the allowance is asked."""
+    model = tiny_model("llama", attn_implementation="auto")
+    batch, mesh = tiny_batch(model.config.vocab_size, 2, 11, pad="left"), cpshard.make_mesh(cp=2)
+    right = cpshard.make_cp_forward(model)
+    unpadded = {key: value for key, value in batch.items() if key != "attention_mask"}
+    wrong = type("Unpadded", (), {"__call__": lambda self, params, _, mesh: right(params, unpadded, mesh)})()
+    rows = failing_rows([check_parity(model, batch, mesh, wrong)])
+    return {
+        "right": failing_rows([check_parity(model, batch, mesh, right)]),
+        "wrong": rows,
+        "beyond rounding": beyond_own_rounding(
+            tiny_model("llama", attn_implementation="auto"),
+            model,
+            cpshard.params_of(model),
+            batch,
+            mesh,
+            wrong,
+            rows,
+        ),
+    }
+
+
+def test_the_rounding_allowance_keeps_a_wrong_cp_run_wrong(ranks2):
+    for result in ranks2.run(rows_beyond_rounding_of_a_wrong_cp_run):
+        grads = [row for row in result["wrong"] if row.startswith("grad ")]
+        assert result["right"] == [] and grads, result
+        assert result["beyond rounding"] == result["wrong"], result

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from cpshard.comm.record import recording
 from cpshard.layouts.layout import text_config
@@ -101,3 +102,40 @@ def check_parity(model, batch: dict, mesh, cp_forward, params: dict | None = Non
         _update(diffs, group, (grads[name] - ref).abs().max().item())
         _update(scales, group, ref.abs().max().item())
     return Parity(diffs, scales, log.total_bytes)
+
+
+class Float64(TorchFunctionMode):
+    """Every float32 a model's code asks for given as float64 (Inkling2 and HY-V4 cast to fp32 in their
+    norms, gates and hyper-connections: ``.float()``, ``dtype=torch.float32``), so that a float64 run stays
+    float64 throughout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float:
+            return args[0].to(torch.float64)
+        args = tuple(torch.float64 if value is torch.float32 else value for value in args)
+        kwargs = {key: torch.float64 if v is torch.float32 else v for key, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+def beyond_own_rounding(twin, own, params: dict, batch: dict, mesh, cp_forward, rows: list[str]) -> list[str]:
+    """Of the gradient ``rows`` failing at 1e-5 of their scale, those where cp lies farther from a float64
+    run of the same weights (on ``twin``, a fresh model of ``own``'s config, cast here) than twice one
+    process's own fp32 distance from it (the other rows as they are). fp32 rounding depends on the order
+    of the additions, which cp changes; where one process itself is that far from the exact gradient
+    (gemma4_unified_text: 2.7e-5 of scale, cp 1.1e-5; HY-V4's hyper-connections), a gap of that size
+    between the two says nothing, while a cp error would lie far outside it."""
+    if not any(row.startswith("grad ") for row in rows):
+        return rows
+    _, grads = value_and_grad(cp_forward)(params, batch, mesh)
+    _, _, one = reference(own, params, batch)
+    twin = twin.double()
+    if hasattr(twin, "set_experts_implementation"):  # grouped_mm takes no float64
+        twin.set_experts_implementation("eager")
+    with Float64():
+        _, _, exact = reference(twin, {name: value.double() for name, value in params.items()}, batch)
+    farther = set()
+    for name, truth in exact.items():
+        cp_distance, own_distance = ((g.double() - truth).abs().max() for g in (grads[name], one[name]))
+        if cp_distance > 2 * own_distance:
+            farther.add("grad " + tensor_group(name))
+    return [row for row in rows if not row.startswith("grad ") or row in farther]
