@@ -175,17 +175,26 @@ def test_stacks_run_in_cycles_are_exact_cut_at_the_decoders_entry(request, ranks
 
 def hrm_refusals() -> list[str]:
     """What cp does not serve beside HRM's entry cut yet, each a ValueError on every rank: a compiled layer
-    (its call resolved by the layers' cut hooks, not installed), and an order other than contiguous."""
+    (its call resolved by the layers' cut hooks, not installed), an order other than contiguous, and a rope
+    type that rescales by the longest position a call sees (a slice's is not the whole sequence's)."""
     model, mesh = tiny_model("hrm_text", attn_implementation="auto"), cpshard.make_mesh(cp=2)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    rescaled = tiny_model("hrm_text", attn_implementation="auto", rope_parameters=dynamic)
     batch, found = tiny_batch(model.config.vocab_size, 2, 11), []
-    for options in (dict(compile=True), dict(implementation="ring", sequence_order="head_tail")):
+    attempts = [
+        (model, dict(compile=True)),
+        (model, dict(implementation="ring", sequence_order="head_tail")),
+        (rescaled, {}),
+    ]
+    for which, options in attempts:
         with pytest.raises(ValueError) as info:
-            cpshard.make_cp_forward(model, **options)(cpshard.params_of(model), batch, mesh)
+            cpshard.make_cp_forward(which, **options)(cpshard.params_of(which), batch, mesh)
         found.append(str(info.value))
     return found
 
 
 def test_stacks_run_in_cycles_refuse_what_the_entry_cut_does_not_serve(ranks2):
-    for compiled, ordered in ranks2.run(hrm_refusals):
+    for compiled, ordered, rescaled in ranks2.run(hrm_refusals):
         assert "cut where the sequence enters it (model)" in compiled, compiled
         assert "sequence_order='head_tail'" in ordered and "where it enters the decoder (model)" in ordered
+        assert "rope type 'dynamic' rescales its rotary pair" in rescaled, rescaled
