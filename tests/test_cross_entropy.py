@@ -111,3 +111,14 @@ def test_token_log_probs_match_torch_with_any_upstream_gradient(block_rows, dtyp
     assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-5)
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     assert our_grad.dtype == dtype and (our_grad.float() - their_grad.float()).abs().max() <= tolerance
+
+
+def test_a_second_backward_through_the_early_gradient_is_refused():
+    """fp32 logits' gradient is taken in the forward and scaled in place by the backward: a second backward
+    (``retain_graph=True``) would scale it twice, so it is an error, not a wrong gradient."""
+    logits, labels = _case(1, 0.3)
+    leaf = logits.requires_grad_(True)
+    loss = cross_entropy_sum(leaf, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="takes one backward"):
+        loss.backward()

@@ -5,11 +5,12 @@ buffer of the logits' size.
 those (mostly zeros) and the gradient of the logits: three fresh buffers of the logits' size (five
 for half-precision logits: their fp32 copy, and the gradient cast back). At long sequences they are
 most of a step's peak memory; at short ones the first touch of each (its page faults) costs more time
-than the arithmetic on it. Here
-the forward takes the log-softmax of a block of rows at a time, in a cache-sized scratch, and keeps
-only the logits; the backward writes ``softmax - one_hot``, scaled, into the one gradient buffer,
-block by block, with torch's own softmax kernel (so it equals ``F.cross_entropy``'s gradient to an
-ulp or so).
+than the arithmetic on it. Here the forward takes the log-softmax of a block of rows at a time, in a
+cache-sized scratch, and, for fp32 logits that want a gradient, writes ``softmax - one_hot`` (the
+exponential of that same log-softmax, as torch's backward takes it) into the one gradient buffer while
+the block is in cache; the backward only scales its rows by the upstream gradient, in place (a second
+pass over the logits for the softmax would cost a quarter of the loss's time). Half-precision logits are
+kept instead and their gradient is computed in the backward, in fp32, and rounded once.
 """
 
 from __future__ import annotations
@@ -25,29 +26,48 @@ IGNORE_INDEX = -100
 BLOCK_ELEMENTS = 1 << 19
 
 
+def _unscaled_gradient(log_probs: torch.Tensor, target: torch.Tensor, minus_one: torch.Tensor):
+    """``softmax - one_hot`` of a block from its log-softmax, in place (the exponential of the log-softmax,
+    as torch's backward takes it): ``d log p(target) / d logits`` negated."""
+    return log_probs.exp_().scatter_add_(-1, target, minus_one)
+
+
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, block_elements: int) -> torch.Tensor:
         valid = labels != IGNORE_INDEX
         target = torch.where(valid, labels, 0).unsqueeze(-1)
         picked = torch.empty(target.shape, dtype=torch.float32, device=logits.device)  # log p(target) per row
+        minus_one = torch.full(target.shape, -1.0, device=logits.device)
+        # fp32 logits: the gradient taken now; other dtypes round it once, in the backward, from the logits
+        early = ctx.needs_input_grad[0] and logits.dtype == torch.float32
+        unscaled = torch.empty_like(logits) if early else None  # the one buffer of the logits' size
         blocks = row_blocks(logits.shape[0], logits.shape[1], block_elements)
         for rows in blocks:
             log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
             picked[rows] = torch.gather(log_probs, -1, target[rows])
-        ctx.save_for_backward(logits, target, valid)
-        ctx.blocks = blocks
+            if early:
+                unscaled[rows] = _unscaled_gradient(log_probs, target[rows], minus_one[rows])
+        ctx.save_for_backward(unscaled if early else logits, target, valid, minus_one)
+        ctx.early, ctx.blocks, ctx.spent = early, blocks, False
         return torch.where(valid, picked.squeeze(-1), 0.0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, target, valid = ctx.saved_tensors
-        out = torch.empty_like(logits)  # the one buffer of the logits' size
-        scale = (valid * -grad).unsqueeze(-1).float()  # d log p(target) / d logits = one_hot - softmax
-        minus_one = torch.full(target.shape, -1.0, device=logits.device)
+        if ctx.spent and ctx.early:
+            raise RuntimeError(
+                "cpshard's cross-entropy takes one backward: its logits' gradient is scaled in place; run "
+                "the forward again for another backward instead of retain_graph=True"
+            )
+        ctx.spent = True
+        saved, target, valid, minus_one = ctx.saved_tensors
+        scale = (valid * -grad).unsqueeze(-1).float()
+        if ctx.early:
+            return saved.mul_(scale), None, None
+        out = torch.empty_like(saved)  # the one buffer of the logits' size
         for rows in ctx.blocks:
-            probs = torch.softmax(logits[rows].float(), dim=-1)
-            out[rows] = probs.scatter_add_(-1, target[rows], minus_one[rows]).mul_(scale[rows])
+            log_probs = torch.log_softmax(saved[rows].float(), dim=-1)
+            out[rows] = _unscaled_gradient(log_probs, target[rows], minus_one[rows]).mul_(scale[rows])
         return out, None, None
 
 
