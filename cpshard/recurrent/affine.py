@@ -31,17 +31,12 @@ class SliceSummary(NamedTuple):
     transition: torch.Tensor
 
 
-def widened_by_identity(
-    values: torch.Tensor, size: int, state_axis: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` ``[B, T, H, w]`` with ``size`` zero columns more, and the initial state ``[B, H, ., .]``
-    whose ``state_axis`` (the one those columns index: -1 for a delta rule's ``[dk, dv]``, -2 for SSD's
-    ``[P, N]``) holds zeros for the ``w`` columns and the ``size x size`` identity for the new ones."""
+def widened_by_identity(values: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` ``[B, T, H, w]`` with ``size`` zero columns more, and the initial state ``[B, H, size, w +
+    size]`` that holds zeros for the ``w`` columns and the ``size x size`` identity for the new ones."""
     batch, length, heads, width = values.shape
     identity = torch.eye(size, device=values.device, dtype=values.dtype).expand(batch, heads, size, size)
-    zeros = [batch, heads, size, size]
-    zeros[state_axis] = width
-    initial = torch.cat([identity.new_zeros(zeros), identity], dim=state_axis)
+    initial = torch.cat([identity.new_zeros(batch, heads, size, width), identity], dim=-1)
     return torch.cat([values, values.new_zeros(batch, length, heads, size)], dim=-1), initial
 
 
@@ -58,7 +53,7 @@ def delta_rule_summary(kernel: Callable, query, key, value, g, beta, **kernel_kw
     """
     query, key, value, g, beta = (x.float() for x in (query, key, value, g, beta))
     dv = value.shape[-1]
-    widened, initial_state = widened_by_identity(value, key.shape[-1], state_axis=-1)
+    widened, initial_state = widened_by_identity(value, key.shape[-1])
     kernel_kwargs |= {"g": g, "beta": beta, "initial_state": initial_state, "output_final_state": True}
     out, state = kernel(query, key, widened, **kernel_kwargs)
     return SliceSummary(out[..., :dv], out[..., dv:], state[..., :dv], state[..., dv:])
@@ -68,19 +63,36 @@ def ssd_summary(
     kernel: Callable, hidden_states, dt, A, B, C, chunk_size: int, **kernel_kwargs
 ) -> SliceSummary:
     """One call of the model's own SSD scan (transformers' ``mamba2_chunk_scan`` or mamba_ssm's
-    ``mamba_chunk_scan_combined``) summarises a slice, as :func:`delta_rule_summary` does a delta rule's:
-    each of the ``P`` rows of a head's state ``[P, N]`` evolves alone, so ``N`` zero columns more in
-    ``hidden_states`` ``[B, T, H, P]``, started from the identity, return ``Q_eff`` ``[B, T, H, N]`` beside
-    the outputs and ``M`` (a scalar per row and head: the identity's first entry, decayed) beside ``S_local``.
-    ``kernel_kwargs`` are the model's own (``D``, ``dt_bias``, ``dt_softplus``, ``dt_limit``); ``D``'s skip
-    term adds nothing to the zero columns."""
-    width = hidden_states.shape[-1]
-    widened, initial_states = widened_by_identity(hidden_states, B.shape[-1], state_axis=-2)
-    kernel_kwargs |= {"initial_states": initial_states, "return_final_states": True}
-    out, state = kernel(widened, dt, A, B, C, chunk_size, **kernel_kwargs)
-    out, state = out.float(), state.float()
-    transition = state[:, :, width : width + 1, :1]
-    return SliceSummary(out[..., :width], out[..., width:], state[:, :, :width].transpose(-1, -2), transition)
+    ``mamba_chunk_scan_combined``) from a zero state gives ``o_zero`` and ``S_local``; its decay is a scalar
+    per row, step and head, so ``M`` and ``Q_eff`` have a closed form (:func:`ssd_decays`) and the scan runs
+    at its own width (widening it by an identity, as :func:`delta_rule_summary` must, would cost ``(P + N) /
+    P`` scans). ``kernel_kwargs`` are the model's own (``D``, ``dt_bias``, ``dt_softplus``, ``dt_limit``);
+    ``D``'s skip term does not read the state."""
+    kernel_kwargs |= {"return_final_states": True}
+    out, state = kernel(hidden_states, dt, A, B, C, chunk_size, **kernel_kwargs)
+    log_decay = torch.cumsum(A.float() * kernel_dt(dt, **kernel_kwargs).float(), dim=1)  # [B, T, H]
+    q_eff, transition = ssd_decays(log_decay, C.float(), hidden_states.shape[2])
+    return SliceSummary(out.float(), q_eff, state.float().transpose(-1, -2), transition)
+
+
+def kernel_dt(dt, dt_bias=None, dt_softplus: bool = False, dt_limit=(0.0, float("inf")), **_) -> torch.Tensor:
+    """The step sizes the SSD kernel discretises with, as its interface defines them: ``dt`` plus
+    ``dt_bias``, through softplus where asked, clamped to ``dt_limit``, in ``dt``'s dtype."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    return torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+
+
+def ssd_decays(log_decay: torch.Tensor, C: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q_eff, M)`` of an SSD slice from its running log decay ``[B, T, H]`` (``sum_{s<=t} A dt_s``) and
+    ``C`` ``[B, T, G, N]`` (``G`` groups of heads): output ``t`` reads the incoming state through
+    ``exp(log_decay_t) C_t`` (``[B, T, H, N]``), and the slice carries it on by ``exp(log_decay_T)``
+    (``[B, H, 1, 1]``)."""
+    decay = torch.exp(log_decay)
+    per_head = C.repeat_interleave(heads // C.shape[2], dim=2)
+    return per_head * decay[..., None], decay[:, -1, :, None, None]
 
 
 def diagonal_summary(scan: Callable, hidden_states, gate, reset, acc_dtype) -> SliceSummary:
