@@ -51,11 +51,12 @@ def test_other_decoder_shapes_are_exact(ranks2, model_type, implementation, logi
 
 
 #: residual streams of several copies per token, their sequence dim where the model keeps it; each model's
-#: mixing across copies is per token. DeepSeek-V4 with sliding layers only (a window shorter than the batch,
-#: sinks): its compressed layers are refused; Gemma 3n's AltUp with sliding and full layers, the last two
+#: mixing across copies is per token. DeepSeek-V4 as the tiny config has it: a sliding layer (a window shorter
+#: than the batch, sinks) and its two compressed ones (windows of 3 and 4 tokens pooled into keys, across the
+#: ranks: :mod:`cpshard.attention.sparse`); Gemma 3n's AltUp with sliding and full layers, the last two
 #: reusing the keys of earlier ones, and the activation sparsity of its first MLP.
 STREAMS = {
-    "deepseek_v4": ("b s@cp n d", dict(layer_types=["sliding_attention"] * 2, sliding_window=4)),
+    "deepseek_v4": ("b s@cp n d", {}),
     "gemma3n_text": (
         "n b s@cp d",
         dict(

@@ -1,7 +1,8 @@
 """Attention that selects its keys per query under cp (DeepSeek's: deepseek_v32, glm_moe_dsa, axk2,
-dots3_note, hy_v4; Doge's dynamic mask; Kolibri 1.1's indexed layers): each rank's queries against the keys
-gathered whole. Exact against the model's own code in one process (loss, logits, every gradient), the indexer
-selecting the same set of keys for every real query (ties included: many scores are exactly 0 after its
+dots3_note, hy_v4; Doge's dynamic mask; Kolibri 1.1's indexed layers; DeepSeek-V4's compressed layers, whose
+windows of tokens pool into keys): each rank's queries against the keys gathered whole. Exact against the
+model's own code in one process (loss, logits, every gradient), the indexer selecting the same set of keys
+(DeepSeek-V4's: compressed entries) for every real query (ties included: many scores are exactly 0 after its
 ReLU), the bytes those of the key side alone; what it does not serve, refused on every rank."""
 
 import pytest
@@ -11,17 +12,27 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32At
 import cpshard
 from cpshard.attention import sparse
 from cpshard.comm.record import recording
+from cpshard.debug import trace_comms
 from cpshard.layouts.derive import derive_layout
+from cpshard.layouts.fingerprint import changed
 from cpshard.spec.sequence import positions
-from cpshard.tools.parity import beyond_own_rounding, check_parity, failing_rows
+from cpshard.tools.parity import beyond_own_rounding, check_parity, failing_rows, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
 def _model(model_type: str, topk: int, **config):
     """The tiny model with its indexer keeping ``topk`` keys per query (Doge: its dynamic mask keeping
-    ``topk`` keys per head and query, beyond which it masks), ``config`` besides."""
+    ``topk`` keys per head and query, beyond which it masks), ``config`` besides. DeepSeek-V4's sinks and
+    its compressors' position biases, which start at 0, drawn (the same on every process)."""
     selection = "keep_window_size" if model_type == "doge" else "index_topk"
-    return tiny_model(model_type, attn_implementation="auto", **{selection: topk}, **config)
+    model = tiny_model(model_type, attn_implementation="auto", **{selection: topk}, **config)
+    if model_type == "deepseek_v4":
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(("sinks", "position_bias")):
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    return model
 
 
 def key_sets(output) -> list[list[set]]:
@@ -49,10 +60,21 @@ def selections(model, run) -> list[torch.Tensor]:
     return found
 
 
-def differing_selections(ours: list, theirs: list, batch: dict, order: str, length: int) -> list[tuple]:
+def _seen(config, mask: torch.Tensor, row: int, position: int) -> set:
+    """What the query at ``position`` may see among what its indexer selects from: the keys up to it that
+    are not padding, or DeepSeek-V4's compressed entries whose window closed at or before it (padding pooled
+    in as one process pools it)."""
+    if config.model_type == "deepseek_v4":
+        return set(range((position + 1) // config.compress_rates["compressed_sparse_attention"]))
+    return {key for key in range(position + 1) if mask[row, key]}
+
+
+def differing_selections(
+    ours: list, theirs: list, batch: dict, order: str, length: int, config
+) -> list[tuple]:
     """``(layer, row, position)`` of every real query whose selected keys differ from one process's, among
     the keys it may see (a query that sees fewer keys than the top-k fills it with hidden ones, at -inf,
-    whichever: the mask hides them again)."""
+    whichever: the mask hides them again; DeepSeek-V4's indexer marks those -1)."""
     cp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     differing = []
@@ -62,10 +84,25 @@ def differing_selections(ours: list, theirs: list, batch: dict, order: str, leng
             for index, position in enumerate(held):
                 if position >= length or not mask[row, position]:
                     continue
-                seen = {key for key in range(position + 1) if mask[row, key]}
+                seen = _seen(config, mask, row, position)
                 if seen & mine[row][index] != seen & whole[row][position]:
                     differing.append((layer, row, position))
     return differing
+
+
+def parameters_off(own, forward, params: dict, batch: dict, mesh) -> dict[str, float]:
+    """DeepSeek-V4's compressors', indexers' and sinks' parameters whose gradient lies more than 1e-5 of its
+    own scale off one process's, each alone (check_parity's rows hold a layer's attention together), with
+    how far; an indexer's gradient is 0 on both sides (its top-k is not differentiable), exactly."""
+    _, _, theirs = reference(own, params, batch)
+    _, ours = cpshard.value_and_grad(forward)(params, batch, mesh)
+    off = {}
+    for name, gradient in theirs.items():
+        if "compressor" in name or name.endswith("sinks"):
+            scale, difference = gradient.abs().max().item(), (ours[name] - gradient).abs().max().item()
+            if difference > 1e-5 * scale or (".indexer." in name) != (scale == 0.0):
+                off[name] = difference / (scale or 1.0)
+    return off
 
 
 def against_one_process(
@@ -91,14 +128,22 @@ def against_one_process(
     ours = selections(model, lambda: forward(params, batch, mesh))
     with torch.no_grad():
         theirs = selections(own, lambda: own(**batch))
+    sparse = all(max(len(keys) for row in layer for keys in row) < length for layer in theirs)
+    if model_type == "deepseek_v4":  # its last queries see more compressed entries than its indexer keeps
+        rate = model.config.compress_rates["compressed_sparse_attention"]
+        sparse = sparse and model.config.index_topk < length // rate
     gathered = {}
     for event in log.events:
-        if event.name.endswith(("latent and rope key", "key and value", "indexer key")):
+        if event.name.endswith((" key", "key and value", "tokens and gates")):
             gathered[event.op, event.phase] = gathered.get((event.op, event.phase), 0) + event.nbytes
     return {
         "failing": failing,
-        "selections differ": differing_selections(ours, theirs, batch, order, length),
-        "sparse": all(max(len(keys) for row in layer for keys in row) < length for layer in theirs),
+        "parameters off": parameters_off(own, forward, params, batch, mesh)
+        if model_type == "deepseek_v4"
+        else {},
+        "selections differ": differing_selections(ours, theirs, batch, order, length, model.config),
+        "sparse": sparse,
+        "selecting layers": len(theirs),
         "gathered bytes": gathered,
         "local tokens": -(-length // torch.distributed.get_world_size()),
     }
@@ -110,6 +155,10 @@ _KOLIBRI_SHARING = dict(
     layer_types=["sliding_attention", "indexed_attention", "indexed_attention"],
     index_layers=[1],
     kv_source_layers=[0, 1, 1],
+)
+#: DeepSeek-V4's compressed layers without its sliding one
+_V4_COMPRESSED = dict(
+    num_hidden_layers=2, layer_types=["compressed_sparse_attention", "heavily_compressed_attention"]
 )
 #: (type, top-k, L, padding, sequence order, implementation[, config]): head-tail (ring's) puts the gathered
 #: keys out of sequence order, which the gather puts back
@@ -132,14 +181,28 @@ CASES = [
     ("kolibri1_1", 2, 37, "left", "head_tail", "ring"),
     # a third layer reusing the second's keys, values and pool of candidate keys
     ("kolibri1_1", 2, 37, "left", "contiguous", "ulysses", _KOLIBRI_SHARING),
+    # the tiny config's sliding layer (cp's Ulysses), CSA layer (windows of 3 pooled, its indexer keeping 2 of
+    # the 12) and HCA layer (windows of 4): 37 tokens, off both grids, windows across the ranks' boundary
+    ("deepseek_v4", 2, 37, "left", "contiguous", "ulysses"),
+    # 35 tokens padded to 36 for cp: padding pooled in, each compressor would have a window more
+    ("deepseek_v4", 2, 35, None, "contiguous", "ulysses"),
+    # its compressed layers alone under ring's head-tail order (a sliding layer's sinks refuse the ring)
+    ("deepseek_v4", 2, 37, "left", "head_tail", "ring", _V4_COMPRESSED),
 ]
+
+
+def _check(result: dict, model_type: str) -> None:
+    assert result["failing"] == [] and result["selections differ"] == [], result
+    assert result["parameters off"] == {}, result
+    # the indexer ran (Doge's dynamic mask has none) and selects fewer keys than there are
+    assert result["selecting layers"] > 0 or model_type == "doge", result
+    assert result["sparse"], result
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_sparse_attention_is_exact_at_cp2(ranks2, case):
     for result in ranks2.run(against_one_process, *case):
-        assert result["failing"] == [] and result["selections differ"] == [], result
-        assert result["sparse"], result  # the indexer selects fewer keys than there are
+        _check(result, case[0])
 
 
 @pytest.mark.parametrize("case", [("deepseek_v32", 4, 37, "left", "head_tail", "ring")], ids=str)
@@ -147,7 +210,7 @@ def test_sparse_attention_is_exact_at_cp4(ranks4, case):
     config = _model(case[0], case[1]).config
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     for result in ranks4.run(against_one_process, *case):
-        assert result["failing"] == [] and result["selections differ"] == [], result
+        _check(result, case[0])
         # per layer and rank (B = 2, fp32): its latent, rope key and indexer key all-gathered, the first two's
         # gradients reduce-scattered (every rank's, cp = 4); no hidden states, no queries
         per_token = 2 * 4 * result["local tokens"]
@@ -158,35 +221,92 @@ def test_sparse_attention_is_exact_at_cp4(ranks4, case):
         }, result
 
 
-def refusals() -> list[str]:
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("deepseek_v4", 2, 35, "left", "contiguous", "ulysses"),  # 36 for cp: a window more if pooled
+        ("deepseek_v4", 2, 37, None, "head_tail", "hybrid", _V4_COMPRESSED),  # 40 for cp
+    ],
+    ids=str,
+)
+def test_compressed_attention_is_exact_at_cp4(ranks4, case):
+    config = _model(case[0], case[1]).config
+    key, index = config.head_dim, config.index_head_dim
+    for result in ranks4.run(against_one_process, *case):
+        _check(result, case[0])
+        if case[5] == "ulysses":
+            # per rank (B = 2, fp32), its sliding layer apart (Ulysses): the CSA layer's key, its
+            # compressor's tokens and gates (2 x head_dim each) and its indexer's (2 x index_head_dim each),
+            # the HCA layer's key and its compressor's (head_dim each) all-gathered; the keys' and
+            # compressors' gradients reduce-scattered (every rank's, cp = 4), the indexer's none
+            per_token = 2 * 4 * result["local tokens"]
+            assert result["gathered bytes"] == {
+                ("all_gather", "forward"): per_token * (key + 4 * key + 4 * index + key + 2 * key),
+                ("reduce_scatter", "backward"): 4 * per_token * (key + 4 * key + key + 2 * key),
+            }, result
+
+
+def attention_verdicts(model_type: str) -> list[tuple]:
+    """``trace_comms``' verdict on each attention module's collectives (op, phase) of a training step: the
+    sparse layers' gathers against the count they declare, the others' Ulysses exchanges against its."""
+    model, mesh = _model(model_type, 4), cpshard.make_mesh(cp=2)
+    batch = tiny_batch(model.config.vocab_size, 2, 37, pad="left")
+    forward, params = cpshard.make_cp_forward(model), cpshard.params_of(model)
+    forward(params, batch, mesh)  # the derived layout's probe, untraced
+    report = trace_comms(lambda: cpshard.value_and_grad(forward)(params, batch, mesh))
+    return sorted((g.module, g.op, g.phase, g.verdict) for g in report.groups if "self_attn" in g.module)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "deepseek_v4"])
+def test_trace_comms_counts_the_gathered_keys_and_no_exchange_beside_them(ranks2, model_type):
+    for verdicts in ranks2.run(attention_verdicts, model_type):
+        assert verdicts and all(verdict == "ok" for *_, verdict in verdicts), verdicts
+        ulysses = sorted({module for module, op, *_ in verdicts if op == "all_to_all"})
+        assert ulysses == (["model.layers.0.self_attn"] if model_type == "deepseek_v4" else []), verdicts
+
+
+def refusals(model_type: str) -> list[str]:
+    """The messages of tp, generation and compile beside the model's sparse attention, then of ring (for
+    DeepSeek-V4, whose sliding layer has sinks: Ulysses only; its compressed layers gather their keys), each
+    on a model of its own."""
     messages = []
-    model = _model("deepseek_v32", 4)
-    batch = tiny_batch(model.config.vocab_size, 2, 16)
+    batch = tiny_batch(_model(model_type, 4).config.vocab_size, 2, 16)
     attempts = [
-        lambda: cpshard.make_cp_forward(model)(
+        lambda model: cpshard.make_cp_forward(model)(
             cpshard.params_of(model), batch, cpshard.make_mesh(cp=2, tp=2)
         ),
-        lambda: cpshard.make_cp_prefill(model),
-        lambda: cpshard.make_cp_forward(model, compile="aot_eager")(
+        lambda model: cpshard.make_cp_prefill(model),
+        lambda model: cpshard.make_cp_forward(model, compile="aot_eager")(
+            cpshard.params_of(model), batch, cpshard.make_mesh(cp=4)
+        ),
+        lambda model: cpshard.make_cp_forward(model, implementation="ring")(
             cpshard.params_of(model), batch, cpshard.make_mesh(cp=4)
         ),
     ]
     for attempt in attempts:
         try:
-            attempt()
+            attempt(_model(model_type, 4))
             messages.append("no error")
         except (ValueError, cpshard.LayoutError) as error:
             messages.append(str(error))
     return messages
 
 
-def test_what_sparse_attention_does_not_serve_is_refused_on_every_rank(ranks4):
-    results = ranks4.run(refusals)
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "deepseek_v4"])
+def test_what_sparse_attention_does_not_serve_is_refused_on_every_rank(ranks4, model_type):
+    results = ranks4.run(refusals, model_type)
     assert all(result == results[0] for result in results), results
-    tp, generation, compiled = results[0]
+    tp, generation, compiled, ring = results[0]
     assert tp.startswith("tp=2, ep=1, compile=False: cp serves the sparse attention of ('self_attn',)"), tp
-    assert "its indexer selects keys per query over the whole cache" in generation, generation
     assert compiled.startswith("tp=1, ep=1, compile='aot_eager': cp serves the sparse attention"), compiled
+    if model_type == "deepseek_v32":
+        assert "its indexer selects keys per query over the whole cache" in generation, generation
+        assert ring == "no error", ring
+    else:
+        assert "its compressors pool windows of tokens into keys" in generation, generation
+        assert ring.startswith("model.layers.0.self_attn: the ring's merge has no place for the per-head"), (
+            ring
+        )
 
 
 class _UnreadIndexedAttention(DeepseekV32Attention):
@@ -194,8 +314,13 @@ class _UnreadIndexedAttention(DeepseekV32Attention):
 
 
 def test_the_derived_layout_names_the_sparse_attention_and_other_indexers_stay_refused():
-    for model_type in ("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note_text", "hy_v4", "kolibri1_1"):
+    for model_type in (
+        *("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note_text", "hy_v4", "kolibri1_1", "deepseek_v4"),
+    ):
         assert derive_layout(_model(model_type, 4)).sparse_attention == ("self_attn",), model_type
+    # DeepSeek-V4 with sliding layers only selects no keys: cp's ordinary attention (Ulysses, compiled too)
+    sliding = _model("deepseek_v4", 4, layer_types=["sliding_attention"] * 3)
+    assert derive_layout(sliding).sparse_attention == ()
     model = _model("deepseek_v32", 4)
     for layer in model.model.layers:
         layer.self_attn.__class__ = _UnreadIndexedAttention
@@ -203,12 +328,28 @@ def test_the_derived_layout_names_the_sparse_attention_and_other_indexers_stay_r
         derive_layout(model)
 
 
-def test_other_code_is_refused_at_setup(monkeypatch):
-    module, _ = sparse.WRITTEN_AGAINST["DeepseekV32Attention"]
-    monkeypatch.setitem(
-        sparse.WRITTEN_AGAINST, "DeepseekV32Attention", (module, {"DeepseekV32Indexer": "0" * 16})
-    )
-    with pytest.raises(
-        cpshard.LayoutError, match="DeepseekV32Attention .its keys gathered by cpshard.: cpshard"
-    ):
-        cpshard.make_cp_forward(_model("deepseek_v32", 4))
+@pytest.mark.parametrize(
+    "model_type, piece",
+    [
+        ("deepseek_v32", "DeepseekV32Indexer"),
+        ("deepseek_v4", "DeepseekV4Attention"),
+        ("deepseek_v4", "DeepseekV4HCACompressor"),
+        ("deepseek_v4", "DeepseekV4CSACompressor"),
+        ("deepseek_v4", "DeepseekV4Indexer"),
+        ("deepseek_v4", "DeepseekV4HCACache.store_compression_weights"),
+        ("deepseek_v4", "DeepseekV4CSACache.update_overlap_state"),
+    ],
+)
+def test_other_code_is_refused_at_setup(monkeypatch, model_type, piece):
+    model = _model(model_type, 4)
+    name = type(model.model.layers[-1].self_attn).__name__
+    module, pieces = sparse.WRITTEN_AGAINST[name]
+    assert piece in pieces
+    monkeypatch.setitem(sparse.WRITTEN_AGAINST, name, (module, {**pieces, piece: "0" * 16}))
+    with pytest.raises(cpshard.LayoutError, match=f"{name} .its keys gathered by cpshard.: cpshard.*{piece}"):
+        cpshard.make_cp_forward(model)
+
+
+def test_what_cpshard_rewrites_was_written_for_the_installed_transformers():
+    for name, (module, pieces) in sparse.WRITTEN_AGAINST.items():
+        assert changed(module, pieces) == [], name

@@ -4,7 +4,8 @@ layers that reuse the previous indexer's top-k), Doge's dynamic mask (each head 
 highest-scored keys per query, scored from every key's value), and Kolibri 1.1's indexed layers (NoPE; a
 weightless indexer picks blocks of keys into a pool, then keys from the pool, sinks and local keys besides;
 later indexed layers may reuse an earlier one's keys, values and pool; its sliding layers are cp's ordinary
-attention). What each class hands its cache, and so what is gathered, is :data:`GATHERS`.
+attention), and DeepSeek-V4's compressed layers (below). What each class hands its cache, and so what is
+gathered, is :data:`GATHERS`.
 
 A lightning indexer scores every key for each query, sums the scores over its own heads and keeps a top-k;
 the sum over indexer heads comes before the top-k, so a head split does not fit. Under cp each rank keeps
@@ -21,6 +22,21 @@ Every query's selection depends on its own row of the mask and the whole keys al
 on any sequence order (Kolibri's pool zeroes, in its block averages, keys no query of the rank sees where one
 process zeroes those no query sees: the rank's extra ones lie past each of its queries' last key, in blocks
 its scoring sets to 0 or hides for that query).
+
+DeepSeek-V4's compressed layers (CSA: a compressor and a lightning indexer over its compressed keys; HCA: a
+compressor alone) pool windows of ``compress_rate`` tokens into compressed keys, which every query then sees
+beside its sliding window of keys (CSA: the top-k its indexer selects). The module hands its cache its one key
+(which is its value), and its compressor and indexer each hand theirs the projected tokens and gates of their
+windows (``store_compression_weights``). :class:`WholeKeys` gathers all three whole and gives the windows
+back as one process pools them without a cache: every whole window of the sequence from position 0 (the tail
+short of a window left out; cp's padding is no part of the sequence, so it adds no window), no window before
+them (``update_overlap_state``), no entry before them (``update_compressor_states``). The module's own
+compressor and indexer then pool every window of the whole sequence, windows crossing rank boundaries as any
+other, and score the rank's queries (their ``position_ids``, global, say which entries each sees). Bytes a
+layer and rank: ``B x L/cp x`` elements of ``head_dim`` (the key), ``4 x head_dim`` (CSA) or ``2 x head_dim``
+(HCA) for the compressor's tokens and gates, ``4 x index_head_dim`` for the indexer's (no gradient: its top-k
+is not differentiable); backward, the key's and the compressor's gradients. Its sliding layers are cp's
+ordinary attention (Ulysses: their sinks leave the ring no place).
 
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 """
@@ -39,7 +55,7 @@ from cpshard.comm.collectives import all_gather_shards
 from cpshard.comm.record import expect
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
-from cpshard.layouts.layout import SPARSE_ATTENTION
+from cpshard.layouts.layout import SELECTING_WITH, gathers_keys
 from cpshard.spec.sequence import positions
 
 #: what the hooks, the cache and the selection were written against in transformers 5.25.0, by attention class
@@ -98,32 +114,56 @@ WRITTEN_AGAINST = {
             "Kolibri1_1Model.forward": "6c5b005341f99f5e",
         },
     ),
+    # the cache-layer methods its compressed layers call, which WholeKeys serves in their stead
+    "DeepseekV4Attention": (
+        "transformers.models.deepseek_v4.modeling_deepseek_v4",
+        {
+            "DeepseekV4Attention": "3a1df392db35bc36",
+            "DeepseekV4HCACompressor": "05ad88e86b0e77ad",
+            "DeepseekV4CSACompressor": "1b2cb6e201d5aa4e",
+            "DeepseekV4Indexer": "4b06c83245b29991",
+            "DeepseekV4IndexerScorer": "c981b1b95c6c6d5a",
+            "DeepseekV4HCACache.update": "a7759c3223747822",
+            "DeepseekV4HCACache.store_compression_weights": "560c34dcb420ceda",
+            "DeepseekV4HCACache.update_compressor_states": "7eb1a250d5ac5e8f",
+            "DeepseekV4CSACache.update_overlap_state": "38e1d8e34697ced0",
+            "eager_attention_forward": "9920321d903b880e",
+            "DeepseekV4DecoderLayer.forward": "c60699e7281943ae",
+            "DeepseekV4Model.forward": "349ca5d152b97fd4",
+        },
+    ),
 }
 
 
 class Gathers(NamedTuple):
     """What a module of a sparse attention class hands its cache, which cp gathers whole: ``update``, the
     pair it hands ``cache.update`` (named so in the communication record; their gradients come back
-    reduce-scattered), and, where its indexer has a key, that key (``cache.update_indexer``, no gradient).
-    ``only_with``: where not all the class's modules select keys, the attribute those that do have set (the
-    others run cp's ordinary attention over their own slice: their keys are not gathered)."""
+    reduce-scattered; one key where it is the value too), and, where its indexer has a key, that key
+    (``cache.update_indexer``, no gradient); DeepSeek-V4's compressor and indexer hand theirs their windows'
+    tokens (``store_compression_weights``). ``only_with``: where not all the class's modules select keys, the
+    attribute those that do have set (:data:`~cpshard.layouts.layout.SELECTING_WITH`; the others run cp's
+    ordinary attention over their own slice: their keys are not gathered)."""
 
     update: str
     only_with: str | None = None
 
 
-_LATENT = Gathers("latent and rope key")
 #: what each sparse attention class gathers (:data:`~cpshard.layouts.layout.SPARSE_ATTENTION`): DeepSeek's
 #: compressed latent and rope key, or the keys and values themselves (Doge's dynamic mask, Kolibri 1.1's NoPE
-#: indexed layers, whose sliding layers have no indexer and are cp's ordinary attention)
+#: indexed layers, whose sliding layers have no indexer and are cp's ordinary attention), or DeepSeek-V4's one
+#: key (its compressed layers'; its sliding layers are cp's ordinary attention)
 GATHERS = {
-    "DeepseekV32Attention": _LATENT,
-    "GlmMoeDsaAttention": _LATENT,
-    "AXK2Attention": _LATENT,
-    "Dots3NoteTextAttention": _LATENT,
-    "HYV4Attention": _LATENT,
-    "DogeAttention": Gathers("key and value"),
-    "Kolibri1_1Attention": Gathers("key and value", only_with="indexer"),
+    name: Gathers(update, SELECTING_WITH.get(name))
+    for name, update in {
+        "DeepseekV32Attention": "latent and rope key",
+        "GlmMoeDsaAttention": "latent and rope key",
+        "AXK2Attention": "latent and rope key",
+        "Dots3NoteTextAttention": "latent and rope key",
+        "HYV4Attention": "latent and rope key",
+        "DogeAttention": "key and value",
+        "Kolibri1_1Attention": "key and value",
+        "DeepseekV4Attention": "key",
+    }.items()
 }
 
 
@@ -154,20 +194,15 @@ def attend_selected(function, module, query, key, value, attention_mask, indices
 def selects_keys(module: nn.Module, call: CallPlan | None) -> bool:
     """Whether ``module`` is a sparse attention module (served by :func:`attend_selected`); under a cp call
     whose layout does not gather its keys, an error (its queries and keys would be the rank's alone)."""
-    name = type(module).__name__
-    if name not in SPARSE_ATTENTION or not _gathered(module, GATHERS[name]):
+    if not gathers_keys(module):
         return False
     if call is not None and not call.layout.sparse_attention:
         raise ValueError(
-            f"{call.name_of(module)} selects its keys with an indexer, and the layout {call.layout.name!r} "
-            "does not gather them (sparse_attention): use the derived layout (layout='auto')"
+            f"{call.name_of(module)} selects its keys per query (an indexer, a compressor), and the layout "
+            f"{call.layout.name!r} does not gather them (sparse_attention): use the derived layout "
+            "(layout='auto')"
         )
     return True
-
-
-def _gathered(module: nn.Module, gathers: Gathers) -> bool:
-    """Whether ``module`` (of a sparse attention class) selects its keys, and so has them gathered."""
-    return gathers.only_with is None or getattr(module, gathers.only_with, None) is not None
 
 
 def _rank(call: CallPlan) -> tuple[int, int]:
@@ -186,10 +221,13 @@ class WholeKeys:
     """The cache a sparse attention module reads under cp: no past; what it hands on gathered over the cp
     ranks into the whole sequence's, in order, without cp's padding: each query's row of indexer scores is
     then one process's row, value for value, and its top-k breaks ties (many scores are exactly 0 after the
-    indexer's ReLU) as one process's does."""
+    indexer's ReLU) as one process's does. For DeepSeek-V4's compressed layers, also the cache layer their
+    compressor and indexer read (``cache.layers[layer_idx]``: this cache serves one module, its own layer)."""
 
-    def __init__(self, call: CallPlan, path: str, update: str):
+    def __init__(self, call: CallPlan, path: str, update: str, module: nn.Module):
         self.call, self.path, self.what = call, path, update
+        self.layers = {getattr(module, "layer_idx", None): self}
+        self.compress_rate = getattr(getattr(module, "compressor", None), "compress_rate", None)
 
     def _whole(self, parts: list[torch.Tensor], dim: int, what: str, gradient: bool) -> list[torch.Tensor]:
         call, (_, size) = self.call, _rank(self.call)
@@ -206,12 +244,35 @@ class WholeKeys:
 
     def update(self, key_states, value_states, layer_idx: int, kwargs=None):
         """The pair the module hands on ``[B, heads, L/cp, d]`` (the compressed latent and the rope key, or
-        the keys and values), whole."""
+        the keys and values), whole; one gathered where the key is the value too (DeepSeek-V4's)."""
+        if key_states is value_states:
+            key = self._whole([key_states], 2, f"{self.path} {self.what}", True)[0]
+            return key, key
         return tuple(self._whole([key_states, value_states], 2, f"{self.path} {self.what}", True))
 
     def update_indexer(self, key, layer_idx: int):
         """The indexer's key ``[B, L/cp, d]``, whole."""
         return self._whole([key], 1, f"{self.path} indexer key", False)[0]
+
+    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
+        """DeepSeek-V4's compressor's (``name`` "compressor") or its indexer's ("indexer") projected tokens
+        and gates ``[B, L/cp, d]``: the whole sequence's whole windows, the first at position 0, as one
+        process pools them without a cache (the tail short of a window left out; cp's padding is no part of
+        the sequence). The indexer's get no gradient (they only score its top-k): none is expected back."""
+        usable = self.call.length // self.compress_rate * self.compress_rate
+        if not usable:  # no window: nothing to gather
+            return kv[:, :0], gate[:, :0], 0
+        what, gradient = f"{self.path} {name} tokens and gates", name == "compressor"
+        kv, gate = self._whole([kv, gate], 1, what, gradient)
+        return kv[:, :usable], gate[:, :usable], 0
+
+    def update_overlap_state(self, name: str, chunk_kv, chunk_gate, head_dim: int):
+        """No window before the first (CSA's overlapping windows): the windows come whole from position 0."""
+        return None, None
+
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        """No compressed entry before these: they are the whole sequence's."""
+        return compressed
 
 
 def _whole_keys(path: str, update: str, module, args, kwargs):
@@ -230,7 +291,7 @@ def _whole_keys(path: str, update: str, module, args, kwargs):
     rank, size = _rank(call)
     rows = positions(call.order, call.padded_length, size, rank).to(mask.device)
     cut = mask.index_select(2, rows)[..., : call.length]
-    return args, {**kwargs, "attention_mask": cut, "cache": WholeKeys(call, path, update)}
+    return args, {**kwargs, "attention_mask": cut, "cache": WholeKeys(call, path, update, module)}
 
 
 def sparse_attention_hooks(layers: nn.ModuleList, layers_path: str, paths: tuple[str, ...]) -> list[Hook]:
@@ -242,7 +303,7 @@ def sparse_attention_hooks(layers: nn.ModuleList, layers_path: str, paths: tuple
             module = layer.get_submodule(path)
             name = type(module).__name__
             check_sparse_attention_unchanged(name)
-            if _gathered(module, GATHERS[name]):
+            if gathers_keys(module):
                 where = f"{layers_path}.{index}.{path}"
                 hooks.append(Hook(module, partial(_whole_keys, where, GATHERS[name].update), pre=True))
     return hooks

@@ -24,7 +24,7 @@ from cpshard.comm.record import CommEvent, Expected, recording
 from cpshard.debug.analytic import attention_paths, head_dim, value_head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
-from cpshard.layouts.layout import text_config
+from cpshard.layouts.layout import gathers_keys, text_config
 
 PHASES = ("forward", "backward")
 #: the names cpshard's forward and :func:`cpshard.value_and_grad` give their reductions
@@ -55,6 +55,8 @@ class Group:
 class _Run:
     """One Ulysses ``cp_forward``, as its model's forward saw it, and the optimum it implies."""
 
+    #: the attention modules that run Ulysses: not those whose keys are gathered whole (sparse attention,
+    #: which declares its own optimum, :mod:`cpshard.attention.sparse`)
     attention_paths: tuple[str, ...]
     optimum: CommOptimum
     #: how many gradient buckets (one per dtype); None when parameters are DTensors (reduced otherwise)
@@ -84,7 +86,10 @@ class _Run:
         )
         buckets = None if any(isinstance(p, DTensor) for p in params) else len({p.dtype for p in params})
         dtypes = frozenset(p.dtype for p in params)
-        return cls(tuple(attention_paths(model, layout)), optimum, buckets, dtypes)
+        paths = [
+            path for path in attention_paths(model, layout) if not gathers_keys(model.get_submodule(path))
+        ]
+        return cls(tuple(paths), optimum, buckets, dtypes)
 
 
 def split_name(name: str, modules: set[str]) -> tuple[str, str]:

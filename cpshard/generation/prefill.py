@@ -40,10 +40,16 @@ def check_servable(model, layout) -> None:
     """Raise, naming what to change, for a model cp generation does not serve (at setup: every rank
     prepares the same model, so every rank raises alike)."""
     if layout.sparse_attention:
-        raise ValueError(
-            f"{type(model).__name__}: its indexer selects keys per query over the whole cache, which cp "
-            "generation's split cache does not hold on any rank; generate without cp"
+        pools = any(getattr(m, "compressor", None) is not None for m in attention_modules(model, layout))
+        why = (
+            "its compressors pool windows of tokens into keys that its own cache layers carry between steps "
+            "(the window under way, the last one's overlap, the entries so far), which cp generation's split "
+            "cache does not hold"
+            if pools
+            else "its indexer selects keys per query over the whole cache, which cp generation's split cache "
+            "does not hold on any rank"
         )
+        raise ValueError(f"{type(model).__name__}: {why}; generate without cp")
     if type(model.get_submodule(layout.decoder)).__name__ in ENTERED_DECODERS:
         raise ValueError(
             f"{type(model).__name__}: cp generation does not serve HRM's decoder (its cache holds a layer "

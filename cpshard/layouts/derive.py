@@ -11,10 +11,10 @@ Layers that hold a linear-attention mixer instead of attention (Gated DeltaNet, 
 slots hold one of :data:`~cpshard.layouts.layout.RECURRENT_KERNELS`) become the layout's recurrent rows.
 
 What is refused, naming the module and why: other token mixing along the sequence outside the attention
-function (convolutions, state-space layers, compressors that pool windows of tokens, attention modules
-that do not call transformers' attention registry), attention that selects its keys with an indexer in a
-class cpshard has not read (it gathers the keys of those it has: :mod:`cpshard.attention.sparse`), and what
-the recording refuses (a residual stream whose sequence dim cannot be told, layers of the same kind run
+function (convolutions, state-space layers, attention modules that do not call transformers' attention
+registry), attention that selects its keys with an indexer, or pools windows of tokens into compressed keys,
+in a class cpshard has not read (it gathers the keys of those it has: :mod:`cpshard.attention.sparse`), and
+what the recording refuses (a residual stream whose sequence dim cannot be told, layers of the same kind run
 from a second list). A derived layout is not a tested file: cp_forward verifies it once per model on a probe
 batch before trusting it (:mod:`cpshard.runtime.probe`).
 """
@@ -42,6 +42,7 @@ from cpshard.layouts.layout import (
     Recurrent,
     attention_at,
     calls_attention_registry,
+    gathers_keys,
     kernel_slots,
     recurrent_module,
     serves,
@@ -215,11 +216,13 @@ def _attention_name(layers: list[tuple[int, nn.Module]], layers_path: str) -> tu
 
 def _token_mixers(layers: nn.ModuleList, layers_path: str, served: tuple[Recurrent, ...]) -> list[str]:
     """Modules inside the layers that mix tokens along the sequence by themselves: convolutions, state (but
-    the recurrent mixers of ``served`` and what they hold), compressors (DeepSeek-V4's pooled keys, whose
-    windows a short probe may not fill, so it cannot vouch for them)."""
+    the recurrent mixers of ``served`` and what they hold), compressors (pooled keys, whose windows a short
+    probe may not fill, so it cannot vouch for them; but those inside attention whose keys cp gathers whole,
+    DeepSeek-V4's: :mod:`cpshard.attention.sparse`)."""
     found = []
     for index, layer in enumerate(layers):
         mixer = {row.module for row in served if submodule(layer, row.module) is not None}
+        mixer |= {name for name, module in layer.named_modules() if gathers_keys(module)}
         for name, module in layer.named_modules():
             if any(_inside(name, path) for path in mixer):
                 continue
@@ -250,9 +253,13 @@ def _key_selectors(layers: nn.ModuleList, layers_path: str) -> list[str]:
 
 def _sparse_attention(layers: nn.ModuleList, attention: str) -> tuple[str, ...]:
     """``(attention,)`` where every layer's attention module is one of the sparse attention classes cp serves
-    with gathered keys (:data:`SPARSE_ATTENTION`), else ``()`` (an indexer of another kind is refused)."""
-    served = all(type(submodule(layer, attention)).__name__ in SPARSE_ATTENTION for layer in layers)
-    return (attention,) if attention and served else ()
+    with gathered keys (:data:`SPARSE_ATTENTION`) and some select keys (DeepSeek-V4's sliding layers alone do
+    not: cp's ordinary attention), else ``()`` (an indexer of another kind is refused)."""
+    if not attention:
+        return ()
+    modules = [submodule(layer, attention) for layer in layers]
+    served = all(type(module).__name__ in SPARSE_ATTENTION for module in modules)
+    return (attention,) if served and any(gathers_keys(module) for module in modules) else ()
 
 
 def _final_norm(decoder: nn.Module, top: str, ran: tuple[str, ...]) -> str | None:

@@ -77,8 +77,8 @@ PER_POSITION_ATTENTION = (
     "Inkling2LoopMessageAttentionResidual",
 )
 #: attention modules that select keys per query (DeepSeek's sparse attention and HY-V4's, Doge's dynamic mask,
-#: Kolibri 1.1's indexed layers), which cp serves with the rank's queries against gathered keys
-#: (:mod:`cpshard.attention.sparse`)
+#: Kolibri 1.1's indexed layers, DeepSeek-V4's compressed layers), which cp serves with the rank's queries
+#: against gathered keys (:mod:`cpshard.attention.sparse`)
 SPARSE_ATTENTION = (
     "DeepseekV32Attention",
     "GlmMoeDsaAttention",
@@ -87,7 +87,12 @@ SPARSE_ATTENTION = (
     "DogeAttention",
     "HYV4Attention",
     "Kolibri1_1Attention",
+    "DeepseekV4Attention",
 )
+#: where not every module of a :data:`SPARSE_ATTENTION` class selects its keys, the attribute those that do
+#: have set (Kolibri 1.1's indexed layers, DeepSeek-V4's compressed layers); the others are cp's ordinary
+#: attention over their own slices
+SELECTING_WITH = MappingProxyType({"Kolibri1_1Attention": "indexer", "DeepseekV4Attention": "compressor"})
 #: the recurrent kernels served by hooks on a mixer of a known class (or classes), not by a kernel slot
 HOOKED = MappingProxyType(
     {
@@ -132,6 +137,14 @@ class Recurrent:
     #: state dim, served split over channels; RG-LRU: per channel, by state passing) or "none" (a
     #: convolution alone, whose kernel is its ``conv``: only its halo crosses ranks)
     decay: str = "matrix"
+
+
+def gathers_keys(module: nn.Module) -> bool:
+    """Whether ``module`` is attention whose keys cp gathers whole: of a :data:`SPARSE_ATTENTION` class, and
+    one of those of its class that select keys (:data:`SELECTING_WITH`)."""
+    name = type(module).__name__
+    attribute = SELECTING_WITH.get(name)
+    return name in SPARSE_ATTENTION and (attribute is None or getattr(module, attribute, None) is not None)
 
 
 def kernel_slots(module: nn.Module) -> dict:

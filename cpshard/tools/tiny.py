@@ -241,6 +241,23 @@ PER_TYPE = {
     "hy_v4": dict(
         _LATENT, index_n_heads=2, index_head_dim=16, index_topk=4, indexer_types=["full", "shared"]
     ),
+    # DeepSeek-V4: a sliding layer (a window of 4 keys), a compressed sparse one (CSA: windows of 3 tokens
+    # pooled into keys, a small indexer keeping 2 of them per query) and a heavily compressed one (HCA:
+    # windows of 4), over a residual stream of four copies: the zoo's 11 tokens fill windows on both ranks
+    # and across them
+    "deepseek_v4": dict(
+        _FEW_EXPERTS,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 4},
+        sliding_window=4,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=2,
+        q_lora_rank=32,
+        o_lora_rank=16,
+        o_groups=2,
+    ),
     "inkling_text": _INKLING,
     "inkling2_text": _INKLING2,
     # at the default init its passes amplify fp32 rounding: its own cached generate and its own forward
