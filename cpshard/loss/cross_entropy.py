@@ -6,10 +6,11 @@ those (mostly zeros) and the gradient of the logits: three fresh buffers of the 
 for half-precision logits: their fp32 copy, and the gradient cast back). At long sequences they are
 most of a step's peak memory; at short ones the first touch of each (its page faults) costs more time
 than the arithmetic on it. Here the forward takes the log-softmax of a block of rows at a time, in a
-cache-sized scratch, and, for fp32 logits that want a gradient, writes ``softmax - one_hot`` (the
-exponential of that same log-softmax, as torch's backward takes it) into the one gradient buffer while
-the block is in cache; the backward only scales its rows by the upstream gradient, in place (a second
-pass over the logits for the softmax would cost a quarter of the loss's time). Half-precision logits are
+cache-sized scratch, and, for fp32 logits that want a gradient, writes the softmax (the exponential of
+that same log-softmax, as torch's backward takes it) into the one gradient buffer while the block is in
+cache; the backward turns it into ``(softmax - one_hot)`` times the upstream gradient in place, rounded
+as torch's backward rounds it (a second pass over the logits for the softmax would cost a quarter of the
+loss's time). Half-precision logits are
 kept instead and their gradient is computed in the backward, in fp32, and rounded once.
 """
 
@@ -26,10 +27,10 @@ IGNORE_INDEX = -100
 BLOCK_ELEMENTS = 1 << 19
 
 
-def _unscaled_gradient(log_probs: torch.Tensor, target: torch.Tensor, minus_one: torch.Tensor):
-    """``softmax - one_hot`` of a block from its log-softmax, in place (the exponential of the log-softmax,
-    as torch's backward takes it): ``d log p(target) / d logits`` negated."""
-    return log_probs.exp_().scatter_add_(-1, target, minus_one)
+def _gradient(probs: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(softmax - one_hot) * scale`` of a block, in place in ``probs`` (the softmax): ``scale`` times each
+    probability, less ``scale`` at the target, rounded as torch's log-softmax backward rounds it."""
+    return probs.mul_(scale).scatter_add_(-1, target, -scale)
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -38,17 +39,17 @@ class _TokenLogProbs(torch.autograd.Function):
         valid = labels != IGNORE_INDEX
         target = torch.where(valid, labels, 0).unsqueeze(-1)
         picked = torch.empty(target.shape, dtype=torch.float32, device=logits.device)  # log p(target) per row
-        minus_one = torch.full(target.shape, -1.0, device=logits.device)
-        # fp32 logits: the gradient taken now; other dtypes round it once, in the backward, from the logits
+        # fp32 logits: their softmax kept now (the exponential of the log-softmax, as torch's backward takes
+        # it); other dtypes keep the logits and round their gradient once, in the backward
         early = ctx.needs_input_grad[0] and logits.dtype == torch.float32
-        unscaled = torch.empty_like(logits) if early else None  # the one buffer of the logits' size
+        probs = torch.empty_like(logits) if early else None  # the one buffer of the logits' size
         blocks = row_blocks(logits.shape[0], logits.shape[1], block_elements)
         for rows in blocks:
             log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
             picked[rows] = torch.gather(log_probs, -1, target[rows])
             if early:
-                unscaled[rows] = _unscaled_gradient(log_probs, target[rows], minus_one[rows])
-        ctx.save_for_backward(unscaled if early else logits, target, valid, minus_one)
+                probs[rows] = log_probs.exp_()
+        ctx.save_for_backward(probs if early else logits, target, valid)
         ctx.early, ctx.blocks, ctx.spent = early, blocks, False
         return torch.where(valid, picked.squeeze(-1), 0.0)
 
@@ -56,18 +57,18 @@ class _TokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         if ctx.spent and ctx.early:
             raise RuntimeError(
-                "cpshard's cross-entropy takes one backward: its logits' gradient is scaled in place; run "
-                "the forward again for another backward instead of retain_graph=True"
+                "cpshard's cross-entropy takes one backward: its logits' gradient is written over their "
+                "softmax; run the forward again for another backward instead of retain_graph=True"
             )
         ctx.spent = True
-        saved, target, valid, minus_one = ctx.saved_tensors
-        scale = (valid * -grad).unsqueeze(-1).float()
+        saved, target, valid = ctx.saved_tensors
+        scale = (valid * -grad).unsqueeze(-1).float()  # d log p(target) / d logits = one_hot - softmax
         if ctx.early:
-            return saved.mul_(scale), None, None
+            return _gradient(saved, target, scale), None, None
         out = torch.empty_like(saved)  # the one buffer of the logits' size
         for rows in ctx.blocks:
-            log_probs = torch.log_softmax(saved[rows].float(), dim=-1)
-            out[rows] = _unscaled_gradient(log_probs, target[rows], minus_one[rows]).mul_(scale[rows])
+            probs = torch.log_softmax(saved[rows].float(), dim=-1).exp_()
+            out[rows] = _gradient(probs, target[rows], scale[rows])
         return out, None, None
 
 
