@@ -104,7 +104,6 @@ def test_attention_of_its_own_code_that_cpshard_does_not_know_is_refused():
 @pytest.mark.parametrize(
     "model_type, words",
     [
-        ("xlm", ["transformer.attentions.0 (MultiHeadAttention)", "no layer module", "without cp"]),
         # no heads of one decoder: a byte encoder, a global transformer over patches, a byte decoder
         ("blt", ["model.global_transformer.layers", "lists of layers that attend", "without cp"]),
         (

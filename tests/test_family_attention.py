@@ -6,7 +6,8 @@ Falcon-RW and multi-query Falcon), GPT-Neo's local window, Falcon's multi-query,
 and multi-head k/v, MPT's masked_fill and XGLM's clamp; ring serves the rotary Falcon and refuses ALiBi and
 the window with a clear error on every rank. The classics whose own code is plain attention (OpenAI GPT with
 its -1e4 for later keys, GPT-NeoX-Japanese, MegatronBERT, RemBERT, RoFormer's rotary, TrOCR, BigBird's
-original_full) are exact alike; the attention cpshard does not rewrite is refused with what it is.
+original_full) are exact alike (XLM as a causal LM: tests/test_xlm.py); the attention cpshard does not
+rewrite is refused with what it is.
 """
 
 import copy
@@ -109,8 +110,7 @@ NOT_REWRITTEN = [
     ("xlnet", "two-stream"),
     ("reformer", "chunked local"),
     ("prophetnet", "n-stream"),
-    ("xlm", "no layer module"),
-    ("cpmant", "prompt tokens"),
+    ("cpmant", "not causal"),
     ("git", "needs pixel_values"),
 ]
 
@@ -142,7 +142,7 @@ def test_the_rewrite_follows_a_deep_copy():
 
 
 @pytest.mark.parametrize(
-    "model_type", ["mpt", "openai-gpt", "gpt_neox_japanese", "megatron-bert", "roformer"]
+    "model_type", ["mpt", "openai-gpt", "gpt_neox_japanese", "megatron-bert", "roformer", "xlm"]
 )
 def test_a_rewritten_model_outside_cp_gives_its_own_results(model_type):
     own = tiny_model(model_type, attn_implementation="eager")

@@ -220,7 +220,7 @@ def bad_call(kind: str):
     elif kind == "world":
         cpshard.make_mesh(cp=3)
     elif kind == "unserved":
-        cpshard.make_cp_forward(tiny_model("xlm", attn_implementation="eager"))
+        cpshard.make_cp_forward(tiny_model("xlnet", attn_implementation="eager"))
     elif kind == "implementation":
         cpshard.make_cp_forward(model, implementation="magic")
     forward_options = {
@@ -259,7 +259,7 @@ BAD_INPUTS = {
     "labels-negative": ("BatchError", "batch['labels'] holds -5 at [0, 1]"),
     "labels-dtype": ("BatchError", "batch['labels'] must hold integer token ids, got dtype torch.float32"),
     "world": ("ValueError", "world size 2 != dp_replicate=1 * fsdp=1 * cp=3 * tp=1"),
-    "unserved": ("LayoutError", "model type 'xlm'"),
+    "unserved": ("LayoutError", "model type 'xlnet'"),
     "implementation": ("ValueError", "implementation='magic'"),
     "other-params": (
         "ValueError",

@@ -19,9 +19,10 @@ from cpshard.layouts.registry import (
 from cpshard.tools.tiny import tiny_model
 
 SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")
-#: every model type with a layout file: the attention decoders above, the Gated DeltaNet and Mamba2 hybrids
+#: every model type with a layout file: the attention decoders above, the Gated DeltaNet and Mamba2 hybrids,
+#: XLM as a causal LM
 FILES = sorted(
-    (*SUPPORTED, "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid")
+    (*SUPPORTED, "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid", "xlm")
 )
 
 
@@ -62,9 +63,9 @@ def test_other_decoders_get_the_generic_layout(models, model_type):
     "model, model_type, why",
     [
         (
-            "xlm",
-            "'xlm' (XLMWithLMHeadModel)",
-            "transformer.attentions.0 (MultiHeadAttention) is XLM's attention, in no layer module",
+            "xlnet",
+            "'xlnet' (XLNetLMHeadModel)",
+            "transformer.layer.0.rel_attn (XLNetRelativeAttention) is XLNet's two-stream relative attention",
         ),
         (torch.nn.Linear(2, 2), "'Linear' (Linear)", "not a transformers model"),
         (torch.nn.Module(), "'Module' (Module)", "not a transformers model"),
@@ -92,6 +93,7 @@ def test_registry():
         "qwen3",
         "qwen3_moe",
         "qwen3_next",
+        "xlm",
     ]
     for model_type, layout in REGISTERED.items():
         assert BY_NAME[layout.name] is layout and model_type in layout.model_types

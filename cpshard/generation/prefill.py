@@ -34,6 +34,14 @@ from cpshard.spec.sequence import chunk_positions, positions
 #: states the cache carries whole, where the layout has recurrent rows)
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 PROMPT_KEYS = ("input_ids", "attention_mask")
+#: why cp generation does not serve the decoders cut where the sequence enters them, by class
+#: (:data:`~cpshard.layouts.layout.ENTERED_DECODERS`)
+_NOT_GENERATED = {
+    "HrmTextModel": "HRM's decoder (its cache holds a layer per stack pass, which cp's split cache does not "
+    "place)",
+    "XLMModel": "XLM (its model makes a new cache in every forward and returns none, and its generation "
+    "appends a mask token to every step's ids: no cache for cp's split cache to follow)",
+}
 
 
 def check_servable(model, layout) -> None:
@@ -50,10 +58,11 @@ def check_servable(model, layout) -> None:
             "does not hold on any rank"
         )
         raise ValueError(f"{type(model).__name__}: {why}; generate without cp")
-    if type(model.get_submodule(layout.decoder)).__name__ in ENTERED_DECODERS:
+    decoder = type(model.get_submodule(layout.decoder)).__name__
+    if decoder in ENTERED_DECODERS:
         raise ValueError(
-            f"{type(model).__name__}: cp generation does not serve HRM's decoder (its cache holds a layer "
-            "per stack pass, which cp's split cache does not place); generate without cp"
+            f"{type(model).__name__}: cp generation does not serve {_NOT_GENERATED[decoder]}; generate "
+            "without cp"
         )
     if layout.per_head_params:
         raise ValueError(

@@ -1,8 +1,9 @@
 """Attention of the families that compute it in their own code (Bloom, GPT-Neo, MPT, XGLM; and the classics
 whose own code is plain attention: OpenAI GPT, GPT-NeoX-Japanese, MegatronBERT, RemBERT, RoFormer, TrOCR,
-BigBird's ``original_full``), rewritten to call it through transformers' attention registry, as its newer
-models do, so that cp's attention serves it (Falcon's own code calls the registry since transformers 5.25,
-its ALiBi folded into the mask). What cpshard does not rewrite, it names (:data:`NOT_REWRITTEN`).
+BigBird's ``original_full``, XLM as a causal LM), rewritten to call it through transformers' attention
+registry, as its newer models do, so that cp's attention serves it (Falcon's own code calls the registry
+since transformers 5.25, its ALiBi folded into the mask). What cpshard does not rewrite, it names
+(:data:`NOT_REWRITTEN`).
 
 Each forward is the family's own: its projections, output projection and dropout, read from the pinned
 transformers, and each rewrite is checked against the code it was written for before it goes in
@@ -20,6 +21,7 @@ refuse ALiBi and GPT-Neo's window with a clear error.
 
 from __future__ import annotations
 
+import math
 import sys
 from functools import partial
 
@@ -93,8 +95,22 @@ def _later_fixed(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return torch.where(later, fixed if mask is None else mask, scores)
 
 
+def _later_filled(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """XLM's causal ``masked_fill``: a later key's score is the dtype's minimum, gradient 0. Its causal mask
+    is the triangle of the sequence's shape and nothing else (XLM hides no padding key), so it comes from the
+    shape here, the queries the last of the keys (whole sequences: one process, Ulysses)."""
+    queries, keys = scores.shape[-2:]
+    later = torch.ones(queries, keys, dtype=torch.bool, device=scores.device).triu(keys - queries + 1)
+    return scores.masked_fill(later, _hidden_value(scores.dtype))
+
+
 #: the families whose own code treats hidden scores otherwise than by adding the mask
-_HIDING = {"MptAttention": _filled, "XGLMAttention": _clamped, "Attention": _later_fixed}
+_HIDING = {
+    "MptAttention": _filled,
+    "XGLMAttention": _clamped,
+    "Attention": _later_fixed,
+    "MultiHeadAttention": _later_filled,
+}
 #: the eager attention of those, and of GPT-Neo (float32 scores, its weights cast to the values' dtype)
 _EAGER = {name: _eager_then(hide) for name, hide in _HIDING.items()} | {
     "GPTNeoSelfAttention": _eager_then(lambda scores, mask: scores)
@@ -189,12 +205,12 @@ def _self_attention_only(module: nn.Module, other_states) -> None:
         )
 
 
-def _cached(cache, key, value, module: nn.Module, kwargs: dict):
-    """``key`` and ``value`` after the past in ``cache`` (an encoder-decoder cache: its self-attention part),
-    or as they are without one."""
+def _cached(cache, key, value, layer: int, kwargs: dict):
+    """``key`` and ``value`` after layer ``layer``'s past in ``cache`` (an encoder-decoder cache: its
+    self-attention part), or as they are without one."""
     if cache is None:
         return key, value
-    return getattr(cache, "self_attention_cache", cache).update(key, value, module.layer_idx, kwargs=kwargs)
+    return getattr(cache, "self_attention_cache", cache).update(key, value, layer, kwargs=kwargs)
 
 
 def _xglm(module, config, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
@@ -206,7 +222,7 @@ def _xglm(module, config, hidden_states, key_value_states=None, cache=None, atte
         p(hidden_states).view(batch, length, -1, module.head_dim) for p in (module.k_proj, module.v_proj)
     )
     query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-    key, value = _cached(cache, key, value, module, kwargs)
+    key, value = _cached(cache, key, value, module.layer_idx, kwargs)
     mask = _additive(_whole(attention_mask, type(module).__name__.removesuffix("Attention")), query.dtype)
     output, weights = _attend(module, config, query, key, value, mask, 1.0, module.dropout)
     return module.out_proj(output), weights
@@ -278,9 +294,35 @@ def _bert(
             rotary, query, key, value if module.rotary_value else None
         )
         query, key, value = (*rotated, value)[:3]
-    key, value = _cached(cache, key, value, module, kwargs)
+    key, value = _cached(cache, key, value, module.layer_idx, kwargs)
     scaling = module.attention_head_size**-0.5
     return _attend(module, config, query, key, value, attention_mask, scaling, module.dropout.p)
+
+
+#: why cp does not serve XLM with ``config.causal=False``
+_BIDIRECTIONAL = (
+    "XLM with config.causal=False attends in both directions (a masked LM, XLM's MLM objective), not a "
+    "causal LM; cp serves XLM as a causal LM: config.causal=True"
+)
+
+
+def _xlm(module, config, input, mask, kv=None, cache=None, output_attentions=False, **kwargs):
+    """XLM's attention as a causal LM's: its model's causal mask (``[B, L, L]``) is the triangle of the
+    sequence's shape alone, so the registry gets none and attends causally (eager: :func:`_later_filled`),
+    over the whole sequence under cp whatever slice the model built its mask for; a mask of keys
+    (``[B, L]``, not causal) is refused."""
+    _self_attention_only(module, kv)
+    if mask.dim() != 3:
+        raise ValueError(_BIDIRECTIONAL)
+    batch, length = input.shape[:2]
+    query, key, value = (
+        p(input).view(batch, length, module.n_heads, module.head_dim).transpose(1, 2)
+        for p in (module.q_lin, module.k_lin, module.v_lin)
+    )
+    key, value = _cached(cache, key, value, module.layer_id, kwargs)
+    query = query / math.sqrt(module.head_dim)
+    output, weights = _attend(module, config, query, key, value, None, 1.0, module.dropout)
+    return (module.out_lin(output),) + ((weights,) if output_attentions else ())
 
 
 #: each family's attention class, by name, and its forward through the registry
@@ -297,11 +339,12 @@ FORWARDS = {
     "TrOCRAttention": _xglm,
     "BigBirdSelfAttention": _bert,
     "MvpAttention": _mvp,
+    "MultiHeadAttention": _xlm,
 }
 #: attention of causal LM types that cpshard does not rewrite, by class (its modeling module under
 #: ``transformers.models``), and why: none is causal attention over one sequence that a registry function
-#: could compute, or its model does what a cut sequence cannot follow (CPM-Ant's prompt, GIT's image
-#: tokens, XLM's layers that are no modules)
+#: could compute (CPM-Ant's is not causal at all), or its model does what a cut sequence cannot follow (GIT's
+#: image tokens)
 NOT_REWRITTEN = {
     "big_bird.modeling_big_bird.BigBirdBlockSparseAttention": "BigBird's block-sparse attention (sliding, "
     "global and random blocks, in both directions; attention_type='original_full' is served)",
@@ -313,14 +356,11 @@ NOT_REWRITTEN = {
     "to itself and the chunks before it)",
     "prophetnet.modeling_prophetnet.ProphetNetNgramSelfAttention": "ProphetNet's n-stream self-attention (n "
     "streams that predict the next n tokens beside the main stream)",
-    "cpmant.modeling_cpmant.CpmAntAttention": "CPM-Ant's attention (a position bias per query and key) over "
-    "prompt tokens its model puts before the sequence and cuts off after its encoder, which on a rank's "
-    "slice would cut other rows",
+    "cpmant.modeling_cpmant.CpmAntAttention": "CPM-Ant's attention, which is not causal: its model marks "
+    "every token as context (`context` all ones in CpmAntModel.forward), so its mask lets every position see "
+    "every other, later ones too",
     "git.modeling_git.GitSelfAttention": "GIT's attention (BERT's, after image tokens: its causal LM's loss "
     "skips the image tokens' positions, so it needs pixel_values beside token ids and labels)",
-    "xlm.modeling_xlm.MultiHeadAttention": "XLM's attention, in no layer module (its model's forward runs "
-    "lists of attentions, norms and FFNs and masks the whole sequence between them) and in both directions "
-    "unless config.causal",
 }
 #: what each rewrite was written against: its family's modeling module, and there the attention class, the
 #: layer that calls it (the arguments it is given), the model's forward (its mask and ALiBi) and the ALiBi
@@ -420,6 +460,18 @@ WRITTEN_AGAINST = {
             "MvpDecoder.forward": "2a5776184ed9e25d",
         },
     ),
+    # XLM's model builds the masks and runs the loop its cut follows (:mod:`cpshard.recurrent.xlm`), and its
+    # head's loss reads the labels as already shifted (the layout's labels_shifted)
+    "MultiHeadAttention": (
+        "transformers.models.xlm.modeling_xlm",
+        {
+            "MultiHeadAttention": "70bf14f5a5ce45c2",
+            "XLMModel.forward": "ae123164f9419f4f",
+            "get_masks": "e53b55cfd19c68ff",
+            "TransformerFFN": "db6f1175e81524a2",
+            "XLMPredLayer.forward": "adcd3750a9339786",
+        },
+    ),
     "TrOCRAttention": (
         "transformers.models.trocr.modeling_trocr",
         {
@@ -471,6 +523,8 @@ def check_unchanged(model: nn.Module) -> None:
 def rewrite(module: nn.Module, config) -> None:
     """``module`` (one of :data:`FORWARDS`' classes, checked by :func:`check_unchanged`) attends through the
     registry from now on (again, after a ``copy.deepcopy``: the forward is set anew each time)."""
+    if type(module).__name__ == "MultiHeadAttention" and not config.causal:
+        raise ValueError(_BIDIRECTIONAL)
     if getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False):
         raise ValueError(
             f"{type(module).__name__}: slow_but_exact with pretraining_tp > 1 splits the output projection "

@@ -111,9 +111,10 @@ CUT_AT_ENTRY = frozenset({"inkling2"})
 #: the slot of the short causal convolution in front of them
 CONV_SLOT = "causal_conv1d_fn"
 #: the decoders that run their layers from more than one list, whole-sequence states kept beside them (HRM's
-#: H and L stacks), whose code cpshard has read (every op per position but attention): cut where the
-#: sequence enters the decoder (:attr:`Layout.cut_at_entry`); any other such decoder is refused
-ENTERED_DECODERS = frozenset({"HrmTextModel"})
+#: H and L stacks; XLM's attentions, norms and FFNs and its padding mask), whose code cpshard has read (every
+#: op per position but attention): cut where the sequence enters the decoder (:attr:`Layout.cut_at_entry`);
+#: any other such decoder is refused
+ENTERED_DECODERS = frozenset({"HrmTextModel", "XLMModel"})
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ from cpshard.layouts import (
     qwen3,
     qwen3_moe,
     qwen3_next,
+    xlm,
 )
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import check_unchanged
 from cpshard.layouts.layout import Layout, structure_problems
 
-_FILES = (llama, mistral, qwen3, qwen3_moe, gemma3, qwen3_next, nemotron_h, granitemoehybrid)
+_FILES = (llama, mistral, qwen3, qwen3_moe, gemma3, qwen3_next, nemotron_h, granitemoehybrid, xlm)
 REGISTERED: dict[str, Layout] = {
     model_type: module.LAYOUT for module in _FILES for model_type in module.LAYOUT.model_types
 }

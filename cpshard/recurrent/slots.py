@@ -53,6 +53,7 @@ from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
 from cpshard.recurrent.slot import Slot, cp_group, cut_to_rank, last_inputs, tensor_bytes
 from cpshard.recurrent.state_space import ChannelSplit, SSDScan, Unfused
+from cpshard.recurrent.xlm import xlm_entry_hooks
 from cpshard.recurrent.xlstm import check_xlstm_unchanged, mlstm_hooks
 from cpshard.recurrent.zaya import check_zaya_unchanged, zaya_hooks
 
@@ -271,6 +272,6 @@ HOOKED_MIXERS = {
 ENTRY_HOOKS = {"inkling2": inkling2_entry_hooks}
 #: the installers of the decoder's entry hooks, by the decoder's class
 #: (:data:`~cpshard.layouts.layout.ENTERED_DECODERS`, whose names these are)
-DECODER_ENTRY_HOOKS = {"HrmTextModel": hrm_entry_hooks}
+DECODER_ENTRY_HOOKS = {"HrmTextModel": hrm_entry_hooks, "XLMModel": xlm_entry_hooks}
 #: the slot that serves each decay kind's kernel ("none": the kernel is a convolution, served by its halo)
 SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan, "diagonal": ChannelSplit, "none": Halo}

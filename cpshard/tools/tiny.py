@@ -165,6 +165,8 @@ PER_TYPE = {
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=SMALL["vocab_size"]),
     "xlnet": dict(max_position_embeddings=None, d_head=SMALL["head_dim"]),  # no position limit to set
+    # XLM's causal LM is its causal model (its default, causal=False, is a masked LM: refused)
+    "xlm": dict(_ABSOLUTE, causal=True),
     "dbrx": dict(
         d_model=SMALL["hidden_size"],  # its feed-forward's width is copied from d_model, not hidden_size
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # as released; rope_theta read here
