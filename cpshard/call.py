@@ -69,6 +69,8 @@ class CallPlan:
     #: and each attention module under a checkpoint of its own
     mlp_tile: int | None = None
     attention_recompute: bool = False
+    #: Ulysses' attention a block of queries at a time within this many bytes of scores (None: whole)
+    attention_block_bytes: int | None = None
     #: how linear-attention layers run: "auto", "state_passing" or "head_split" (:mod:`cpshard.recurrent`)
     recurrent: str = "auto"
     #: what every layer derives alike from the call's inputs, derived once (see :meth:`shared`)

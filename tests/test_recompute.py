@@ -1,11 +1,14 @@
 """cp_forward under transformers' activation checkpointing: the recompute re-runs the collectives, exactly;
 make_cp_forward(attention_recompute=True) checkpoints each attention on its own, with or without the
-layers'."""
+layers'; make_cp_forward(attention_block_bytes=...) runs Ulysses' attention in checkpointed blocks of
+queries."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import cpshard
+from cpshard.attention.ulysses import attend_in_blocks, block_rows, check_blocked
 from cpshard.runtime.recompute import checkpointing_modules
 from cpshard.tools.parity import check_parity, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -89,3 +92,116 @@ def test_attention_recomputed_apart_is_exact(ranks2, implementation, checkpointi
     for worst, runs in ranks2.run(attention_recomputed, implementation, checkpointing):
         assert worst <= TOLERANCE
         assert runs == (3 if checkpointing else 2)  # the forward, the layer's recompute, the attention's
+
+
+def blocked_attention(cases: list[tuple[str, str | None, bool]]) -> list[dict]:
+    """Ulysses with ``attention_block_bytes`` against one process, for each (attention, padding, lean) case:
+    the worst difference of loss, logits and every gradient, and how many float storages of the whole
+    sequence (4 dims, the padded length second to last: exchanged q, k, v, the function's output, its
+    scores) autograd keeps from the forward. Lean is the memory-lean configuration (layers checkpointed,
+    ``mlp_tile``, ``attention_recompute``, ``logits=False``). Blocks of 3 queries (of every head, over every
+    key) under eager and under sdpa's padding mask; one block under sdpa without a mask."""
+    results = []
+    for attention, pad, lean in cases:
+        model = tiny_model("llama", num_hidden_layers=2, head_dim=8, attn_implementation=attention).train()
+        batch = tiny_batch(model.config.vocab_size, 2, 15, pad=pad)
+        mesh = cpshard.make_mesh(cp=dist.get_world_size())
+        heads = model.config.num_attention_heads // dist.get_world_size()
+        options = dict(mlp_tile=8, attention_recompute=True, logits=False) if lean else {}
+        if lean:
+            model.activation_checkpointing_enable()
+        cp_forward = cpshard.make_cp_forward(
+            model, implementation="ulysses", attention_block_bytes=2 * heads * 16 * 4 * 3, **options
+        )
+        params = {name: p.detach().requires_grad_(True) for name, p in cpshard.params_of(model).items()}
+        with torch.autograd.graph.saved_tensors_hooks(*whole_sequence_storages(kept := set())):
+            cp_forward(params, batch, mesh)
+        parity = check_parity(model, batch, mesh, cp_forward)
+        results.append(dict(case=(attention, pad, lean), worst=parity.worst, kept=len(kept)))
+    return results
+
+
+def whole_sequence_storages(kept: set) -> tuple:
+    """Saved-tensor hooks that add to ``kept`` the storage of each float tensor of the whole (padded to
+    16) sequence with 4 dims that autograd keeps."""
+
+    def pack(tensor):
+        if tensor.is_floating_point() and tensor.dim() == 4 and tensor.shape[-2] == 16:
+            kept.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    return pack, lambda tensor: tensor
+
+
+BLOCKED_CASES = [
+    (a, pad, lean) for a in ("sdpa", "eager") for pad in (None, "left") for lean in (False, True)
+]
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_attention_in_blocks_of_queries_is_exact_and_keeps_only_q_k_v(ranks2, ranks4, nprocs):
+    """GQA (4 heads, 2 kv heads: at cp 4 each kv head is repeated), plain and left-padded, sdpa and eager,
+    with and without the lean configuration: exact, and of the whole sequence autograd keeps the exchanged
+    q, k and v of each layer (the blocks' checkpoints' inputs), not the function's output or its scores."""
+    ranks, cases = (ranks2, BLOCKED_CASES) if nprocs == 2 else (ranks4, BLOCKED_CASES[::3])
+    for result in (r for rank in ranks.run(blocked_attention, cases) for r in rank):
+        assert result["worst"] <= TOLERANCE, result
+        assert result["kept"] <= 3 * 2, result  # q, k, v of 2 layers
+
+
+def test_block_rows_hold_the_budgets_scores():
+    """A block's scores (batch x heads x queries x keys x 4 bytes) within the budget, at least one query;
+    sdpa without a mask, whose kernel holds no scores, in one block."""
+    query, key = torch.zeros(2, 3, 100, 8), torch.zeros(2, 1, 90, 8)
+    per_query = 2 * 3 * 90 * 4
+    assert block_rows("eager", query, key, None, 10 * per_query + 1) == 10
+    assert block_rows("sdpa", query, key, torch.ones(2, 1, 100, 90, dtype=torch.bool), per_query - 1) == 1
+    assert block_rows("sdpa", query, key, None, per_query) == 100
+
+
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        (dict(attention_block_bytes=0), "not a positive number of bytes"),
+        (dict(attention_block_bytes=True), "not a positive number of bytes"),
+        (dict(attention_block_bytes=1 << 20, compile=True), "compile=True does not trace"),
+    ],
+)
+def test_attention_block_bytes_refused_where_it_cannot_serve(options, said):
+    with pytest.raises(ValueError, match=said):
+        cpshard.make_cp_forward(tiny_model("llama"), **options)
+
+
+def test_blocks_recompute_with_the_parameters_of_the_forward():
+    """A block's backward runs after ``functional_call`` has put the module's own parameters back: an
+    attention function that reads a parameter of its module (here a temperature) must recompute with
+    the call's, and give the call's its gradient."""
+    module, generator = torch.nn.Module(), torch.Generator().manual_seed(0)
+    module.temperature = torch.nn.Parameter(torch.tensor(2.0))
+    q, k, v = (torch.randn(1, 2, 7, 4, generator=generator, requires_grad=True) for _ in range(3))
+    mask = torch.randn(1, 1, 7, 7, generator=generator)
+
+    def attention(module, query, key, value, mask, **kwargs):
+        scores = query @ key.transpose(-1, -2) * module.temperature + mask
+        return (scores.softmax(-1) @ value).transpose(1, 2), None
+
+    grads = []
+    for rows in (7, 3):  # the function whole, then in checkpointed blocks of 3 queries
+        temperature = torch.tensor(3.0, requires_grad=True)  # the call's, not the module's own
+        with torch.nn.utils.stateless._reparametrize_module(module, {"temperature": temperature}):
+            if rows == 7:
+                out, _ = attention(module, q, k, v, mask)
+            else:
+                out, _ = attend_in_blocks(False, attention, module, q, k, v, mask, rows)
+        grads.append(torch.autograd.grad(out.pow(2).sum(), (q, k, v, temperature)))
+    assert module.temperature.grad is None
+    for whole, blocked in zip(*grads):
+        torch.testing.assert_close(blocked, whole)
+
+
+def test_blocks_serve_sdpa_and_eager_under_a_tensor_mask_or_none():
+    check_blocked("sdpa", None, "model.layers.0.self_attn")
+    check_blocked("eager", torch.zeros(1, 1, 4, 4), "model.layers.0.self_attn")
+    for inner, mask in (("flex_attention", None), ("sdpa", object())):
+        with pytest.raises(ValueError, match="model.layers.0.self_attn: attention_block_bytes runs sdpa and"):
+            check_blocked(inner, mask, "model.layers.0.self_attn")

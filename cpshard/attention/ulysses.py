@@ -1,8 +1,9 @@
 """Ulysses: sequence-split q, k and v become whole sequences over a share of the heads (one all-to-all
 each), the model's own attention function runs on them under the model's own whole-sequence mask, and
 one all-to-all brings the output back. The head checks, the exchanges (also Ulysses' half of hybrid, over
-a part of cp), the per-head masks and parameters, and sdpa over blocks of queries where its float mask
-would be large; the dispatch and the ring's glue stay in :mod:`cpshard.attention.cp_attention`.
+a part of cp), the per-head masks and parameters, and the function over checkpointed blocks of queries
+(``make_cp_forward(attention_block_bytes=...)``, or sdpa where its float mask would be large); the
+dispatch and the ring's glue stay in :mod:`cpshard.attention.cp_attention`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from cpshard.comm.record import expect
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs
 from cpshard.spec.masks import additive_mask
-from cpshard.spec.sequence import row_blocks
 
 
 def check_heads_split(num_heads: int, cp: int) -> None:
@@ -113,13 +113,9 @@ def sequences_for_heads(output, layout, mesh, axis: str, path: str):
     return redistribute(output, *specs, mesh, name=f"{path} out").contiguous()
 
 
-#: above this many bytes, sdpa's float mask is built per block of queries, never whole (see _blocked_sdpa);
+#: above this many bytes, sdpa's float mask is built per block of queries, never whole (see attend_in_blocks);
 #: below, one whole float mask per call serves every layer
 MASK_BLOCK_BYTES = 1 << 26
-
-
-def _sdpa_rows(function, module, query, key, value, mask, kwargs):
-    return function(module, query, key, value, _sdpa_mask(mask, query.dtype, kwargs), **kwargs)[0]
 
 
 def _sdpa_mask(mask: torch.Tensor, dtype: torch.dtype, kwargs: dict) -> torch.Tensor:
@@ -139,27 +135,66 @@ def _per_query(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 4
 
 
-def _blocked_sdpa(function, module, query, key, value, mask, **kwargs):
-    """sdpa over blocks of queries, each under activation checkpointing: the float form of the boolean
-    ``B x L x L`` mask (4 bytes an entry, which sdpa would keep for the backward in every layer) exists
-    one block of rows at a time, in the forward and again in the backward, at the price of computing
-    each block's attention twice. Each query's row is computed as sdpa computes it whole."""
-    row_bytes = mask.shape[0] * mask.shape[-1] * query.element_size()
+def _attend_rows(function, module, query, key, value, mask, kwargs: dict, part: slice, sdpa: bool):
+    """``function`` on the queries ``part`` of the whole sequence (their rows of the mask and of what comes
+    per query), each row as the function computes it whole; sdpa's boolean mask becomes floats here, one
+    block at a time (see :func:`_sdpa_mask`)."""
+    if mask is not None:
+        mask = mask[..., part, :]
+        mask = _sdpa_mask(mask, query.dtype, kwargs) if sdpa and mask.dtype == torch.bool else mask
+    return function(module, query, key, value, mask, **_rows(kwargs, part))[0]
+
+
+def _as_now(module):
+    """``module`` with the parameters and buffers it holds itself (what an attention function may read:
+    a temperature, a sink) as they are now: a block's recompute runs in the backward, after
+    ``functional_call`` has put the module's own parameters back, and must read the call's."""
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    names += [name for name, _ in module.named_buffers(recurse=False)]
+    return SeenAs(module, **{name: getattr(module, name) for name in names}) if names else module
+
+
+def attend_in_blocks(sdpa: bool, function, module, query, key, value, mask, rows: int, **kwargs):
+    """``function`` over blocks of ``rows`` queries of the whole sequence, each under activation
+    checkpointing: autograd keeps q, k and v and nothing of a block (no scores, no float mask, not the
+    function's output), and the backward recomputes one block at a time, at the price of one more
+    forward of the attention. Exact: the softmax is per query row."""
+    module = _as_now(module)
+    parts = [slice(start, min(start + rows, query.shape[2])) for start in range(0, query.shape[2], rows)]
+    queries = query.split(rows, dim=2)  # one split: q's gradient is made once, not once a block
     blocks = [
         checkpoint(
-            _sdpa_rows,
-            function,
-            module,
-            query[:, :, part],
-            key,
-            value,
-            mask[..., part, :],
-            _rows(kwargs, part),
-            use_reentrant=False,
+            _attend_rows, function, module, q, key, value, mask, kwargs, part, sdpa, use_reentrant=False
         )
-        for part in row_blocks(query.shape[2], row_bytes, MASK_BLOCK_BYTES)
+        for part, q in zip(parts, queries)
     ]
-    return torch.cat(blocks, dim=1), None
+    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)), None  # cat copies even one
+
+
+def block_rows(inner: str, query, key, mask, budget: int) -> int:
+    """How many queries a block holds so that its scores (every head of every row of the batch, over
+    every key) take at most ``budget`` bytes (at least one query). sdpa without a mask holds no scores
+    (its kernel works in tiles) and aligns a causal block of fewer queries than keys at the first key,
+    not the last: one block."""
+    if inner == "sdpa" and mask is None:
+        return query.shape[2]
+    per_query = query.shape[0] * query.shape[1] * key.shape[2] * query.element_size()
+    return max(1, budget // per_query)
+
+
+#: the inner functions whose blocks of queries cpshard computes as they compute the whole
+BLOCKED = ("sdpa", "eager")
+
+
+def check_blocked(inner: str, mask, path: str) -> None:
+    """Raise unless blocks of queries serve ``inner`` under ``mask``: sdpa and eager, a mask that is a
+    tensor (its rows are the block's) or none."""
+    if inner not in BLOCKED or not (mask is None or isinstance(mask, torch.Tensor)):
+        raise ValueError(
+            f"{path}: attention_block_bytes runs {' and '.join(BLOCKED)} attention a block of queries at a "
+            f"time; this model uses {inner!r} attention with a mask of type {type(mask).__name__}: make the "
+            "cp forward without attention_block_bytes, or set the model's attention to sdpa"
+        )
 
 
 def causal(module, kwargs: dict) -> bool:
@@ -171,8 +206,9 @@ def causal(module, kwargs: dict) -> bool:
 def ulysses_attention(inner: str, function, module, query, key, value, attention_mask, call, **kwargs):
     """Ulysses around ``function`` (the model's attention ``inner``): q, k, v from sequence-split to
     head-split whole sequences, the function under the model's whole-sequence mask (cut to this rank's
-    heads, the cp padding's keys dropped; a large boolean mask under sdpa a block of queries at a time),
-    and the output back to sequence-split."""
+    heads, the cp padding's keys dropped), and the output back to sequence-split. The function runs whole,
+    or in checkpointed blocks of queries (:func:`attend_in_blocks`) where the call asks for them
+    (``attention_block_bytes``) or sdpa's float mask would be large."""
     path = call.name_of(module)
     kwargs = bias_for_heads(query, kwargs, call.layout, call.mesh, path)
     module, query, key, value, kwargs = heads_for_sequences(
@@ -193,11 +229,23 @@ def ulysses_attention(inner: str, function, module, query, key, value, attention
                 "attention only: make_cp_forward without compile"
             )
         key, value = key[:, :, :length], value[:, :, :length]
-    if inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
-        output, weights = _blocked_sdpa(function, module, query, key, value, attention_mask, **kwargs)
+    rows = None
+    budget = getattr(call, "attention_block_bytes", None)  # a compiled layer's TracedCall has none
+    if budget is not None:
+        check_blocked(inner, attention_mask, path)
+        rows = block_rows(inner, query, key, attention_mask, budget)
+    elif inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
+        row_bytes = attention_mask.shape[0] * attention_mask.shape[-1] * query.element_size()
+        rows = max(1, MASK_BLOCK_BYTES // row_bytes)  # sdpa's float mask, never whole
+    if rows is not None:
+        output, weights = attend_in_blocks(
+            inner == "sdpa", function, module, query, key, value, attention_mask, rows, **kwargs
+        )
     else:
         if inner == "sdpa" and boolean and kwargs.get("position_bias") is None:  # see _sdpa_mask
-            shared = ("additive mask", original, query.dtype)  # a tensor hashes by identity
-            attention_mask = call.shared(shared, lambda: additive_mask(attention_mask, query.dtype))
+            mask, dtype = attention_mask, query.dtype
+            shared = ("additive mask", original, dtype)  # a tensor hashes by identity
+            attention_mask = call.shared(shared, lambda: additive_mask(mask, dtype))
         output, weights = function(module, query, key, value, attention_mask, **kwargs)
+    del query, key, value  # the exchanged copies go before the output's exchange, unless autograd keeps them
     return sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights

@@ -44,8 +44,13 @@ def check_backend(backend: str) -> None:
 
 
 def compiled_variants(config: BenchConfig, cp: int) -> tuple[str, ...]:
-    """The cpshard variants among ``config.variants`` that run on ``cp`` ranks (the peers never compile)."""
-    return tuple(v for v in config.variants if v in CPSHARD and fits(v, cp, config.heads))
+    """The cpshard variants among ``config.variants`` that run on ``cp`` ranks and compile (the peers never
+    do; nor do checkpointed blocks of queries: ``attention_block_bytes``)."""
+    return tuple(
+        v
+        for v in config.variants
+        if v in CPSHARD and fits(v, cp, config.heads) and "attention_block_bytes" not in CPSHARD[v]
+    )
 
 
 def _step(step, params, batch, mesh) -> tuple[float, float, float]:

@@ -2,9 +2,10 @@
 
 For every cp size and sequence length, each rank builds the same model and batch and times one
 training step (forward and backward, gradients summed) of every variant: cpshard's ``ulysses``,
-``ring``, ``hybrid`` (where cp >= 4 fits), ``ulysses-nologits`` (``logits=False``) and
-``ulysses-checkpointed`` (that and the model's activation checkpointing), ``cp1`` (cp_forward on one
-rank, against the plain model), and the peers, run as their users run them: the Ulysses baselines of
+``ring``, ``hybrid`` (where cp >= 4 fits), ``ulysses-blocked`` (``attention_block_bytes``),
+``ulysses-nologits`` (``logits=False``), ``ulysses-checkpointed`` (that and the model's activation
+checkpointing), the memory-lean rows (:data:`~cpshard.bench.variants.TILED`), ``cp1`` (cp_forward on
+one rank, against the plain model), and the peers, run as their users run them: the Ulysses baselines of
 :mod:`cpshard.bench.baselines` and DeepSpeed's ALST stack (:mod:`cpshard.bench.alst`). Variants
 alternate round-robin inside each repeat, after a barrier, with a first round discarded (it counts
 the bytes instead), so a noisy machine slows all alike. Per step and rank: wall time, peak resident
@@ -109,12 +110,12 @@ def _checkpointed(model):
 
 
 def _tiled(variant: str, model) -> dict:
-    """The memory modes of a variant in :data:`TILED`: ``mlp_tile`` (the hidden size) and
-    ``attention_recompute``."""
+    """The memory modes of a variant in :data:`TILED`: ``mlp_tile`` (the hidden size),
+    ``attention_recompute`` and ``attention_block_bytes``."""
     if variant not in TILED:
         return {}
     tile = model.config.hidden_size
-    return dict(mlp_tile=tile, attention_recompute=True)
+    return dict(mlp_tile=tile, attention_recompute=True, attention_block_bytes=1 << 26)
 
 
 def _release_memory() -> None:

@@ -263,6 +263,7 @@ def make_cp_forward(
     compile=False,
     mlp_tile=None,
     attention_recompute=False,
+    attention_block_bytes=None,
     recurrent="auto",
 ) -> CPForward:
     """Prepare ``model`` once and return its pure ``cp_forward(params, batch, mesh)``.
@@ -298,7 +299,14 @@ def make_cp_forward(
     ``attention_recompute``: each layer's attention module runs under a checkpoint of its own, inside the
     layer's: its activations (the exchanged q, k, v, its output) are recomputed when the backward reaches
     it, so the MLP's backward does not hold them; one more attention forward and its exchanges per layer.
-    Both are memory modes of a call, not facts of an architecture: a layout says where the MLP is.
+    ``attention_block_bytes``: a number of bytes: Ulysses runs the model's attention function (sdpa or eager)
+    on blocks of queries of the whole sequence, each block's scores (batch x heads x queries x keys x the
+    element size) within that many bytes, each under a checkpoint of its own: autograd keeps the exchanged
+    q, k and v and nothing of a block (no scores, no float mask, not the function's output), and the
+    backward recomputes one block at a time; exact, since the softmax is per query row. sdpa without a
+    mask holds no scores and runs as one block. One more attention forward per layer; ring and hybrid,
+    which hold one block of keys at a time already, are left as they are; not with ``compile``.
+    These are memory modes of a call, not facts of an architecture: a layout says where the MLP is.
     ``recurrent``: how the layout's linear-attention layers run, "state_passing" (each rank's slice from a
     zero state, one fixed-size fp32 summary per rank gathered over cp: bytes independent of L),
     "head_split" (their kernel's inputs exchanged from sequence-split to head-split, the kernel on whole
@@ -317,6 +325,7 @@ def make_cp_forward(
         compile,
         mlp_tile,
         attention_recompute,
+        attention_block_bytes,
         recurrent,
     )
     return CPForward(model, resolve_layout(model, layout), options)

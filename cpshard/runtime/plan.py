@@ -55,6 +55,8 @@ class CPOptions:
     #: memory modes: the MLP a block of this many tokens at a time; each attention checkpointed on its own
     mlp_tile: int | None = None
     attention_recompute: bool = False
+    #: Ulysses' attention a block of queries at a time, its scores within this many bytes (None: whole)
+    attention_block_bytes: int | None = None
     #: how linear-attention layers run: "auto", "state_passing" or "head_split"
     recurrent: str = "auto"
 
@@ -67,8 +69,22 @@ class CPOptions:
             check_order(self.sequence_order)
         check_expert_plan(self.expert_plan)
         object.__setattr__(self, "token_statistics", check_statistics(self.token_statistics))  # as a tuple
+        check_block_bytes(self.attention_block_bytes, self.compile)
         if self.recurrent not in RECURRENT_SCHEMES:
             raise ValueError(f"recurrent={self.recurrent!r}; choose one of {', '.join(RECURRENT_SCHEMES)}")
+
+
+def check_block_bytes(block_bytes, compile) -> None:
+    """Raise unless ``attention_block_bytes`` is None or a positive int, given without ``compile``."""
+    if block_bytes is None:
+        return
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(f"attention_block_bytes={block_bytes!r} is not a positive number of bytes")
+    if compile:
+        raise ValueError(
+            "attention_block_bytes checkpoints blocks of queries inside a layer, which compile=True does "
+            "not trace; make the cp forward without one of them"
+        )
 
 
 def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dict) -> tuple[str, int]:
@@ -227,6 +243,7 @@ def _call_plan(
         traced=bool(options.compile),
         mlp_tile=options.mlp_tile,
         attention_recompute=options.attention_recompute,
+        attention_block_bytes=options.attention_block_bytes,
         recurrent=options.recurrent,
     )
 
