@@ -1,16 +1,18 @@
-"""A Gated DeltaNet hybrid under cp: state passing against the head split, across lengths.
+"""A Gated DeltaNet hybrid under cp: state passing against the head split and one process, across lengths.
 
     python benchmarks/recurrent.py --seqs 64 256 1024 4096 --nprocs 2 --repeats 3
 
 A Qwen3.5-shaped model (three Gated DeltaNet layers to one attention layer, dense MLPs) on local CPU ranks.
-For each length: the median training-step time of both schemes (alternated in one run, so a noisy machine
-slows both alike: read the ratio), the bytes each rank puts into the linear layers' collectives per layer
-and step (halo included), measured and analytic; then the measured crossover (the first length where the
-head split moves more) beside the analytic one (``state_passing_bytes`` over the head split's bytes per
-token of a rank).
+For each length: the median training-step time of both schemes and of one process on the whole batch (rank
+0 alone, the other ranks waiting; alternated in one run, so a noisy machine slows them alike: read the
+ratios; the load average is printed beside them), the bytes each rank puts into the linear layers'
+collectives per layer and step (halo included), measured and analytic; then the measured crossover (the
+first length where the head split moves more) beside the analytic one (``state_passing_bytes`` over the
+head split's bytes per token of a rank).
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -43,16 +45,31 @@ def _model():
     return tiny_model("qwen3_5_text", **MODEL)
 
 
+def _one_process(model, batch) -> float:
+    """Rank 0's step of the plain model on the whole batch, the other ranks waiting (0 on them)."""
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    if torch.distributed.get_rank() == 0:
+        model(**batch).loss.backward()
+    elapsed = time.perf_counter() - start
+    torch.distributed.barrier()
+    return elapsed
+
+
 def step_times(seq: int, repeats: int):
-    """On every rank: median step time of each scheme, and bytes per linear layer and step."""
+    """On every rank: median step time of each scheme and of one process, and bytes per linear layer and
+    step."""
     cp = torch.distributed.get_world_size()
-    model = _model()
+    model, alone = _model(), _model()
     batch = tiny_batch(model.config.vocab_size, ROWS, seq)
     mesh, params = cpshard.make_mesh(cp=cp), cpshard.params_of(model)
     steps = {s: cpshard.value_and_grad(cpshard.make_cp_forward(model, recurrent=s)) for s in SCHEMES}
     linear = model.config.layer_types.count("linear_attention")
-    times, sent = {s: [] for s in SCHEMES}, {}
+    times, sent = {s: [] for s in (*SCHEMES, "one process")}, {}
     for repeat in range(repeats + 1):
+        solo = _one_process(alone, batch)
+        if repeat:
+            times["one process"].append(solo)
         for scheme, step in steps.items():
             torch.distributed.barrier()
             with recording() as log:
@@ -90,18 +107,21 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     cp = args.nprocs
-    print("| L | scheme | step s | vs state passing | bytes/linear layer/rank | analytic |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| L | scheme | step s | vs state passing | vs one process | bytes/linear layer/rank | analytic "
+        "| load |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     measured_cross = None
     with cpshard.LocalRanks(cp) as ranks:
         for seq in args.seqs:
             medians, sent = ranks.run(step_times, seq, args.repeats)[0]
             expected = analytic(seq, cp)
             for scheme in SCHEMES:
-                ratio = medians[scheme] / medians["state_passing"]
+                ratio, alone = (medians[scheme] / medians[k] for k in ("state_passing", "one process"))
                 print(
-                    f"| {seq} | {scheme} | {medians[scheme]:.3f} | {ratio:.2f} | {sent[scheme]:,} "
-                    f"| {expected[scheme]:,} |",
+                    f"| {seq} | {scheme} | {medians[scheme]:.3f} | {ratio:.2f} | {alone:.2f} "
+                    f"| {sent[scheme]:,} | {expected[scheme]:,} | {os.getloadavg()[0]:.1f} |",
                     flush=True,
                 )
             if measured_cross is None and sent["head_split"] > sent["state_passing"]:
