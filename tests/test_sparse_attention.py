@@ -10,12 +10,12 @@ import torch
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention
 
 import cpshard
-from cpshard.attention import sparse
+from cpshard.attention import compressed, sparse
 from cpshard.comm.record import recording
 from cpshard.debug import trace_comms
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.fingerprint import changed
-from cpshard.spec.sequence import positions
+from cpshard.spec.sequence import padded_length_for, positions
 from cpshard.tools.parity import beyond_own_rounding, check_parity, failing_rows, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
@@ -134,7 +134,7 @@ def against_one_process(
         sparse = sparse and model.config.index_topk < length // rate
     gathered = {}
     for event in log.events:
-        if event.name.endswith((" key", "key and value", "tokens and gates")):
+        if event.name.endswith((" key", "key and value", "tokens and gates", "entries")):
             gathered[event.op, event.phase] = gathered.get((event.op, event.phase), 0) + event.nbytes
     return {
         "failing": failing,
@@ -221,29 +221,79 @@ def test_sparse_attention_is_exact_at_cp4(ranks4, case):
         }, result
 
 
+#: DeepSeek-V4 with windows of 4 tokens in both compressed layers (2 CSA entries of 11 tokens, its indexer
+#: keeping 1): at cp 4 each rank holds 3 tokens, shorter than a window (head-tail: chunks of 2 of 16)
+_V4_SHORT = dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4})
+
+
+def compressed_bytes(config, local: int, csa: tuple[int, int], hca: tuple[int, int]) -> dict:
+    """Per rank (B = 2, fp32), its sliding layer apart (Ulysses), at cp 4: each compressed layer's key
+    (``local`` tokens of head_dim); each compressor's halo (``csa`` / ``hca``: its tokens, then its entry
+    slots), of its tokens and gates (CSA's: 2 x head_dim each; HCA's: head_dim each; the indexer's, with CSA's
+    halo: 2 x index_head_dim each); each compressor's entries (head_dim; the indexer's index_head_dim),
+    all-gathered; the keys', the compressors' halos' and entries' gradients reduce-scattered (every rank's),
+    the indexer's none."""
+    key, index, element = config.head_dim, config.index_head_dim, 2 * 4
+    (csa_halo, csa_slots), (hca_halo, hca_slots) = csa, hca
+    csa_sent = local * key + csa_halo * 4 * key + csa_slots * key
+    hca_sent = local * key + hca_halo * 2 * key + hca_slots * key
+    indexer = csa_halo * 4 * index + csa_slots * index
+    return {
+        ("all_gather", "forward"): element * (csa_sent + indexer + hca_sent),
+        ("reduce_scatter", "backward"): element * 4 * (csa_sent + hca_sent),
+    }
+
+
 @pytest.mark.parametrize(
-    "case",
+    "case, halos",
     [
-        ("deepseek_v4", 2, 35, "left", "contiguous", "ulysses"),  # 36 for cp: a window more if pooled
-        ("deepseek_v4", 2, 37, None, "head_tail", "hybrid", _V4_COMPRESSED),  # 40 for cp
+        # 36 for cp (a window more if pooled), 9 a rank: CSA's halo min(9, 2 x 3 - 1) tokens and at most 3 of
+        # its 11 windows a rank; HCA's min(9, 4 - 1) and 2 of 8
+        (("deepseek_v4", 2, 35, "left", "contiguous", "ulysses"), ((5, 3), (3, 2))),
+        # 3 tokens a rank: the whole slice is each halo; 2 windows each, one a rank at most (two ranks none)
+        (("deepseek_v4", 1, 11, "left", "contiguous", "ulysses", _V4_SHORT), ((3, 1), (3, 1))),
+        (("deepseek_v4", 2, 37, None, "head_tail", "hybrid", _V4_COMPRESSED), None),  # 40 for cp
+        (("deepseek_v4", 1, 11, None, "head_tail", "ring", {**_V4_COMPRESSED, **_V4_SHORT}), None),
     ],
     ids=str,
 )
-def test_compressed_attention_is_exact_at_cp4(ranks4, case):
-    config = _model(case[0], case[1]).config
-    key, index = config.head_dim, config.index_head_dim
+def test_compressed_attention_is_exact_at_cp4(ranks4, case, halos):
+    config = _model(case[0], case[1], **(case[6] if len(case) > 6 else {})).config
     for result in ranks4.run(against_one_process, *case):
         _check(result, case[0])
-        if case[5] == "ulysses":
-            # per rank (B = 2, fp32), its sliding layer apart (Ulysses): the CSA layer's key, its
-            # compressor's tokens and gates (2 x head_dim each) and its indexer's (2 x index_head_dim each),
-            # the HCA layer's key and its compressor's (head_dim each) all-gathered; the keys' and
-            # compressors' gradients reduce-scattered (every rank's, cp = 4), the indexer's none
-            per_token = 2 * 4 * result["local tokens"]
-            assert result["gathered bytes"] == {
-                ("all_gather", "forward"): per_token * (key + 4 * key + 4 * index + key + 2 * key),
-                ("reduce_scatter", "backward"): 4 * per_token * (key + 4 * key + key + 2 * key),
-            }, result
+        if halos:
+            assert result["gathered bytes"] == compressed_bytes(config, result["local tokens"], *halos), (
+                result
+            )
+
+
+@pytest.mark.parametrize("order", ["contiguous", "head_tail", "striped"])
+@pytest.mark.parametrize(
+    "size, length, rate", [(2, 37, 3), (4, 11, 4), (4, 35, 3), (4, 37, 5), (3, 1000, 128)]
+)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_window_is_pooled_once_from_its_own_tokens(order, size, length, rate, overlap):
+    """:func:`~cpshard.attention.compressed.window_plan` on sizes alone, each rank's slice standing for its
+    tokens' positions: each rank pools whole windows of the tokens, at their positions; a window it keeps
+    follows the window before it (where windows overlap; the first pooled gets no overlap, so it is window 0
+    or one dropped); every window of the first ``length`` tokens is kept by one rank, at its place in
+    window order."""
+    padded = padded_length_for(length, size, order)
+    held = [positions(order, padded, size, rank) for rank in range(size)]
+    plans = [compressed.window_plan(order, padded, size, r, length, rate, overlap) for r in range(size)]
+    halo = torch.cat([mine[plan.tails] for mine, plan in zip(held, plans)])
+    entries = torch.full((size, plans[0].slots), -1)
+    for rank, (mine, plan) in enumerate(zip(held, plans)):
+        pooled = torch.cat([halo, mine])[plan.take].view(-1, rate)
+        starts = plan.first_positions + rate * torch.arange(len(pooled))
+        assert (pooled == starts[:, None] + torch.arange(rate)).all(), (rank, pooled, starts)
+        windows = pooled[:, 0] // rate
+        for index in plan.keep.tolist():
+            follows = index > 0 and windows[index - 1] == windows[index] - 1
+            assert follows or windows[index] == 0 or not overlap, (rank, windows, plan.keep)
+        assert overlap or len(plan.keep) == len(windows), (rank, windows, plan.keep)
+        entries[rank, : len(plan.keep)] = windows[plan.keep]
+    assert (entries.flatten()[plans[0].order] == torch.arange(length // rate)).all(), entries
 
 
 def attention_verdicts(model_type: str) -> list[tuple]:

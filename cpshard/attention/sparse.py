@@ -26,17 +26,14 @@ its scoring sets to 0 or hides for that query).
 DeepSeek-V4's compressed layers (CSA: a compressor and a lightning indexer over its compressed keys; HCA: a
 compressor alone) pool windows of ``compress_rate`` tokens into compressed keys, which every query then sees
 beside its sliding window of keys (CSA: the top-k its indexer selects). The module hands its cache its one key
-(which is its value), and its compressor and indexer each hand theirs the projected tokens and gates of their
-windows (``store_compression_weights``). :class:`WholeKeys` gathers all three whole and gives the windows
-back as one process pools them without a cache: every whole window of the sequence from position 0 (the tail
-short of a window left out; cp's padding is no part of the sequence, so it adds no window), no window before
-them (``update_overlap_state``), no entry before them (``update_compressor_states``). The module's own
-compressor and indexer then pool every window of the whole sequence, windows crossing rank boundaries as any
-other, and score the rank's queries (their ``position_ids``, global, say which entries each sees). Bytes a
-layer and rank: ``B x L/cp x`` elements of ``head_dim`` (the key), ``4 x head_dim`` (CSA) or ``2 x head_dim``
-(HCA) for the compressor's tokens and gates, ``4 x index_head_dim`` for the indexer's (no gradient: its top-k
-is not differentiable); backward, the key's and the compressor's gradients. Its sliding layers are cp's
-ordinary attention (Ulysses: their sinks leave the ring no place).
+(which is its value): gathered whole, as above. Its compressor and indexer read the cache layer
+``cache.layers[layer_idx]``, :class:`~cpshard.attention.compressed.CompressedWindows`: each rank pools the
+windows that end in its slice with the model's own code, from its tokens and a halo of the tokens before its
+slice, and the ranks gather the pooled entries (a ``compress_rate``-th as many as the tokens), in window
+order: the module's own code then scores the rank's queries (their ``position_ids``, global, say which
+entries each sees) against every entry. Bytes a layer and rank: ``B x L/cp x head_dim`` (the key), the halo
+and the entries (:mod:`~cpshard.attention.compressed`); backward, the key's and the compressor's gradients.
+Its sliding layers are cp's ordinary attention (Ulysses: their sinks leave the ring no place).
 
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 """
@@ -47,12 +44,10 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from cpshard.attention.compressed import CompressedWindows, cp_rank, gathered
 from cpshard.call import CallPlan, split_call
-from cpshard.comm.collectives import all_gather_shards
-from cpshard.comm.record import expect
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
 from cpshard.layouts.layout import SELECTING_WITH, gathers_keys
@@ -114,7 +109,7 @@ WRITTEN_AGAINST = {
             "Kolibri1_1Model.forward": "6c5b005341f99f5e",
         },
     ),
-    # the cache-layer methods its compressed layers call, which WholeKeys serves in their stead
+    # with the cache-layer methods its compressed layers call, which CompressedWindows serves in their stead
     "DeepseekV4Attention": (
         "transformers.models.deepseek_v4.modeling_deepseek_v4",
         {
@@ -139,8 +134,8 @@ class Gathers(NamedTuple):
     """What a module of a sparse attention class hands its cache, which cp gathers whole: ``update``, the
     pair it hands ``cache.update`` (named so in the communication record; their gradients come back
     reduce-scattered; one key where it is the value too), and, where its indexer has a key, that key
-    (``cache.update_indexer``, no gradient); DeepSeek-V4's compressor and indexer hand theirs their windows'
-    tokens (``store_compression_weights``). ``only_with``: where not all the class's modules select keys, the
+    (``cache.update_indexer``, no gradient); DeepSeek-V4's compressor and indexer pool their windows
+    (:mod:`~cpshard.attention.compressed`). ``only_with``: where not all the class's modules select keys, the
     attribute those that do have set (:data:`~cpshard.layouts.layout.SELECTING_WITH`; the others run cp's
     ordinary attention over their own slice: their keys are not gathered)."""
 
@@ -205,14 +200,9 @@ def selects_keys(module: nn.Module, call: CallPlan | None) -> bool:
     return True
 
 
-def _rank(call: CallPlan) -> tuple[int, int]:
-    group = call.mesh.get_group("cp")
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _sequence_order(call: CallPlan) -> torch.Tensor:
     """Where each position of the ranks' slices, gathered in rank order, lies in the sequence."""
-    _, size = _rank(call)
+    _, size = cp_rank(call)
     held = torch.cat([positions(call.order, call.padded_length, size, r) for r in range(size)])
     return torch.argsort(held)
 
@@ -221,26 +211,19 @@ class WholeKeys:
     """The cache a sparse attention module reads under cp: no past; what it hands on gathered over the cp
     ranks into the whole sequence's, in order, without cp's padding: each query's row of indexer scores is
     then one process's row, value for value, and its top-k breaks ties (many scores are exactly 0 after the
-    indexer's ReLU) as one process's does. For DeepSeek-V4's compressed layers, also the cache layer their
-    compressor and indexer read (``cache.layers[layer_idx]``: this cache serves one module, its own layer)."""
+    indexer's ReLU) as one process's does. For DeepSeek-V4's compressed layers, its cache layer
+    (``cache.layers[layer_idx]``) is :class:`~cpshard.attention.compressed.CompressedWindows`."""
 
     def __init__(self, call: CallPlan, path: str, update: str, module: nn.Module):
         self.call, self.path, self.what = call, path, update
-        self.layers = {getattr(module, "layer_idx", None): self}
-        self.compress_rate = getattr(getattr(module, "compressor", None), "compress_rate", None)
+        compressing = getattr(module, "compressor", None) is not None
+        self.layers = {module.layer_idx: CompressedWindows(call, path, module)} if compressing else {}
 
     def _whole(self, parts: list[torch.Tensor], dim: int, what: str, gradient: bool) -> list[torch.Tensor]:
-        call, (_, size) = self.call, _rank(self.call)
-        rows = [part.movedim(dim, 0).contiguous() for part in parts]
-        nbytes = sum(row.numel() * row.element_size() for row in rows)
-        expect(self.path, "all_gather", "forward", 1, nbytes)
-        if gradient:
-            expect(self.path, "reduce_scatter", "backward", 1, nbytes * size)
-        whole = all_gather_shards(
-            rows, [row.shape[0] * size for row in rows], call.mesh.get_group("cp"), what
-        )
-        order = call.shared(("sequence order",), lambda: _sequence_order(call)).to(rows[0].device)
-        return [x.index_select(0, order[: call.length]).movedim(0, dim) for x in whole]
+        call = self.call
+        whole = gathered(call, self.path, parts, dim, what, gradient)
+        order = call.shared(("sequence order",), lambda: _sequence_order(call)).to(whole[0].device)
+        return [x.index_select(dim, order[: call.length]) for x in whole]
 
     def update(self, key_states, value_states, layer_idx: int, kwargs=None):
         """The pair the module hands on ``[B, heads, L/cp, d]`` (the compressed latent and the rope key, or
@@ -253,26 +236,6 @@ class WholeKeys:
     def update_indexer(self, key, layer_idx: int):
         """The indexer's key ``[B, L/cp, d]``, whole."""
         return self._whole([key], 1, f"{self.path} indexer key", False)[0]
-
-    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
-        """DeepSeek-V4's compressor's (``name`` "compressor") or its indexer's ("indexer") projected tokens
-        and gates ``[B, L/cp, d]``: the whole sequence's whole windows, the first at position 0, as one
-        process pools them without a cache (the tail short of a window left out; cp's padding is no part of
-        the sequence). The indexer's get no gradient (they only score its top-k): none is expected back."""
-        usable = self.call.length // self.compress_rate * self.compress_rate
-        if not usable:  # no window: nothing to gather
-            return kv[:, :0], gate[:, :0], 0
-        what, gradient = f"{self.path} {name} tokens and gates", name == "compressor"
-        kv, gate = self._whole([kv, gate], 1, what, gradient)
-        return kv[:, :usable], gate[:, :usable], 0
-
-    def update_overlap_state(self, name: str, chunk_kv, chunk_gate, head_dim: int):
-        """No window before the first (CSA's overlapping windows): the windows come whole from position 0."""
-        return None, None
-
-    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
-        """No compressed entry before these: they are the whole sequence's."""
-        return compressed
 
 
 def _whole_keys(path: str, update: str, module, args, kwargs):
@@ -288,7 +251,7 @@ def _whole_keys(path: str, update: str, module, args, kwargs):
         )
     if mask.shape[-2:] != (call.padded_length, call.padded_length):
         raise ValueError(f"{path}: a mask of {tuple(mask.shape)} for a sequence of {call.padded_length}")
-    rank, size = _rank(call)
+    rank, size = cp_rank(call)
     rows = positions(call.order, call.padded_length, size, rank).to(mask.device)
     cut = mask.index_select(2, rows)[..., : call.length]
     return args, {**kwargs, "attention_mask": cut, "cache": WholeKeys(call, path, update, module)}
