@@ -34,13 +34,24 @@ def _groups():
     return groups
 
 
-def _all_to_all_case(group, scatter_dim, gather_dim):
+def _all_to_all_case(group, scatter_dim, gather_dim, donate: bool = False):
+    """One exchange against the whole tensor on one process; ``donate``: of a copy of x (the caller
+    reads it no more), whose storage takes the result where what arrives must be copied into place, and
+    the result is still a tensor of its own (modified in place)."""
     size, index = dist.get_world_size(group), dist.get_rank(group)
     seed = dist.get_process_group_ranks(group)[0]  # the same whole tensor within the group
     full, weight = _data(seed, 4, 8, 12), _data(seed + 100, 4, 8, 12)
     x = full.chunk(size, gather_dim)[index].clone().requires_grad_(True)
+    sent = x.clone() if donate else x
     with recording() as log:
-        y = all_to_all(x, scatter_dim, gather_dim, group, name="probe")
+        y = all_to_all(sent, scatter_dim, gather_dim, group, name="probe", donate=donate)
+    checks = {}
+    if donate:
+        storage = sent.untyped_storage().data_ptr()
+        arrived_in_place = y._is_view()  # what arrived is the result (a view), as without donate
+        in_place = (scatter_dim, gather_dim) == (1, 2) or not arrived_in_place  # 1 -> 2 must copy
+        checks["in place"] = (y.untyped_storage().data_ptr() == storage, in_place)
+        y = y if arrived_in_place else y.mul_(1)
     (y.sin() * weight.chunk(size, scatter_dim)[index]).sum().backward()  # after the block: still recorded
     whole = full.clone().requires_grad_(True)
     (whole.sin() * weight).sum().backward()
@@ -51,7 +62,20 @@ def _all_to_all_case(group, scatter_dim, gather_dim):
             [(e.op, e.name, e.phase, e.nbytes, e.group_size) for e in log.events],
             [("all_to_all", "probe", phase, x.nbytes, size) for phase in ("forward", "backward")],
         ),
+        **checks,
     }
+
+
+def _donated_but_saved_case(group):
+    """A donated input that autograd saved after all (exp keeps its output): the backward raises, never
+    reads the values the result overwrote."""
+    x = _data(0, 4, 8, 12).requires_grad_(True)
+    y = all_to_all(x.exp(), 1, 2, group, name="probe", donate=True)
+    try:
+        y.sum().backward()
+    except RuntimeError as error:
+        return {"message": (str(error), "one of the variables needed for gradient computation")}
+    return {"message": ("no error", "one of the variables needed for gradient computation")}
 
 
 def _shares_case(group, rows: int):
@@ -139,6 +163,10 @@ def _collective_cases():
             cases[f"{label} all_to_all {scatter_dim}->{gather_dim}"] = _all_to_all_case(
                 group, scatter_dim, gather_dim
             )
+            cases[f"{label} donated all_to_all {scatter_dim}->{gather_dim}"] = _all_to_all_case(
+                group, scatter_dim, gather_dim, donate=True
+            )
+        cases[f"{label} donated but saved"] = _donated_but_saved_case(group)
         cases[f"{label} reductions"] = _reductions_case(group)
         for rows in (5, 8):  # shares of 2, 2, 1, 0 (or 3, 2) rows; even shares
             cases[f"{label} shares of {rows}"] = _shares_case(group, rows)
@@ -153,13 +181,15 @@ def _collective_cases():
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives(world, request):
     for rank, cases in enumerate(request.getfixturevalue(f"ranks{world}").run(_collective_cases)):
-        assert len(cases) == (1 if world == 2 else 2) * (len(EXCHANGES) + 4)
+        assert len(cases) == (1 if world == 2 else 2) * (2 * len(EXCHANGES) + 5)
         for case, checks in cases.items():
             for what, (actual, expected) in checks.items():
                 where = f"rank {rank}, {case}, {what}"
                 if isinstance(actual, torch.Tensor):
                     assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
                     torch.testing.assert_close(actual, expected, msg=where)
+                elif what == "message" and "saved" in case:
+                    assert actual.startswith(expected), where
                 elif what == "message":
                     assert (
                         actual.startswith(expected)

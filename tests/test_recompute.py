@@ -149,6 +149,33 @@ def test_attention_in_blocks_of_queries_is_exact_and_keeps_only_q_k_v(ranks2, ra
         assert result["kept"] <= 3 * 2, result  # q, k, v of 2 layers
 
 
+def copies_of_the_output_into_place(blocks: bool) -> int:
+    """How many copies into place (``[b, s@cp, cp, heads@cp, d]``: what arrived from each rank, merged
+    into the rank's sequence) the output's exchange back makes in a forward of two layers: the blocks'
+    output is saved by no backward, and donates its storage to what arrives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shapes.append(tuple(out.shape) if func is torch.ops.aten.clone.default else None)
+            return out
+
+    model, shapes = tiny_model("llama", num_hidden_layers=2, head_dim=8).train(), []
+    cp = dist.get_world_size()
+    heads, batch = model.config.num_attention_heads // cp, tiny_batch(model.config.vocab_size, 2, 16)
+    options = dict(attention_block_bytes=1 << 20) if blocks else {}
+    cp_forward = cpshard.make_cp_forward(model, implementation="ulysses", **options)
+    with Copies():
+        cp_forward(cpshard.params_of(model), batch, cpshard.make_mesh(cp=cp))
+    return shapes.count((2, 16 // cp, cp, heads, 8))
+
+
+def test_blocks_output_goes_back_into_its_own_storage(ranks2):
+    assert ranks2.run(copies_of_the_output_into_place, False) == [2, 2]  # one a layer: the probe sees them
+    assert ranks2.run(copies_of_the_output_into_place, True) == [0, 0]
+
+
 def test_block_rows_hold_the_budgets_scores():
     """A block's scores (batch x heads x queries x keys x 4 bytes) within the budget, at least one query;
     sdpa without a mask, whose kernel holds no scores, in one block."""

@@ -105,12 +105,12 @@ def _mask_heads(mask, heads: int, mesh, axis: str):
     return mask[:, start : start + heads]
 
 
-def sequences_for_heads(output, layout, mesh, axis: str, path: str):
+def sequences_for_heads(output, layout, mesh, axis: str, path: str, donate: bool = False):
     """Ulysses' second half: the head-split output goes back to sequence-split, contiguous as
     transformers' attention functions give it (Afmoe's and Dory's ``view`` of it fails on the all-to-all's
-    strides at cp 4)."""
+    strides at cp 4); into the output's own storage where ``donate`` says nothing else holds it."""
     specs = (spec.renamed("cp", axis) for spec in layout.attn_output)
-    return redistribute(output, *specs, mesh, name=f"{path} out").contiguous()
+    return redistribute(output, *specs, mesh, name=f"{path} out", donate=donate).contiguous()
 
 
 #: above this many bytes, sdpa's float mask is built per block of queries, never whole (see attend_in_blocks);
@@ -248,4 +248,6 @@ def ulysses_attention(inner: str, function, module, query, key, value, attention
             attention_mask = call.shared(shared, lambda: additive_mask(mask, dtype))
         output, weights = function(module, query, key, value, attention_mask, **kwargs)
     del query, key, value  # the exchanged copies go before the output's exchange, unless autograd keeps them
-    return sequences_for_heads(output, call.layout, call.mesh, "cp", path), weights
+    # the blocks' output (their cat, or one block's checkpointed output) is saved by no backward: it donates
+    donate = rows is not None
+    return sequences_for_heads(output, call.layout, call.mesh, "cp", path, donate), weights

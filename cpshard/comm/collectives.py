@@ -32,21 +32,43 @@ def _all_to_all_single(send: torch.Tensor, group, name: str = "") -> torch.Tenso
 
 
 def _exchange(
-    x: torch.Tensor, scatter_dim: int, gather_dim: int, group, recorder, name: str, phase: str
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group,
+    recorder,
+    name: str,
+    phase: str,
+    donate: bool = False,
 ) -> torch.Tensor:
-    """Send chunk ``i`` of ``scatter_dim`` to rank ``i``; concatenate what arrives along ``gather_dim``."""
+    """Send chunk ``i`` of ``scatter_dim`` to rank ``i``; concatenate what arrives along ``gather_dim``.
+    ``donate``: nothing reads ``x`` afterwards, so what arrives is put in place in ``x``'s storage (sent by
+    then), not in a third buffer beside ``x`` and what arrived (see :func:`_into_donated`)."""
     size, scatter_dim, gather_dim = dist.get_world_size(group), scatter_dim % x.dim(), gather_dim % x.dim()
     send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()  # a view when x allows
     record(recorder, "all_to_all", name, phase, send, size)
     received = _all_to_all_single(send, group, name)
-    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)  # copies only where it must
+    arrived = received.movedim(0, gather_dim)
+    if donate and x.is_contiguous() and not arrived.is_contiguous():
+        return _into_donated(x, arrived, arrived.shape[:gather_dim] + (-1,) + arrived.shape[gather_dim + 2 :])
+    return arrived.flatten(gather_dim, gather_dim + 1)  # copies only where it must
+
+
+def _into_donated(x: torch.Tensor, arrived: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``arrived`` copied into the storage of ``x`` (as many elements, contiguous) and seen as ``shape``:
+    a tensor of its own, not a view (the caller may modify it in place). The copy goes through ``x``,
+    whose version it bumps: were ``x`` saved for a backward after all, that backward raises, never reads
+    the values overwritten."""
+    x.detach().view(arrived.shape).copy_(arrived)
+    return x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), x.view(shape).shape)
 
 
 class _Exchange(torch.autograd.Function):
-    """An exchange whose backward is the same exchange reversed: what went to rank i comes back from it."""
+    """An exchange whose backward is the same exchange reversed: what went to rank i comes back from it
+    (``donate``, which the forward passes on, never: a gradient may be another node's too)."""
 
     @staticmethod
-    def forward(ctx, x, exchange, there: tuple, back: tuple, group, name):
+    def forward(ctx, x, exchange, there: tuple, back: tuple, group, name, donate: bool = False):
         ctx.exchange, ctx.back, ctx.group, ctx.name, ctx.recorder = (
             exchange,
             back,
@@ -54,17 +76,14 @@ class _Exchange(torch.autograd.Function):
             name,
             active_recorder(),
         )
-        return exchange(x, *there, group, ctx.recorder, name, "forward")
+        donated = {"donate": True} if donate else {}  # _exchange_rows takes no donate
+        return exchange(x, *there, group, ctx.recorder, name, "forward", **donated)
 
     @staticmethod
     def backward(ctx, grad):
         return (
             ctx.exchange(grad, *ctx.back, ctx.group, ctx.recorder, ctx.name, "backward"),
-            None,
-            None,
-            None,
-            None,
-            None,
+            *[None] * 6,
         )
 
 
@@ -106,9 +125,12 @@ def _exchange_back(ctx, grad):
 _channel_exchange.register_autograd(_exchange_back, setup_context=_save_exchange)
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: str = "") -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: str = "", donate: bool = False
+) -> torch.Tensor:
     """Split ``scatter_dim`` over the group and gather ``gather_dim`` from it: one all-to-all each way.
-    ``group`` is a process group, or a :class:`TracedGroup` inside a compiled layer."""
+    ``group`` is a process group, or a :class:`TracedGroup` inside a compiled layer. ``donate``: the caller
+    reads ``x`` no more, and the result may take its storage (eager only; the backward never donates)."""
     if x.shape[scatter_dim] % group.size():
         raise ValueError(
             f"{name or 'all_to_all'}: dimension {scatter_dim} of shape {tuple(x.shape)} does not divide "
@@ -118,7 +140,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, name: 
         return _channel_exchange(
             x, scatter_dim, gather_dim, group.size(), group.channel, group.axis, name, "forward"
         )
-    return _Exchange.apply(x, _exchange, (scatter_dim, gather_dim), (gather_dim, scatter_dim), group, name)
+    there, back = (scatter_dim, gather_dim), (gather_dim, scatter_dim)
+    return _Exchange.apply(x, _exchange, there, back, group, name, donate)
 
 
 def _summed(x: torch.Tensor, group, recorder, name: str, phase: str) -> torch.Tensor:

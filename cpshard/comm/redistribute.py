@@ -66,8 +66,12 @@ def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
     return tuple(moves)
 
 
-def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: str = "") -> torch.Tensor:
-    """``x``, the local part of a tensor placed as ``src`` on ``mesh``, placed as ``dst``. Differentiable."""
+def redistribute(
+    x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: str = "", donate: bool = False
+) -> torch.Tensor:
+    """``x``, the local part of a tensor placed as ``src`` on ``mesh``, placed as ``dst``. Differentiable.
+    ``donate``: the caller reads ``x`` no more, and an all-to-all's result may take its storage
+    (:func:`cpshard.comm.collectives.all_to_all`)."""
     src, dst = Spec(src), Spec(dst)
     tensor = name or "tensor"
     if x.dim() != len(src.dims):
@@ -83,6 +87,7 @@ def redistribute(x: torch.Tensor, src: Spec | str, dst: Spec | str, mesh, name: 
                 gather_dim=move.src_dim,
                 group=mesh.get_group(move.axis),
                 name=name,
+                donate=donate,
             )
             continue
         x = _slice(x, dst.dims[move.dst_dim], move, mesh, tensor)
