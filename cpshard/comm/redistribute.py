@@ -8,6 +8,7 @@ with no communication; an unchanged axis is nothing at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -27,12 +28,17 @@ class Move:
 
 
 def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
-    """The moves, one per mesh axis whose placement differs between ``src`` and ``dst``.
+    """The moves, one per mesh axis whose placement differs between ``src`` and ``dst`` (worked out once per
+    pair: every layer's exchanges ask again).
 
     Each move makes its axis the minor-most of the dimension it splits, and an all-to-all can
     only take back the minor-most axis of a dimension; moves run in the order of ``dst``'s axes.
     """
-    src, dst = Spec(src), Spec(dst)
+    return _moves(Spec(src), Spec(dst))
+
+
+@lru_cache(maxsize=1024)
+def _moves(src: Spec, dst: Spec) -> tuple[Move, ...]:
     if src.names != dst.names:
         raise SpecError(f"cannot move {src} to {dst}: the dimensions differ ({src.names} vs {dst.names})")
     current = [list(dim.axes) for dim in src.dims]

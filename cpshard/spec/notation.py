@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from cpshard.spec.sequence import ORDERS
 
@@ -63,6 +64,13 @@ def _parse_token(token: str, text: str) -> Dim:
     return Dim(match.group("name"), axes, order)
 
 
+@lru_cache(maxsize=1024)
+def _parsed(text: str) -> tuple[Dim, ...]:
+    """The dims of a spec's text, read once per text: specs are written once and read by every layer's
+    exchanges, on the hot path."""
+    return tuple(_parse_token(token, text) for token in _split_tokens(text))
+
+
 def _split_tokens(text: str) -> list[str]:
     """Split on spaces, but keep ``@(a, b)`` groups whole."""
     tokens, depth, current = [], 0, ""
@@ -91,7 +99,7 @@ class Spec:
         elif isinstance(text, tuple):
             dims = text
         else:
-            dims = tuple(_parse_token(token, text) for token in _split_tokens(text))
+            dims = _parsed(text)
         object.__setattr__(self, "dims", dims)
         self._check_unique()
 
