@@ -315,6 +315,40 @@ def test_trace_comms_counts_the_gathered_keys_and_no_exchange_beside_them(ranks2
         assert ulysses == (["model.layers.0.self_attn"] if model_type == "deepseek_v4" else []), verdicts
 
 
+def kept_for_the_backward(under_cp: bool) -> list[tuple]:
+    """The shapes of the tensors autograd keeps for the backward in DeepSeek-V4's training step (37 tokens,
+    left-padded): under cp, or of the model on this process alone."""
+    model, mesh = _model("deepseek_v4", 2), cpshard.make_mesh(cp=2)
+    batch = tiny_batch(model.config.vocab_size, 2, 37, pad="left")
+    forward, params = cpshard.make_cp_forward(model), cpshard.params_of(model)
+    forward(params, batch, mesh)  # the derived layout's probe
+    kept = []
+
+    def pack(tensor):
+        kept.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        if under_cp:
+            cpshard.value_and_grad(forward)(params, batch, mesh)
+        else:
+            reference(model, params, batch)
+    return kept
+
+
+def test_the_indexer_keeps_nothing_for_a_backward_under_cp(ranks2):
+    """DeepSeek-V4's lightning indexer returns the integer indices of a top-k, so no gradient reaches what it
+    computes; under cp it runs without autograd and its scores ``[B, L/cp, index heads, entries]`` are not
+    kept for the backward (one process keeps them)."""
+    config = _model("deepseek_v4", 2).config
+    entries = 37 // config.compress_rates["compressed_sparse_attention"]
+    scores = lambda shape: len(shape) == 4 and shape[2:] == (config.index_n_heads, entries)  # noqa: E731
+    for kept in ranks2.run(kept_for_the_backward, False):
+        assert any(scores(shape) for shape in kept), kept
+    for kept in ranks2.run(kept_for_the_backward, True):
+        assert not any(scores(shape) for shape in kept), [shape for shape in kept if scores(shape)]
+
+
 def refusals(model_type: str) -> list[str]:
     """The messages of tp, generation and compile beside the model's sparse attention, then of ring (for
     DeepSeek-V4, whose sliding layer has sinks: Ulysses only; its compressed layers gather their keys), each

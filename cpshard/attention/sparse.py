@@ -257,6 +257,28 @@ def _whole_keys(path: str, update: str, module, args, kwargs):
     return args, {**kwargs, "attention_mask": cut, "cache": WholeKeys(call, path, update, module)}
 
 
+#: inside each sparse attention class, the modules whose output carries no gradient (DeepSeek-V4's CSA
+#: indexer: the indices of its top-k), which cp runs without autograd (their code is fingerprinted above)
+UNDIFFERENTIATED = {"DeepseekV4Attention": "compressor.indexer"}
+
+
+def undifferentiated_modules(layers: nn.ModuleList, paths: tuple[str, ...]) -> list[nn.Module]:
+    """The modules of :data:`UNDIFFERENTIATED` in the sparse attention modules at ``paths`` of ``layers``
+    (their intermediate tensors, ``[B, L/cp, indexer heads, L/rate]`` scores among them, are then kept for
+    no backward)."""
+    found = []
+    for layer in layers:
+        for path in paths:
+            module = layer.get_submodule(path)
+            inner = UNDIFFERENTIATED.get(type(module).__name__)
+            if inner is not None and gathers_keys(module):
+                try:
+                    found.append(module.get_submodule(inner))
+                except AttributeError:  # an HCA layer's compressor has no indexer
+                    continue
+    return found
+
+
 def sparse_attention_hooks(layers: nn.ModuleList, layers_path: str, paths: tuple[str, ...]) -> list[Hook]:
     """The pre-hook of each layer's sparse attention module (at ``paths`` inside it; checked against its
     code first) that selects its keys."""

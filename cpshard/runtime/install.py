@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from cpshard.attention.cp_attention import PREFIX as ATTENTION_PREFIX
 from cpshard.attention.cp_attention import cp_attention_name
-from cpshard.attention.sparse import sparse_attention_hooks
+from cpshard.attention.sparse import sparse_attention_hooks, undifferentiated_modules
 from cpshard.interfaces import install_hooks
 from cpshard.layouts.family_attention import rewrite, rewritten
 from cpshard.layouts.layout import Layout, attention_at, attention_layers
@@ -32,7 +32,7 @@ from cpshard.parallel.experts import experts_modules, install_experts
 from cpshard.parallel.tensor import tensor_parallel_hooks
 from cpshard.recurrent.slots import entry_hooks, install_recurrent
 from cpshard.runtime.cut import cut_hooks
-from cpshard.runtime.recompute import RecomputedForward, install_forward
+from cpshard.runtime.recompute import RecomputedForward, UndifferentiatedForward, install_forward
 from cpshard.runtime.tiled_mlp import install_tiled_mlp
 
 
@@ -107,6 +107,7 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
     recurrent = install_recurrent(layers, layout.recurrent, layout.decoder_layers)
     entry = entry_hooks(model.get_submodule(layout.decoder), layers, layout)
     install_hooks(cut + recurrent + entry + sparse)
+    install_forward(undifferentiated_modules(layers, layout.sparse_attention), UndifferentiatedForward)
     if layout.experts:
         install_experts(model)
     if tiles_mlp:

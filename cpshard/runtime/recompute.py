@@ -106,3 +106,16 @@ class RecomputedForward(OwnForward):
         fn = partial(_keywords_last, self.own_forward, keys, rest, len(args))
         inputs = (*args, *(kwargs[key] for key in keys))
         return checkpoint_in_call(checkpoint, call, self.module, fn, *inputs, use_reentrant=False)
+
+
+class UndifferentiatedForward(OwnForward):
+    """A module's forward without autograd inside a cp call: for a module whose output carries no gradient
+    (DeepSeek-V4's lightning indexer returns the integer indices of a top-k), whose intermediate tensors
+    autograd would otherwise keep for a backward that never reaches them; the same values. The module's own
+    forward everywhere else."""
+
+    def __call__(self, *args, **kwargs):
+        if current_call() is None:
+            return self.own_forward(*args, **kwargs)
+        with torch.no_grad():
+            return self.own_forward(*args, **kwargs)
