@@ -90,7 +90,12 @@ def _add_check(commands) -> None:
         help="pass a row within this times its scale instead of the dtype's (a model whose one-process fp32 "
         "gradients are themselves that far from a float64 run: gemma4_unified_text, 5e-5)",
     )
-    add("--attn", choices=ATTNS, default=defaults.attn, help=f"attention kernel (default {defaults.attn})")
+    add(
+        "--attn",
+        choices=ATTNS,
+        default=defaults.attn,
+        help=f"attention kernel (default {defaults.attn}: sdpa where the model supports it, else eager)",
+    )
     add(
         "--seed",
         type=int,

@@ -117,7 +117,7 @@ def test_a_model_cpshard_refuses_exits_1_as_a_failed_check(capsys):
         (["llama", "--set", "num_hidden_layers"], "write --set key=value"),
         (["llama", "--set", "no_such_field=3"], "has no field 'no_such_field'"),
         (["mamba2", "--set", "num_heads=3"], "cannot build random mamba2 (small)"),  # its validator's error
-        (["gpt_neo"], "does not support --attn sdpa: use --attn eager"),
+        (["gpt_neo", "--attn", "sdpa"], "does not support --attn sdpa: use --attn eager"),
         (
             [
                 "llama",
@@ -144,6 +144,14 @@ def test_bad_usage_exits_2_with_one_line(capsys, tmp_path, argv, says):
 
 
 @pytest.mark.ranks
+@pytest.mark.parametrize(
+    "model, attn", [("llama", "sdpa"), ("gpt_neo", "eager"), ("xlm", "eager"), ("deepseek_v4", "eager")]
+)
+def test_the_default_attention_is_sdpa_where_the_model_has_it_else_eager(model, attn):
+    assert f"float32, {attn} attention," in plan(CheckConfig(model))
+    assert build_model(resolve_source(model), CheckConfig(model)).config._attn_implementation == attn
+
+
 def test_command_line_prints_progress_and_a_passing_table():
     result = subprocess.run(
         [sys.executable, "-m", "cpshard", "check", "llama", "--cp", "2", "--seq", "16"],

@@ -35,7 +35,8 @@ from cpshard.tools.usage import UsageError, say
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: per dtype, the largest difference a row may have, relative to the row's reference scale
 RTOLS = {"float32": RTOL, "bfloat16": 5e-2}
-ATTNS = ("sdpa", "eager")
+#: "auto": sdpa where the model supports it, else eager (GPT-Neo, MPT, XLM, DeepSeek-V4 have no sdpa)
+ATTNS = ("auto", "sdpa", "eager")
 PADS = ("left", "right")
 #: the files a folder's weights may come in; without any, the folder's config gets random weights
 WEIGHT_FILES = (
@@ -58,7 +59,7 @@ class CheckConfig:
     pad: str | None = None
     packed: bool = False
     dtype: str = "float32"
-    attn: str = "sdpa"
+    attn: str = "auto"
     seed: int = 0
     #: a row passes within this times its scale (None: the dtype's :data:`RTOLS`)
     tolerance: float | None = None
@@ -176,28 +177,33 @@ def build_model(source: ModelSource, config: CheckConfig):
         )
     from transformers import AutoModelForCausalLM
 
+    attn = None if config.attn == "auto" else config.attn  # transformers' own choice: sdpa, else eager
     if source.weights:
         return AutoModelForCausalLM.from_pretrained(
-            source.folder, attn_implementation=config.attn, dtype=dtype, **settings
+            source.folder, attn_implementation=attn, dtype=dtype, **settings
         )
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
-        model = causal_lm(hf_config(source, settings), attn_implementation=config.attn)
+        model = causal_lm(hf_config(source, settings), attn_implementation=attn)
     return model.to(dtype)
 
 
-def _check_attention(model_config, source: ModelSource, attn: str) -> None:
-    """A usage error where the model type does not support ``--attn`` (GPT-Neo and MPT have no sdpa)."""
+def _attention(model_config, source: ModelSource, attn: str) -> str:
+    """The attention ``--attn`` runs: "auto" is sdpa where the model supports it, else eager; a usage error
+    where the model does not support the one asked for (GPT-Neo and MPT have no sdpa)."""
     try:
         with torch.device("meta"):
-            causal_lm(model_config, attn_implementation=attn)
+            causal_lm(model_config, attn_implementation="sdpa" if attn == "auto" else attn)
     except ValueError as error:
         if "does not support an attention implementation" not in str(error):
             raise
-        others = [other for other in ATTNS if other != attn]
+        if attn == "auto":
+            return "eager"
+        others = [other for other in ATTNS if other not in (attn, "auto")]
         raise UsageError(
             f"{source.describe()} does not support --attn {attn}: use --attn {others[0]}"
         ) from None
+    return "sdpa" if attn == "auto" else attn
 
 
 def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
@@ -226,11 +232,11 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
         implementation, degree = choose_implementation(config.implementation, heads, config.cp)
     except (ValueError, OSError, KeyError) as error:
         raise UsageError(" ".join(str(error).split())) from None
-    _check_attention(model_config, source, config.attn)
+    attn = _attention(model_config, source, config.attn)
     how = implementation + (f", Ulysses degree {degree}" if implementation == "hybrid" else "")
     extras = [f"{config.pad} padding" if config.pad else "", "packed documents" if config.packed else ""]
     shape = ", ".join(filter(None, [f"batch {config.batch} x {config.seq} tokens", *extras]))
-    return f"{source.describe()}, {config.dtype}, {config.attn} attention, {shape}; cp={config.cp} ({how})"
+    return f"{source.describe()}, {config.dtype}, {attn} attention, {shape}; cp={config.cp} ({how})"
 
 
 # ---------------------------------------------------------------- what each rank runs
