@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import CallPlan
@@ -39,17 +38,11 @@ from cpshard.spec.sequence import chunk_width, positions
 OVERLAPPING = "compressed_sparse_attention"
 
 
-def cp_rank(call: CallPlan) -> tuple[int, int]:
-    """This rank and the cp size."""
-    group = call.mesh.get_group("cp")
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def gathered(call: CallPlan, path: str, parts: list[torch.Tensor], dim: int, what: str, gradient: bool):
     """Every rank's ``parts`` (each the same shape on every rank) concatenated along ``dim`` in rank order,
     in one all-gather; with ``gradient`` their gradients come back reduce-scattered. Declares its bytes for
     :func:`cpshard.debug.trace_comms`."""
-    _, size = cp_rank(call)
+    size = call.cp_size
     rows = [part.movedim(dim, 0).contiguous() for part in parts]
     nbytes = sum(row.numel() * row.element_size() for row in rows)
     expect(path, "all_gather", "forward", 1, nbytes)
@@ -140,7 +133,7 @@ class CompressedWindows:
         self.call, self.path, self.compressor, self.halos = call, path, module.compressor, {}
         self.rate = module.compressor.compress_rate
         self.overlap = module.layer_type == OVERLAPPING
-        rank, size = cp_rank(call)
+        rank, size = call.mesh.get_local_rank("cp"), call.cp_size
         key = ("compressed windows", self.rate, self.overlap)
         self.plan = call.shared(
             key,

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from cpshard.attention.compressed import CompressedWindows, cp_rank, gathered
+from cpshard.attention.compressed import CompressedWindows, gathered
 from cpshard.call import CallPlan, split_call
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for
@@ -202,7 +202,7 @@ def selects_keys(module: nn.Module, call: CallPlan | None) -> bool:
 
 def _sequence_order(call: CallPlan) -> torch.Tensor:
     """Where each position of the ranks' slices, gathered in rank order, lies in the sequence."""
-    _, size = cp_rank(call)
+    size = call.cp_size
     held = torch.cat([positions(call.order, call.padded_length, size, r) for r in range(size)])
     return torch.argsort(held)
 
@@ -251,7 +251,7 @@ def _whole_keys(path: str, update: str, module, args, kwargs):
         )
     if mask.shape[-2:] != (call.padded_length, call.padded_length):
         raise ValueError(f"{path}: a mask of {tuple(mask.shape)} for a sequence of {call.padded_length}")
-    rank, size = cp_rank(call)
+    rank, size = call.mesh.get_local_rank("cp"), call.cp_size
     rows = positions(call.order, call.padded_length, size, rank).to(mask.device)
     cut = mask.index_select(2, rows)[..., : call.length]
     return args, {**kwargs, "attention_mask": cut, "cache": WholeKeys(call, path, update, module)}
