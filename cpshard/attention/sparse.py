@@ -49,85 +49,12 @@ from torch import nn
 from cpshard.attention.compressed import CompressedWindows, gathered
 from cpshard.call import CallPlan, split_call
 from cpshard.interfaces import Hook
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.layouts.layout import SELECTING_WITH, gathers_keys
 from cpshard.spec.sequence import positions
 
 #: what the hooks, the cache and the selection were written against in transformers 5.25.0, by attention class
-WRITTEN_AGAINST = {
-    "DeepseekV32Attention": (
-        "transformers.models.deepseek_v32.modeling_deepseek_v32",
-        {
-            "DeepseekV32Attention": "58a86569eff43eef",
-            "DeepseekV32Indexer": "dea91f90fed91626",
-            "DeepseekV32DecoderLayer.forward": "6638598f45b2c79d",
-        },
-    ),
-    "GlmMoeDsaAttention": (
-        "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa",
-        {
-            "GlmMoeDsaAttention": "597dea187740525e",
-            "GlmMoeDsaIndexer": "957c1665150ecfc4",
-            "GlmMoeDsaDecoderLayer.forward": "cb31dfb70f1f04f0",
-        },
-    ),
-    "AXK2Attention": (
-        "transformers.models.axk2.modeling_axk2",
-        {
-            "AXK2Attention": "a7103c9c32996eeb",
-            "AXK2Indexer": "400fa20d22ebb7cc",
-            "AXK2DecoderLayer.forward": "6638598f45b2c79d",
-        },
-    ),
-    "DogeAttention": (
-        "transformers.models.doge.modeling_doge",
-        {"DogeAttention": "6f55fc8cbf4c05ff", "DogeDecoderLayer.forward": "6d400fcf2efb3614"},
-    ),
-    "Dots3NoteTextAttention": (
-        "transformers.models.dots3_note.modeling_dots3_note",
-        {
-            "Dots3NoteTextAttention": "f17b75a25516585b",
-            "Dots3NoteTextIndexer": "4d3afee4875e7b0b",
-            "Dots3NoteTextDecoderLayer.forward": "6638598f45b2c79d",
-        },
-    ),
-    "HYV4Attention": (
-        "transformers.models.hy_v4.modeling_hy_v4",
-        {
-            "HYV4Attention": "b65cb4ce7dcdddc1",
-            "HYV4Indexer": "97adbaf463b08b9a",
-            "HYV4DecoderLayer.forward": "3a222403c0e38c21",
-            "HYV4Model.forward": "350847db47cd735d",
-        },
-    ),
-    "Kolibri1_1Attention": (
-        "transformers.models.kolibri1_1.modeling_kolibri1_1",
-        {
-            "Kolibri1_1Attention": "d3fa8f7c500b89ea",
-            "Kolibri1_1Indexer": "34946dc7eb4eca15",
-            "Kolibri1_1DecoderLayer.forward": "e58d713bf5ad819d",
-            "Kolibri1_1Model.forward": "6c5b005341f99f5e",
-        },
-    ),
-    # with the cache-layer methods its compressed layers call, which CompressedWindows serves in their stead
-    "DeepseekV4Attention": (
-        "transformers.models.deepseek_v4.modeling_deepseek_v4",
-        {
-            "DeepseekV4Attention": "3a1df392db35bc36",
-            "DeepseekV4HCACompressor": "05ad88e86b0e77ad",
-            "DeepseekV4CSACompressor": "1b2cb6e201d5aa4e",
-            "DeepseekV4Indexer": "4b06c83245b29991",
-            "DeepseekV4IndexerScorer": "c981b1b95c6c6d5a",
-            "DeepseekV4HCACache.update": "a7759c3223747822",
-            "DeepseekV4HCACache.store_compression_weights": "560c34dcb420ceda",
-            "DeepseekV4HCACache.update_compressor_states": "7eb1a250d5ac5e8f",
-            "DeepseekV4CSACache.update_overlap_state": "38e1d8e34697ced0",
-            "eager_attention_forward": "9920321d903b880e",
-            "DeepseekV4DecoderLayer.forward": "c60699e7281943ae",
-            "DeepseekV4Model.forward": "349ca5d152b97fd4",
-        },
-    ),
-}
+WRITTEN_AGAINST = written_against(__name__)
 
 
 class Gathers(NamedTuple):

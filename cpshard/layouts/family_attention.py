@@ -30,7 +30,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
 
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.spec.masks import additive_mask
 
 #: layer inputs with one value per key of the whole sequence (ALiBi): the cut leaves them whole
@@ -366,121 +366,7 @@ NOT_REWRITTEN = {
 #: layer that calls it (the arguments it is given), the model's forward (its mask and ALiBi) and the ALiBi
 #: or rotary builder, each with the fingerprint of its code in transformers 5.25.0 (Bloom's, GPT-Neo's,
 #: MPT's and XGLM's the same in 5.24.0)
-WRITTEN_AGAINST = {
-    "BloomAttention": (
-        "transformers.models.bloom.modeling_bloom",
-        {
-            "BloomAttention": "50a670d32f73a7f6",
-            "BloomBlock": "2198e125f35f79a0",
-            "BloomModel.forward": "203780fe8c5965aa",
-            "build_alibi_tensor": "732279cc0182f227",
-        },
-    ),
-    "GPTNeoSelfAttention": (
-        "transformers.models.gpt_neo.modeling_gpt_neo",
-        {
-            "GPTNeoSelfAttention": "9b94331c78b7ed95",
-            "GPTNeoAttention": "bec0024856d6c39d",
-            "GPTNeoBlock": "009430d42b6afab4",
-            "GPTNeoModel.forward": "06adc5a9f6acc2e4",
-        },
-    ),
-    "MptAttention": (
-        "transformers.models.mpt.modeling_mpt",
-        {
-            "MptAttention": "b4879d34d2ff30b9",
-            "MptBlock": "b72fa418ea13fc47",
-            "MptModel.forward": "e3bdc3b62247fe4f",
-            "build_mpt_alibi_tensor": "5673cafed323e6d9",
-        },
-    ),
-    "XGLMAttention": (
-        "transformers.models.xglm.modeling_xglm",
-        {
-            "XGLMAttention": "a85ae1f06007e574",
-            "XGLMDecoderLayer": "b33411c7ca9cb5ea",
-            "XGLMModel.forward": "aac31ef6192f82c1",
-        },
-    ),
-    "Attention": (
-        "transformers.models.openai.modeling_openai",
-        {
-            "Attention": "4cc2237a174337de",
-            "Block": "01341b9ec98c2857",
-            "OpenAIGPTModel.forward": "51a1baeebe622801",
-        },
-    ),
-    "GPTNeoXJapaneseAttention": (
-        "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese",
-        {
-            "GPTNeoXJapaneseAttention": "7a763802f227e2f8",
-            "GPTNeoXJapaneseLayer": "f4240bf1cdc37226",
-            "GPTNeoXJapaneseModel.forward": "69a8511127057955",
-            "apply_rotary_pos_emb": "78f654a6b1ef507c",
-        },
-    ),
-    "MegatronBertSelfAttention": (
-        "transformers.models.megatron_bert.modeling_megatron_bert",
-        {
-            "MegatronBertSelfAttention": "940373d7113e962a",
-            "MegatronBertAttention": "53825ebac7dab54d",
-            "MegatronBertModel.forward": "c3e8ae18e583ac7c",
-        },
-    ),
-    "RemBertSelfAttention": (
-        "transformers.models.rembert.modeling_rembert",
-        {
-            "RemBertSelfAttention": "dc49a1d92a45b875",
-            "RemBertAttention": "111345e31af67aef",
-            "RemBertModel.forward": "0a91dbc6d062606f",
-        },
-    ),
-    "RoFormerSelfAttention": (
-        "transformers.models.roformer.modeling_roformer",
-        {
-            "RoFormerSelfAttention": "c50147aca55c58f9",
-            "RoFormerAttention": "9a78d1d9b987d05a",
-            "RoFormerEncoder.forward": "eb727af059b22cae",
-            "RoFormerModel.forward": "51c159815d725c8b",
-        },
-    ),
-    "BigBirdSelfAttention": (
-        "transformers.models.big_bird.modeling_big_bird",
-        {
-            "BigBirdSelfAttention": "54bcc4026a92433e",
-            "BigBirdAttention": "ed8b26eb9453aa96",
-            "BigBirdModel.forward": "5167fc83c7b8f1ca",
-        },
-    ),
-    "MvpAttention": (
-        "transformers.models.mvp.modeling_mvp",
-        {
-            "MvpAttention": "0dd37bbf5e4c489a",
-            "MvpDecoderLayer": "997b6e84dd638e34",
-            "MvpDecoder.forward": "2a5776184ed9e25d",
-        },
-    ),
-    # XLM's model builds the masks and runs the loop its cut follows (:mod:`cpshard.recurrent.xlm`), and its
-    # head's loss reads the labels as already shifted (the layout's labels_shifted)
-    "MultiHeadAttention": (
-        "transformers.models.xlm.modeling_xlm",
-        {
-            "MultiHeadAttention": "70bf14f5a5ce45c2",
-            "XLMModel.forward": "ae123164f9419f4f",
-            "get_masks": "e53b55cfd19c68ff",
-            "TransformerFFN": "db6f1175e81524a2",
-            "XLMPredLayer.forward": "adcd3750a9339786",
-        },
-    ),
-    "TrOCRAttention": (
-        "transformers.models.trocr.modeling_trocr",
-        {
-            "TrOCRAttention": "7c791d3afd56d208",
-            "TrOCRDecoderLayer": "aee8042d338b679d",
-            "TrOCRDecoder.forward": "36c9c2f9fdc5ee2b",
-        },
-    ),
-}
+WRITTEN_AGAINST = written_against(__name__)
 
 
 def rewritten(module: nn.Module) -> bool:

@@ -7,6 +7,11 @@ Each such piece is named here by its place in the family's modeling module and f
 shipped it: the syntax tree of its code, comments and docstrings aside (a class: each function it defines,
 as the class holds it now). A fingerprint that differs means the code differs, and cpshard refuses rather
 than trust a rewrite made for other code. Cost: parsing a few functions' source once per prepared model.
+
+Every fingerprint lives in one file, ``written_against.json`` beside this module, by the cpshard module that
+relies on the pieces: a new transformers release is checked against one table (``tests/test_fingerprint.py``,
+which ``.ci/drift`` runs on the newest releases, names every piece it changed), and a module reads its own
+with :func:`written_against`.
 """
 
 from __future__ import annotations
@@ -15,17 +20,21 @@ import ast
 import hashlib
 import importlib
 import inspect
+import json
 import textwrap
 from collections.abc import Mapping
+from importlib import resources
 
 import transformers
 
 from cpshard.layouts.errors import LayoutError
 
 #: the transformers release cpshard's rewrites were written for and its registered layouts tested on: the
-#: fingerprints of the tables that use this module were taken from it, and on another release the layout
+#: fingerprints in :data:`TABLES` were taken from it, and on another release the layout
 #: probe checks the registered layouts too (:mod:`cpshard.runtime.probe`)
 WRITTEN_FOR = "5.25.0"
+#: the file of every table of fingerprints, by the cpshard module that reads it
+TABLES = "written_against.json"
 #: a piece's fingerprint when its source cannot be read, or it is not there
 _ABSENT = "absent"
 
@@ -110,3 +119,32 @@ def check_written_for(what: str, module_name: str, expected: Mapping[str, str]) 
             f"{WRITTEN_FOR} (the tested set: constraints.txt in cpshard's repository), or run this model "
             "without cp"
         )
+
+
+def _tables() -> dict:
+    return json.loads(resources.files(__package__).joinpath(TABLES).read_text())
+
+
+def _entry(entry: dict) -> tuple[str, dict[str, str]]:
+    return entry["module"], dict(entry["fingerprints"])
+
+
+def written_against(cpshard_module: str):
+    """The table of ``cpshard_module`` (its ``__name__``): ``(transformers module, {piece: fingerprint})``,
+    or such pairs by the class it rewrites where it rewrites several families. A fresh copy each call."""
+    table = _tables()[cpshard_module]
+    if "module" in table:
+        return _entry(table)
+    return {name: _entry(entry) for name, entry in table.items()}
+
+
+def every_table() -> dict[str, tuple[str, dict[str, str]]]:
+    """Every table's pairs, each named by its cpshard module (and the class it rewrites, where several)."""
+    entries = {}
+    for cpshard_module in _tables():
+        table = written_against(cpshard_module)
+        if isinstance(table, tuple):
+            entries[cpshard_module] = table
+        else:
+            entries.update({f"{cpshard_module}:{name}": pair for name, pair in table.items()})
+    return entries

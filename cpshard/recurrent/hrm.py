@@ -27,23 +27,12 @@ from torch import nn
 from cpshard.call import split_call
 from cpshard.interfaces import Hook
 from cpshard.layouts.errors import LayoutError
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.recurrent.entry import entered, model_function
 
 #: what the hook was written against in transformers 5.25.0: the decoder's loop, and everything it runs per
 #: position on the slice (a change there could mix positions)
-WRITTEN_AGAINST = (
-    "transformers.models.hrm_text.modeling_hrm_text",
-    {
-        "HrmTextModel.forward": "8198c103047af82c",
-        "HrmTextStack.forward": "191e7f08b8439a57",
-        "HrmTextDecoderLayer.forward": "6638598f45b2c79d",
-        "HrmTextAttention.forward": "4160f3b6781da76d",
-        "HrmTextMLP.forward": "52d009c1a53450d8",
-        "HrmTextRMSNorm": "e9e1c863f81bdde9",
-        "HrmTextRotaryEmbedding.forward": "51d4429ef43160df",
-    },
-)
+WRITTEN_AGAINST = written_against(__name__)
 
 
 def _rescaled(rope_type: str) -> bool:

@@ -42,23 +42,13 @@ from torch import nn
 
 from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.layouts.layout import INKLING
 from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.slot import carried_state, cp_group, cut_to_rank, last_inputs, sink_state
 
 #: what the hooks were written against in transformers 5.25.0
-WRITTEN_AGAINST = (
-    "transformers.models.inkling.modeling_inkling",
-    {
-        "InklingDecoderLayer": "44ef0ddd6f184b6a",
-        "InklingAttention.forward": "af7fc981f9ffad9c",
-        "InklingRelativeLogits": "b639762521f79348",
-        "InklingShortConvolution.forward": "ff0276d021b192b6",
-        "causal_conv1d_forward": "26ed805ea88075b7",
-        "InklingTextModel.forward": "7e9487335f9788f7",
-    },
-)
+WRITTEN_AGAINST = written_against(__name__)
 
 
 def check_inkling_unchanged() -> None:

@@ -45,51 +45,13 @@ from torch import nn
 
 from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.recurrent.entry import entered, model_function
 from cpshard.recurrent.inkling import SliceCache, StepCache, no_past_hooks
 from cpshard.recurrent.slot import cut_to_rank
 
 #: what the hooks were written against in transformers 5.25.0: Inkling2's file and Inkling2-Loop's
-WRITTEN_AGAINST = {
-    "Inkling2TextModel": (
-        "transformers.models.inkling2.modeling_inkling2",
-        {
-            "Inkling2TextModel.forward": "bd93d9d1d11cf16a",
-            "get_relative_distance": "2e457654e6805af5",
-            "Inkling2SlidingDecoderLayer.forward": "aaac50a85ea42638",
-            "Inkling2FullDecoderLayer.forward": "25dbfe85f66d8c98",
-            "Inkling2SlidingAttention.forward": "2dc66b7c17227d67",
-            "Inkling2FullAttention.forward": "bb2d3e71451965f2",
-            "Inkling2KeyValueProjection.forward": "6d65f1728dd92ebf",
-            "Inkling2ShortConvolution.forward": "40756c559ee18574",
-            "Inkling2DynamicShortConvolution.forward": "bd44b6f7ac4dc40c",
-            "Inkling2BlockAttentionResidual": "c6789657525d9dd8",
-            "causal_conv1d_forward": "26ed805ea88075b7",
-            "eager_attention_forward": "e992bdb0250247e7",
-        },
-    ),
-    "Inkling2LoopTextModel": (
-        "transformers.models.inkling2_loop.modeling_inkling2_loop",
-        {
-            "Inkling2LoopTextModel.forward": "8e0bf77c92947926",
-            "get_relative_distance": "2e457654e6805af5",
-            "Inkling2LoopSlidingDecoderLayer.forward": "aaac50a85ea42638",
-            "Inkling2LoopSlidingLoopDecoderLayer.forward": "181e8719b5ab29f6",
-            "Inkling2LoopFullDecoderLayer.forward": "25dbfe85f66d8c98",
-            "Inkling2LoopFullLoopDecoderLayer.forward": "da272f47041304ec",
-            "Inkling2LoopSlidingAttention.forward": "2dc66b7c17227d67",
-            "Inkling2LoopFullAttention.forward": "bb2d3e71451965f2",
-            "Inkling2LoopKeyValueProjection.forward": "6d65f1728dd92ebf",
-            "Inkling2LoopShortConvolution.forward": "40756c559ee18574",
-            "Inkling2LoopDynamicShortConvolution.forward": "bd44b6f7ac4dc40c",
-            "Inkling2LoopBlockAttentionResidual": "8a316a2b2b9b6990",
-            "Inkling2LoopMessageAttentionResidual": "6c94f3c7d7bf4113",
-            "causal_conv1d_forward": "26ed805ea88075b7",
-            "eager_attention_forward": "e992bdb0250247e7",
-        },
-    ),
-}
+WRITTEN_AGAINST = written_against(__name__)
 #: each layer's convolutions
 CONVOLUTIONS = (
     "self_attn.k_proj.sconv",

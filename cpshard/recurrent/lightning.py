@@ -22,17 +22,14 @@ from torch import nn
 
 from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.layouts.layout import LIGHTNING
 from cpshard.recurrent.affine import fold_states
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.slot import carried_state, handed_on, sink_state
 
 #: what the hooks were written against in transformers 5.25.0
-WRITTEN_AGAINST = (
-    "transformers.models.minimax.modeling_minimax",
-    {"MiniMaxLightningAttention": "0d40f26f04468c3e", "MiniMaxDecoderLayer": "64e1aab7a32516b9"},
-)
+WRITTEN_AGAINST = written_against(__name__)
 
 
 def check_lightning_unchanged() -> None:

@@ -35,7 +35,7 @@ from torch import nn
 
 from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.layouts.layout import RG_LRU
 from cpshard.recurrent.affine import correct_outputs, diagonal_summary, fold_states
 from cpshard.recurrent.exchange import gathered_summaries
@@ -43,10 +43,7 @@ from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.slot import Slot, carried_state, cp_group, handed_on, last_inputs, sink_state
 
 #: what the scan slot and the convolution's hooks were written against in transformers 5.25.0
-WRITTEN_AGAINST = (
-    "transformers.models.recurrent_gemma.modeling_recurrent_gemma",
-    {"RecurrentGemmaRglru": "326353ef21098306", "RecurrentGemmaRecurrentBlock": "49818c25ee5a78ca"},
-)
+WRITTEN_AGAINST = written_against(__name__)
 #: the name of the RG-LRU's scan method, which cpshard's slot shadows on each module
 SCAN = "_rnn_scan"
 

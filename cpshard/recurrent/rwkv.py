@@ -34,7 +34,7 @@ from torch import nn
 
 from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.layouts.layout import RWKV
 from cpshard.recurrent.affine import stabilised_fold
 from cpshard.recurrent.exchange import gathered_summaries
@@ -43,15 +43,7 @@ from cpshard.recurrent.slot import carried_state, cp_group, handed_on, sink_stat
 
 MODULE = "transformers.models.rwkv.modeling_rwkv"
 #: what the shadowed function and the token shifts' hooks were written against in transformers 5.25.0
-WRITTEN_AGAINST = (
-    MODULE,
-    {
-        "RwkvSelfAttention": "641846780298b280",
-        "RwkvFeedForward": "ba00326a9a2f358d",
-        "rwkv_linear_attention": "0218662f0aeb7714",
-        "rwkv_linear_attention_cpu": "26cd9425739d0ee9",
-    },
-)
+WRITTEN_AGAINST = written_against(__name__)
 #: the running max a zero state starts from, as the model's function has it
 NO_STATE = -1e38
 

@@ -27,25 +27,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.layouts.layout import XLSTM
 from cpshard.recurrent.affine import stabilised_fold
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.slot import Slot, cp_group, handed_on
 
 #: what the backend's slot was written against in transformers 5.25.0 (the kernels whose stabiliser it folds)
-WRITTEN_AGAINST = (
-    "transformers.models.xlstm.modeling_xlstm",
-    {
-        "xLSTMLayer": "834327071734877e",
-        "xLSTMBackend": "1eaea5843ca2a30d",
-        "wrap_chunkwise_arbitrary_sequence_length": "a9192eb5fa3e737e",
-        "mlstm_chunkwise_native_autograd": "998f7611b6bd1287",
-        "mlstm_chunkwise_recurrent_fw_C": "3dcc1c83f3a044d4",
-        "mlstm_recurrent_sequence_native": "8852a3f68f3e66c2",
-        "mlstm_recurrent_step_native": "c0f16427acd04d50",
-    },
-)
+WRITTEN_AGAINST = written_against(__name__)
 #: the stabiliser a slice's own run starts from: below anything the gates reach (they are soft-capped), so
 #: that its final stabiliser is ``A``
 FLOOR = -1e30

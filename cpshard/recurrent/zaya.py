@@ -29,7 +29,7 @@ from torch import nn
 
 from cpshard.call import active_decode, split_call
 from cpshard.interfaces import Hook
-from cpshard.layouts.fingerprint import check_written_for
+from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.layouts.layout import ZAYA_CCA
 from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.slot import (
@@ -42,10 +42,7 @@ from cpshard.recurrent.slot import (
 )
 
 #: what the hooks were written against in transformers 5.25.0
-WRITTEN_AGAINST = (
-    "transformers.models.zaya.modeling_zaya",
-    {"ZayaCCAProjection": "832460781ef5e68b", "ZayaAttention.forward": "3f1c6a69e4f94bdc"},
-)
+WRITTEN_AGAINST = written_against(__name__)
 
 
 def check_zaya_unchanged() -> None:
