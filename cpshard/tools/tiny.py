@@ -29,20 +29,28 @@ SMALL = dict(
     eos_token_id=2,
     is_decoder=True,  # BERT-style models are causal LMs only as decoders (transformers warns otherwise)
 )
-#: multi-head latent attention (DeepSeek-V2/V3 and kin): small latent ranks, few small experts
+
+
+def _experts(count: str = "num_experts", **more) -> dict:
+    """Every mixture of experts here: 4 experts of width 32, 2 per token (``count``: the config's name for
+    how many experts there are), and ``more``."""
+    return {count: 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **more}
+
+
+#: multi-head latent attention (DeepSeek-V2/V3 and kin): small latent ranks, one group of routed experts
 _LATENT_ATTENTION = dict(
     num_key_value_heads=4,
     kv_lora_rank=16,
     qk_rope_head_dim=8,
     qk_nope_head_dim=8,
     v_head_dim=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
     n_group=1,
     topk_group=1,
 )
-#: DeepSeek's: a dense first layer
-_LATENT = dict(**_LATENT_ATTENTION, q_lora_rank=32, head_dim=8, n_routed_experts=4, first_k_dense_replace=1)
+#: DeepSeek's: few small experts, a dense first layer
+_LATENT = dict(
+    _LATENT_ATTENTION, **_experts("n_routed_experts"), q_lora_rank=32, head_dim=8, first_k_dense_replace=1
+)
 #: BART's family sizes its decoder apart (a causal LM of it is that decoder)
 _SEQ2SEQ = dict(
     decoder_layers=2,
@@ -67,10 +75,7 @@ _SEQ2SEQ_TYPES = (
 #: absolute position tables (and GPT-BigCode's causal mask buffer) are max_position_embeddings long
 _ABSOLUTE = dict(max_position_embeddings=256)
 #: hybrids of linear attention and sparse experts (Qwen3-Next and kin): few small experts and linear heads
-_HYBRID_MOE = dict(
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
+_HYBRID_MOE = _experts(
     shared_expert_intermediate_size=32,
     linear_key_head_dim=16,
     linear_value_head_dim=16,
@@ -81,18 +86,16 @@ _HYBRID_MOE = dict(
 _HYBRID = dict(layer_types=["linear_attention", "full_attention"])
 #: Kimi's linear hybrid: latent attention (its keys and values have every head) beside delta-rule layers
 _KDA_LATENT = dict(
-    **_LATENT_ATTENTION,
+    _LATENT_ATTENTION,
+    **_experts("num_local_experts"),
     q_lora_rank=None,
-    num_local_experts=4,
     linear_num_heads=4,
     linear_head_dim=16,
     num_mtp_layers=0,
 )
 #: mixtures of experts whose released sizes the shrinking does not reach (hundreds of experts of thousands of
 #: units: 50M to 300M parameters each): four small experts, two a token, one group
-_FEW_EXPERTS = dict(
-    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1
-)
+_FEW_EXPERTS = _experts("n_routed_experts", n_group=1, topk_group=1)
 #: Inkling: a sliding layer and a full one (log-scaled), small sliding heads, a window and a bias reach of a
 #: few tokens
 _INKLING = dict(
@@ -152,13 +155,7 @@ PER_TYPE = {
     "prophetnet": dict(num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2),
     "zamba": dict(num_hidden_layers=3),
     "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], max_position_embeddings=256),
-    "qwen3_moe": dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        decoder_sparse_step=1,
-        mlp_only_layers=[0],
-    ),
+    "qwen3_moe": _experts(num_experts=8, decoder_sparse_step=1, mlp_only_layers=[0]),
     # configs whose validators or models need more than SMALL, and the parts of composite configs;
     # Gemma 4's drafter: a text model without per-layer inputs that reads all its keys and values from
     # the target model
@@ -172,14 +169,8 @@ PER_TYPE = {
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # as released; rope_theta read here
         ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
     ),
-    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32),
-    "lfm2_moe": dict(
-        layer_types=["full_attention", "conv"],
-        num_dense_layers=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    ),
+    "dots1": _experts("n_routed_experts", n_shared_experts=1),
+    "lfm2_moe": _experts(layer_types=["full_attention", "conv"], num_dense_layers=1),
     "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], mamba_d_state=16),
     # LFM2's short convolutions beside attention
     "lfm2": dict(layer_types=["full_attention", "conv"]),
@@ -271,20 +262,9 @@ PER_TYPE = {
         loop_layer_index_end=3,
         initializer_range=0.05,
     ),
-    "ergo": dict(
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_intermediate_size=32,
-        first_dense_intermediate_size=64,
-    ),
-    "kolibri1": dict(
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-    ),
-    "hy_v3": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "ergo": _experts(shared_intermediate_size=32, first_dense_intermediate_size=64),
+    "kolibri1": _experts("num_local_experts", shared_expert_intermediate_size=32),
+    "hy_v3": _experts(),
     "phi4_multimodal_audio": dict(
         num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64, nemo_conv_channels=32
     ),
