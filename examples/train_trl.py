@@ -12,19 +12,20 @@ logs them. Here a tiny Llama and a character tokenizer (no downloads) train on r
 import argparse
 import os
 import random
+import string
 import tempfile
 
 import torch
 
 import cpshard
 from cpshard import tiny_model, tiny_tokenizer
-from cpshard.tools.tiny import TINY_CHARACTERS
 
 
 def random_text(rows: int, length: int, seed: int) -> list[str]:
+    """Rows of letters and spaces, characters the tiny tokenizer has one token for."""
     generator = random.Random(seed)
     return [
-        "".join(generator.choices(TINY_CHARACTERS, k=generator.randint(length // 2, length)))
+        "".join(generator.choices(string.ascii_lowercase + " ", k=generator.randint(length // 2, length)))
         for _ in range(rows)
     ]
 

@@ -1,6 +1,7 @@
 """The habits the repository keeps: ruff's lint rules and formatting (pyproject.toml: 110 columns,
 import order), over the package, the tests, the examples and the benchmarks."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -21,3 +22,28 @@ def _ruff(*args: str) -> subprocess.CompletedProcess:
 def test_ruff_is_clean(args):
     result = _ruff(*args)
     assert result.returncode == 0, f"ruff {' '.join(args)}:\n{result.stdout}{result.stderr}"
+
+
+def _cpshard_imports(path: Path) -> list[str]:
+    """The dotted names of cpshard that ``path`` imports (``from cpshard.x import y``: ``cpshard.x.y``)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "cpshard":
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names if alias.name.split(".")[0] == "cpshard"]
+    return names
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.py")), ids=lambda path: path.name)
+def test_examples_import_public_names_only(example):
+    """An example is what a user copies: it uses the package's exports and what docs/API.md promises."""
+    import cpshard
+
+    promised = (ROOT / "docs" / "API.md").read_text()
+    for name in _cpshard_imports(example):
+        module, _, attribute = name.rpartition(".")
+        exported = module == "cpshard" and attribute in cpshard.__all__
+        documented = name in promised or module in promised and f"`{attribute}" in promised
+        public = name == "cpshard" or exported or documented
+        assert public, f"{example.name} imports {name}, which is neither exported nor in docs/API.md"
