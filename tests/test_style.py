@@ -1,7 +1,10 @@
 """The habits the repository keeps: ruff's lint rules and formatting (pyproject.toml: 110 columns,
-import order), over the package, the tests, the examples and the benchmarks."""
+import order), over the package, the tests, the examples and the benchmarks; examples that use public names
+only, and an API reference whose every name exists."""
 
 import ast
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +50,27 @@ def test_examples_import_public_names_only(example):
         documented = name in promised or module in promised and f"`{attribute}" in promised
         public = name == "cpshard" or exported or documented
         assert public, f"{example.name} imports {name}, which is neither exported nor in docs/API.md"
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``dotted`` (``cpshard.debug.trace_comms``) names a module or an attribute of one."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[split:]:
+                found = getattr(found, part)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_every_name_docs_api_promises_exists():
+    """docs/API.md is kept true: each dotted cpshard name it writes resolves in the package."""
+    names = set(re.findall(r"`(cpshard(?:\.\w+)+)", (ROOT / "docs" / "API.md").read_text()))
+    assert len(names) > 30
+    assert [name for name in sorted(names) if not _resolves(name)] == []
