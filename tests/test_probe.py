@@ -82,6 +82,20 @@ def test_a_right_layout_passes_the_probe_and_stays_exact(ranks2):
     assert ranks2.run(run_probe_case, "right") == [[], []]
 
 
+def probed_with_token_outputs() -> list[str]:
+    """A derived layout (GPT-2's) whose cp forward also gives token log-probabilities and statistics."""
+    model = tiny_model("gpt2")
+    batch = tiny_batch(model.config.vocab_size, 2, 9)
+    forward = cpshard.make_cp_forward(model, token_logprobs=True, token_statistics=("entropy",))
+    return failing_rows([check_parity(model, batch, cpshard.make_mesh(cp=2), forward)])
+
+
+def test_the_probe_serves_a_forward_that_gives_token_outputs(ranks2):
+    """The probe's cp run had no labels, so token_logprobs or token_statistics refused every derived layout
+    ("token_logprobs needs labels"), whatever the call's batch held."""
+    assert ranks2.run(probed_with_token_outputs) == [[], []]
+
+
 def parallelized_unverified():
     model = tiny_model("qwen2")
     forward = cpshard.make_cp_forward(model)

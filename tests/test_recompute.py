@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.attention.ulysses import attend_in_blocks, block_rows, check_blocked
+from cpshard.layouts.family_attention import eager_for
 from cpshard.runtime.recompute import checkpointing_modules
 from cpshard.tools.parity import check_parity, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -232,3 +233,29 @@ def test_blocks_serve_sdpa_and_eager_under_a_tensor_mask_or_none():
     for inner, mask in (("flex_attention", None), ("sdpa", object())):
         with pytest.raises(ValueError, match="model.layers.0.self_attn: attention_block_bytes runs sdpa and"):
             check_blocked(inner, mask, "model.layers.0.self_attn")
+
+
+def blocks_of_xlm() -> str:
+    """What a cp forward of XLM (eager, causal from its scores' shape) in blocks of one query gives."""
+    model = tiny_model("xlm", attn_implementation="eager")
+    batch = tiny_batch(model.config.vocab_size, 2, 12)
+    cp_forward = cpshard.make_cp_forward(model, implementation="ulysses", attention_block_bytes=64)
+    try:
+        cp_forward(cpshard.params_of(model), batch, cpshard.make_mesh(cp=dist.get_world_size()))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_blocks_refuse_attention_causal_by_the_shape_of_its_scores(ranks2):
+    """XLM's and OpenAI GPT's eager attention hide a later key by the scores' shape, the queries the last of
+    the keys: a block of queries would see the keys after it (XLM's loss and logits were wrong). Refused, on
+    every rank."""
+    from transformers.models.openai.modeling_openai import Attention
+    from transformers.models.xlm.modeling_xlm import MultiHeadAttention
+
+    for family in (Attention, MultiHeadAttention):
+        with pytest.raises(ValueError, match="by the shape of its scores"):
+            check_blocked("eager", None, "transformer.attentions.0", eager_for(family))
+    for message in ranks2.run(blocks_of_xlm):
+        assert "hides later keys by the shape of its scores" in message, message

@@ -16,11 +16,14 @@ from cpshard.tools.parity import check_parity, failing_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
-def failing_against_own_code(cp: int, implementation: str, lengths=(11, 13), embeds=False) -> list[str]:
-    """cp on a prepared XLM against its own code, plain and left-padded, at each of ``lengths``."""
+def failing_against_own_code(
+    cp: int, implementation: str, lengths=(11, 13), embeds=False, options: dict | None = None
+) -> list[str]:
+    """cp on a prepared XLM against its own code, plain and left-padded, at each of ``lengths``
+    (``options``: make_cp_forward's)."""
     mesh = cpshard.make_mesh(cp=cp)
     own, prepared = (tiny_model("xlm", attn_implementation="auto") for _ in range(2))
-    cp_forward = cpshard.make_cp_forward(prepared, implementation=implementation)
+    cp_forward = cpshard.make_cp_forward(prepared, implementation=implementation, **(options or {}))
     width = own.config.emb_dim if embeds else None
     rows = []
     for length in lengths:
@@ -44,6 +47,13 @@ def test_causal_xlm_is_exact_at_cp4(ranks4, implementation):
 def test_causal_xlm_is_exact_from_embeddings(ranks2):
     """Embeddings in place of token ids: the model takes every position as real (no ids to count)."""
     assert ranks2.run(failing_against_own_code, 2, "ulysses", (11,), True) == [[], []]
+
+
+def test_causal_xlm_recomputes_its_attention_exactly(ranks2):
+    """attention_recompute=True runs each attention again in the backward: XLM's model makes a cache in every
+    forward, which a recompute found holding its own keys (twice the keys: torch's CheckpointError)."""
+    options = {"attention_recompute": True}
+    assert ranks2.run(failing_against_own_code, 2, "ulysses", (11,), False, options) == [[], []]
 
 
 def refusal(overrides: dict) -> str:

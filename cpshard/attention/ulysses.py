@@ -186,14 +186,21 @@ def block_rows(inner: str, query, key, mask, budget: int) -> int:
 BLOCKED = ("sdpa", "eager")
 
 
-def check_blocked(inner: str, mask, path: str) -> None:
+def check_blocked(inner: str, mask, path: str, function=None) -> None:
     """Raise unless blocks of queries serve ``inner`` under ``mask``: sdpa and eager, a mask that is a
-    tensor (its rows are the block's) or none."""
+    tensor (its rows are the block's) or none, and a ``function`` that hides later keys where the mask
+    says, not by its scores' shape (XLM's and OpenAI GPT's eager: a block's queries taken for the last)."""
     if inner not in BLOCKED or not (mask is None or isinstance(mask, torch.Tensor)):
         raise ValueError(
             f"{path}: attention_block_bytes runs {' and '.join(BLOCKED)} attention a block of queries at a "
             f"time; this model uses {inner!r} attention with a mask of type {type(mask).__name__}: make the "
             "cp forward without attention_block_bytes, or set the model's attention to sdpa"
+        )
+    if getattr(function, "causal_by_shape", False):
+        raise ValueError(
+            f"{path}: attention_block_bytes runs attention a block of queries at a time, and this model's "
+            "attention hides later keys by the shape of its scores (its queries the last of its keys), which "
+            "a block of queries does not keep: make the cp forward without attention_block_bytes"
         )
 
 
@@ -232,7 +239,7 @@ def ulysses_attention(inner: str, function, module, query, key, value, attention
     rows = None
     budget = getattr(call, "attention_block_bytes", None)  # a compiled layer's TracedCall has none
     if budget is not None:
-        check_blocked(inner, attention_mask, path)
+        check_blocked(inner, attention_mask, path, function)
         rows = block_rows(inner, query, key, attention_mask, budget)
     elif inner == "sdpa" and boolean and attention_mask.numel() * query.element_size() > MASK_BLOCK_BYTES:
         row_bytes = attention_mask.shape[0] * attention_mask.shape[-1] * query.element_size()

@@ -68,6 +68,7 @@ def _eager_then(hide):
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
         return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
+    eager.causal_by_shape = hide in _CAUSAL_BY_SHAPE  # Ulysses' blocks of queries refuse such a function
     return eager
 
 
@@ -104,6 +105,9 @@ def _later_filled(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
     return scores.masked_fill(later, _hidden_value(scores.dtype))
 
 
+#: the hides that make attention causal from the scores' shape, the queries the last of the keys: a block of
+#: queries (``make_cp_forward(attention_block_bytes=...)``) would be taken for the sequence's last
+_CAUSAL_BY_SHAPE = (_later_fixed, _later_filled)
 #: the families whose own code treats hidden scores otherwise than by adding the mask
 _HIDING = {
     "MptAttention": _filled,

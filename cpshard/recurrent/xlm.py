@@ -34,6 +34,19 @@ from cpshard.recurrent.slot import cut_to_rank
 PER_POSITION = ("input_ids", "position_ids", "attention_mask")
 
 
+class _NoPast:
+    """The cache XLM's model gets inside a cp call, where its generation is refused: no past, nothing kept.
+    ``XLMModel.forward`` makes a cache in every forward and the rewritten attention puts its keys there, so
+    an attention run again in the backward (``attention_recompute=True``) found its own keys beside the ones
+    it recomputed; the model asks the length of its past, the attention hands its keys on."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs=None) -> tuple:
+        return key, value
+
+
 def _named(decoder: nn.Module, args: tuple, kwargs: dict) -> dict:
     """The model's inputs by name (its causal LM passes the token ids first, unnamed)."""
     return {**dict(zip(inspect.signature(decoder.forward).parameters, args)), **kwargs}
@@ -65,6 +78,7 @@ def _enter(decoder: nn.Module, args, kwargs):
     positions = inputs.get("position_ids")
     whole = {
         **inputs,
+        "cache": _NoPast(),
         "attention_mask": _whole_mask(decoder, inputs, sequence),
         # the model's own count from 0, one row per sequence (it takes given ones as [B, L] only)
         "position_ids": decoder.position_ids[:, : sequence.shape[1]].expand(sequence.shape[0], -1)

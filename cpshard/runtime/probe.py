@@ -150,8 +150,8 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
                 model, params, (), {**inputs, "use_cache": False}, strict=False, tie_weights=True
             )
 
-    def under_cp():
-        results["cp"] = cp_forward(params, inputs, mesh)
+    def under_cp():  # with the labels: a forward made with token_logprobs or token_statistics needs them
+        results["cp"] = cp_forward(params, batch, mesh)
 
     with torch.no_grad():
         final = model.get_submodule(layout.final_norm)
