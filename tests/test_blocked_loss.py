@@ -1,6 +1,7 @@
 """The loss a block of tokens at a time: equal to the whole-logits loss, value and gradients, for each
 logit transform."""
 
+import weakref
 from functools import partial
 from types import SimpleNamespace
 
@@ -11,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from cpshard.layouts.layout import HEAD_TRANSFORMS
-from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs
+from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs, logits_and_token_log_probs
+from cpshard.loss.cross_entropy import cross_entropy_sum
 from cpshard.loss.head import transform_logits
 
 
@@ -99,3 +101,77 @@ def test_default_blocks_hold_no_more_logits_than_the_head_weight():
     for g, w in zip(got, torch.autograd.grad(whole, [hidden, weight])):
         torch.testing.assert_close(g, w)
     assert largest.largest == weight.numel()  # [8 tokens, 50] logits, never [40, 50]
+
+
+class _AliveOfSize(TorchDispatchMode):
+    """Weak references to the storages of at least ``numel`` elements the ops inside the block create."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.made = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                self.made.append(weakref.ref(t.untyped_storage()))
+        return out
+
+    def alive(self) -> int:
+        return len({ref().data_ptr() for ref in self.made if ref() is not None})
+
+
+#: objectives of (the summed log-probabilities, per-token log-probabilities, logits)
+OBJECTIVES = {
+    "loss": lambda picked, logits: -0.3 * picked.sum(),
+    "per token": lambda picked, logits: (picked * torch.linspace(-1, 2, picked.shape[1])).sum(),
+    "logits": lambda picked, logits: (logits**2).sum() * 1e-2,
+    "loss and logits": lambda picked, logits: -picked.sum() + logits[:, -1].logsumexp(-1).sum(),
+}
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(
+    "config", [SimpleNamespace(), SimpleNamespace(final_logit_softcapping=3.0)], ids=["plain", "softcap"]
+)
+def test_logits_and_log_probs_give_the_head_and_every_gradient(config, batch, objective):
+    """``logits_and_token_log_probs`` (the loss beside ``logits=True``): the head's logits and the label's
+    log-probabilities, and the gradients of any objective of them, through a bias, with rows of several
+    sequences (a block is then not contiguous); a second backward (``retain_graph``) gives them again."""
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(batch, 13, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 8, generator=generator, requires_grad=True)
+    bias = torch.randn(50, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 50, (batch, 13), generator=generator)
+    labels[:, ::4] = -100
+    transform = partial(transform_logits, config=config, transforms=HEAD_TRANSFORMS)
+    logits = transform(F.linear(hidden, weight, bias))
+    picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    picked = torch.where(labels != -100, picked, 0.0)
+    want = torch.autograd.grad(OBJECTIVES[objective](picked, logits), (hidden, weight, bias))
+    got_logits, got_picked = logits_and_token_log_probs(hidden, labels, weight, bias, transform, 150)
+    torch.testing.assert_close(got_logits, logits)
+    torch.testing.assert_close(got_picked, picked)
+    value = OBJECTIVES[objective](got_picked, got_logits)
+    for _ in range(2):
+        got = torch.autograd.grad(value, (hidden, weight, bias), retain_graph=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+
+def test_logits_and_log_probs_keep_nothing_of_the_logits_size_but_the_logits():
+    """After the forward, of the tensors of the logits' size only the logits live: no softmax and no
+    gradient of the logits wait for the backward, where the head and cross-entropy keep one of them."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, 64, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 50, (1, 64), generator=generator)
+    transform = partial(transform_logits, config=SimpleNamespace(), transforms=HEAD_TRANSFORMS)
+    with _AliveOfSize(64 * 50) as made:
+        logits, picked = logits_and_token_log_probs(hidden, labels, weight, None, transform)
+    assert made.alive() == 1 and logits.numel() == 64 * 50 and picked.grad_fn is not None
+    with _AliveOfSize(64 * 50) as made:  # the head and cross-entropy as they were, the logits held
+        whole_logits = F.linear(hidden, weight)
+        whole = cross_entropy_sum(whole_logits, labels)
+    assert made.alive() == 2 and whole.grad_fn is not None  # the logits and their softmax

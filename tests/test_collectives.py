@@ -10,6 +10,7 @@ from cpshard.comm.collectives import (
     all_gather_rows,
     all_to_all,
     gather_shares,
+    scatter_sums,
     share_rows,
     sum_many_grads_over_group,
     sum_over_group,
@@ -142,6 +143,22 @@ def _reductions_case(group):
     checks["many events"] = (
         sorted((e.op, e.name, e.phase, e.nbytes, e.group_size) for e in log.events),
         sorted(("all_reduce", "gradients", "backward", n, size) for n in (4 * 6 + 4 * 3, 8 * 4)),
+    )
+
+    # scatter_sums: this rank's block of the sum over the group; the backward gathers the blocks' gradients
+    whole = _data(2000 + rank, 2 * size, 3).requires_grad_(True)
+    with recording() as log:
+        block = scatter_sums(whole, group, name="partial sums")
+    (block * _data(3000 + rank, 2, 3)).sum().backward()
+    first = 2 * members.index(rank)
+    checks["scatter"] = (
+        block.detach(),
+        sum(_data(2000 + r, 2 * size, 3) for r in members)[first : first + 2],
+    )
+    checks["scatter grad"] = (whole.grad, torch.cat([_data(3000 + r, 2, 3) for r in members]))
+    checks["scatter events"] = (
+        [(e.op, e.phase, e.nbytes) for e in log.events],
+        [("reduce_scatter", "forward", whole.nbytes), ("all_gather", "backward", whole.nbytes // size)],
     )
 
     # all_gather_rows: every rank's tensor, stacked in group order

@@ -199,3 +199,37 @@ def test_stacks_run_in_cycles_refuse_what_the_entry_cut_does_not_serve(ranks2):
         assert "cut where the sequence enters it (model)" in compiled, compiled
         assert "sequence_order='head_tail'" in ordered and "where it enters the decoder (model)" in ordered
         assert "rope type 'dynamic' rescales its rotary pair" in rescaled, rescaled
+
+
+def rotary_pairs_seen(changed_in_place: bool) -> list[list[bool]]:
+    """For each layer after the first, whether its cos and sin are the first layer's tensors (a 3-layer
+    Llama, left-padded batch of 11 tokens), and whether the call stays exact; ``changed_in_place``: the
+    first layer scales its rotary pair in place and back (a model's own business), bumping its version."""
+    mesh = cpshard.make_mesh(cp=2)
+    model = tiny_model("llama", num_hidden_layers=3)
+    forward = cpshard.make_cp_forward(model)
+    seen = []
+
+    def record(layer, args, kwargs):
+        pair = kwargs["position_embeddings"]
+        seen.append(pair)
+        if changed_in_place and layer is model.model.layers[0] and split_call() is not None:
+            for whole in rotary_whole:
+                whole.mul_(2).div_(2)
+
+    rotary_whole = []
+    model.model.rotary_emb.register_forward_hook(lambda module, args, out: rotary_whole.extend(out))
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(record, with_kwargs=True)
+    batch = tiny_batch(model.config.vocab_size, 2, 11, pad="left")
+    assert failing_rows([check_parity(model, batch, mesh, forward)]) == []
+    cut = seen[len(model.model.layers) :]  # after one process's: the cp call's, half the sequence each
+    assert all(pair[0].shape[1] == 6 for pair in cut)
+    return [[a is b for a, b in zip(cut[0], pair)] for pair in cut[1:]]
+
+
+def test_layers_share_one_cut_of_the_rotary_pair(ranks2):
+    """Transformers hands every layer the same rotary pair; each layer takes the same cut of it (one copy,
+    kept once for the backward, not a copy per layer), and a pair changed in place is cut anew."""
+    assert ranks2.run(rotary_pairs_seen, False) == [[[True, True]] * 2] * 2
+    assert ranks2.run(rotary_pairs_seen, True) == [[[False, False]] * 2] * 2

@@ -108,8 +108,7 @@ def test_ring_refuses_alibi_and_windows_on_every_rank(ranks2, model_type, overri
 NOT_REWRITTEN = [
     ("big_bird", "block-sparse"),
     ("xlnet", "two-stream"),
-    ("reformer", "chunked local"),
-    ("prophetnet", "n-stream"),
+    ("reformer", "served by its layout file"),
     ("cpmant", "not causal"),
     ("git", "needs pixel_values"),
 ]

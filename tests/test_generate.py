@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.generation.sampling import Sampling, next_tokens
-from cpshard.tools.tiny import tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 TOLERANCE = 1e-5
 ROWS, LENGTH = 3, 23  # 23: cp pads the prompt (at cp=2 and 4, contiguous and head-tail)
@@ -610,3 +610,19 @@ def test_a_prefill_hands_on_the_states_of_one_process(ranks4, length, model_type
     for logits, states in ranks4.run(prefilled_states, length, model_type):
         assert (logits - out.logits[:, -1]).abs().max() <= TOLERANCE
         check_states(states, model, getattr(out, "cache", None), Case(model_type))  # RecurrentGemma's: None
+
+
+def generation_refusal(model_type: str) -> str:
+    model = tiny_model(model_type, attn_implementation="auto").eval()
+    prompt = {"input_ids": tiny_batch(model.config.vocab_size, 2, 8)["input_ids"]}
+    mesh = cpshard.make_mesh(cp=2)
+    return error_messages([lambda: cpshard.generate(model, prompt, mesh, max_new_tokens=2)])[0]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "name"), [("xlm", "XLM"), ("prophetnet", "ProphetNet"), ("reformer", "Reformer")]
+)
+def test_layouts_that_do_not_generate_refuse_it_on_every_rank(ranks2, model_type, name):
+    """Layout files whose models cp trains but does not generate with say so, naming the model."""
+    for message in ranks2.run(generation_refusal, model_type):
+        assert f"does not serve {name}" in message, message

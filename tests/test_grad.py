@@ -190,3 +190,29 @@ def test_value_and_grad_sums_loss_and_gradients_in_one_all_reduce(ranks2):
             ("all_reduce", "gradients"),
         ]
         assert same
+
+
+def run_second_order(implementation: str) -> str:
+    """A gradient penalty through cp: the first backward with create_graph, then a backward of the
+    gradients' norm, which cp's collectives and loss cannot differentiate again."""
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, 2, 9, pad="right")
+    params = cpshard.params_of(model)
+    leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+    cp_forward = cpshard.make_cp_forward(model, implementation=implementation)
+    loss = cp_forward(leaves, batch, cpshard.make_mesh(cp=2)).loss
+    grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=True, allow_unused=True)
+    penalty = sum(grad.pow(2).sum() for grad in grads if grad is not None)
+    try:
+        penalty.backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("implementation", ["ulysses", "ring"])
+def test_a_second_order_gradient_is_refused_on_every_rank(ranks2, implementation):
+    """A second differentiation through cp would be silently wrong (the collectives' backwards have no
+    graph): it raises on every rank instead, the first-order gradient itself unaffected."""
+    for message in ranks2.run(run_second_order, implementation):
+        assert "differentiate twice" in message, message

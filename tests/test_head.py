@@ -58,3 +58,15 @@ def test_a_head_cpshard_does_not_know_serves_logits_true_and_refuses_logits_fals
             and "CohereForCausalLM's LM head gives other logits" in error
             and "with logits=True" in error
         ), error
+
+
+@pytest.mark.parametrize(
+    "model_type, decoder",
+    [("dory", "model"), ("falcon_h1", "model"), ("electra", "electra")],
+)
+def test_a_head_that_is_more_than_its_projection_is_not_cpshards(model_type, decoder):
+    """Dory's head scales by a parameter of its own (1 at first: the logits agree, its gradient would be
+    lost), FalconH1's forward reads its decoder's multiplier, ELECTRA's runs prediction layers first: the
+    check says no, without raising, and the model's own head runs (``logits=True``)."""
+    model = tiny_model(model_type)
+    assert head_matches(model, params_of(model), HEAD_TRANSFORMS, decoder) is False

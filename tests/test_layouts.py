@@ -20,9 +20,10 @@ from cpshard.tools.tiny import tiny_model
 
 SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")
 #: every model type with a layout file: the attention decoders above, the Gated DeltaNet and Mamba2 hybrids,
-#: XLM as a causal LM
+#: XLM as a causal LM, ProphetNet's causal LM
 FILES = sorted(
     (*SUPPORTED, "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid", "xlm")
+    + ("prophetnet", "reformer")
 )
 
 
@@ -90,9 +91,11 @@ def test_registry():
         "llama",
         "mistral",
         "nemotron_h",
+        "prophetnet",
         "qwen3",
         "qwen3_moe",
         "qwen3_next",
+        "reformer",
         "xlm",
     ]
     for model_type, layout in REGISTERED.items():

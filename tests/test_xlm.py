@@ -85,18 +85,3 @@ def test_a_change_in_the_code_the_cut_follows_is_refused(monkeypatch, piece):
     monkeypatch.setattr(target, name, _changed)
     with pytest.raises(cpshard.LayoutError, match="MultiHeadAttention"):
         cpshard.make_cp_forward(tiny_model("xlm", attn_implementation="auto"))
-
-
-def generation_refusal() -> str:
-    model = tiny_model("xlm", attn_implementation="auto")
-    batch = tiny_batch(model.config.vocab_size, 2, 9)
-    try:
-        cpshard.generate(model, {"input_ids": batch["input_ids"]}, cpshard.make_mesh(cp=2), max_new_tokens=2)
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
-def test_generation_is_refused_on_every_rank(ranks2):
-    for message in ranks2.run(generation_refusal):
-        assert "does not serve XLM" in message, message

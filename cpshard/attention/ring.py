@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from cpshard.comm.arrival import arriving
 from cpshard.comm.record import active_recorder, record
@@ -330,6 +331,7 @@ class RingAttention(torch.autograd.Function):
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output):
         q, k, v, out, lse = ctx.saved_tensors
         return *ring_backward(q, k, v, out, lse, grad_output, ctx.ring), None

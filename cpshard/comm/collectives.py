@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from cpshard.comm.arrival import arriving
 from cpshard.comm.channel import Channel, TracedGroup
@@ -80,6 +81,7 @@ class _Exchange(torch.autograd.Function):
         return exchange(x, *there, group, ctx.recorder, name, "forward", **donated)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         return (
             ctx.exchange(grad, *ctx.back, ctx.group, ctx.recorder, ctx.name, "backward"),
@@ -160,6 +162,7 @@ class _SumOverGroup(torch.autograd.Function):
         return _summed(x, group, active_recorder(), name, "forward")
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         return grad, None, None
 
@@ -178,6 +181,7 @@ class _SumGradsOverGroup(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         return _summed(grad, ctx.group, ctx.recorder, ctx.name, "backward"), None, None
 
@@ -214,6 +218,7 @@ class _SumManyGradsOverGroup(torch.autograd.Function):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
         summed = dict(
@@ -283,6 +288,7 @@ class _GatherShards(torch.autograd.Function):
         )
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         size = dist.get_world_size(ctx.group)
         send = torch.cat(
@@ -307,6 +313,41 @@ def all_gather_shards(
             f"{name or 'all_gather_shards'}: one dtype per call, got {sorted({str(s.dtype) for s in shards})}"
         )
     return list(_GatherShards.apply(group, name, tuple(rows), *shards))
+
+
+class _ScatterSums(torch.autograd.Function):
+    """This rank's dim-0 block of the sum over the group of every rank's whole tensor (reduce-scatter);
+    backward: the blocks' gradients all-gathered whole (each rank's tensor reached every block)."""
+
+    @staticmethod
+    def forward(ctx, x, group, name):
+        size = dist.get_world_size(group)
+        if x.shape[0] % size:
+            raise ValueError(f"{name}: {x.shape[0]} rows do not split into {size} equal blocks")
+        ctx.group, ctx.name, ctx.recorder = group, name, active_recorder()
+        send = x.contiguous()
+        record(ctx.recorder, "reduce_scatter", name, "forward", send, size)
+        out = torch.empty(x.shape[0] // size, *x.shape[1:], dtype=x.dtype, device=x.device)
+        with arriving("reduce_scatter", name, group):
+            dist.reduce_scatter_single(out.view(-1), send.view(-1), group=group)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        size, grad = dist.get_world_size(ctx.group), grad.contiguous()
+        record(ctx.recorder, "all_gather", ctx.name, "backward", grad, size)
+        out = torch.empty(size * grad.shape[0], *grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        with arriving("all_gather", ctx.name, ctx.group):
+            dist.all_gather_single(out.view(-1), grad.view(-1), group=ctx.group)
+        return out, None, None
+
+
+def scatter_sums(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """This rank's block of dim 0 (``torch.chunk``'s, equal blocks) of the sum of ``x`` over the group, in
+    one reduce-scatter: partial sums made whole and cut at once (the row-wise layer of Megatron's sequence
+    parallelism); the gradient comes back all-gathered. The inverse of :func:`all_gather_shards`."""
+    return _ScatterSums.apply(x, group, name)
 
 
 def share_bounds(rows: int, size: int, rank: int) -> tuple[int, int]:
@@ -341,6 +382,7 @@ class _ShareRows(torch.autograd.Function):
         return x[start:stop].clone()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         return _gather_shares(grad, ctx.rows, ctx.group, ctx.recorder, ctx.name, "backward"), None, None
 
@@ -355,6 +397,7 @@ class _GatherShares(torch.autograd.Function):
         return _gather_shares(x, rows, group, active_recorder(), name, "forward")
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         start, stop = ctx.bounds
         return grad[start:stop], None, None, None

@@ -47,6 +47,9 @@ class CommsLog:
 
     events: list[CommEvent] = field(default_factory=list)
     expected: list[Expected] = field(default_factory=list)
+    #: ``(call, model, inputs)`` of each cp call that ran the model's decoder without the model's own
+    #: forward (:func:`note_call`), whose optimum a report works out as for a forward of the model
+    calls: list[tuple] = field(default_factory=list, repr=False, compare=False)
     #: the recording this one is nested in, which records every event too
     parent: CommsLog | None = field(default=None, repr=False, compare=False)
 
@@ -137,6 +140,16 @@ def record(recorder: Recorder | None, op: str, name: str, phase: str, tensor, gr
     log = recorder.log
     while log is not None:
         log.events.append(event)
+        log = log.parent
+
+
+def note_call(call, model, inputs: dict) -> None:
+    """Declare, in the open recording and every one it is nested in, a cp ``call`` of ``model`` on
+    ``inputs`` that runs its decoder alone (its head with the loss), where no forward of the model itself
+    shows it (no-op without a recording)."""
+    log = _ACTIVE.get()
+    while log is not None:
+        log.calls.append((call, model, inputs))
         log = log.parent
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.autograd.function import once_differentiable
 
 from cpshard.comm.record import active_recorder, record
 from cpshard.spec.sequence import chunk_positions, exchange_plan, positions
@@ -40,6 +41,7 @@ class _Reorder(torch.autograd.Function):
         return _move(x, dim, send, receive, out_len, group, ctx.recorder, name, "forward")
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         dim, send, receive, group, name = ctx.config
         return _move(grad, dim, receive, send, ctx.src_len, group, ctx.recorder, name, "backward"), *(

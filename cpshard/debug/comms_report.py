@@ -230,4 +230,8 @@ def trace_comms(fn, /, *args, **kwargs) -> CommsReport:
             result = fn(*args, **kwargs)
     finally:
         handle.remove()
+    for call, model, inputs in log.calls:  # cp calls that ran the model's decoder alone
+        modules.update(call.module_names.values())
+        run = _Run.of(call, model, inputs)
+        runs.extend([run] if run else [])
     return CommsReport(list(log.events), _group(log.events, runs, log.expected, modules), result)

@@ -41,6 +41,10 @@ _NOT_GENERATED = {
     "place)",
     "XLMModel": "XLM (its model makes a new cache in every forward and returns none, and its generation "
     "appends a mask token to every step's ids: no cache for cp's split cache to follow)",
+    "ProphetNetDecoder": "ProphetNet (its n-stream attention keeps its own cache of the main stream's keys "
+    "and builds its relative-position buckets from the cache's length)",
+    "ReformerModel": "Reformer (its cache keeps the hidden states and LSH buckets of every past position, "
+    "which its one-token step re-hashes and attends over whole)",
 }
 
 

@@ -348,18 +348,18 @@ FORWARDS = {
 #: attention of causal LM types that cpshard does not rewrite, by class (its modeling module under
 #: ``transformers.models``), and why: none is causal attention over one sequence that a registry function
 #: could compute (CPM-Ant's is not causal at all), or its model does what a cut sequence cannot follow (GIT's
-#: image tokens)
+#: image tokens); Reformer's is served otherwise, by its layout file
 NOT_REWRITTEN = {
     "big_bird.modeling_big_bird.BigBirdBlockSparseAttention": "BigBird's block-sparse attention (sliding, "
     "global and random blocks, in both directions; attention_type='original_full' is served)",
     "xlnet.modeling_xlnet.XLNetRelativeAttention": "XLNet's two-stream relative attention (a permutation LM: "
     "content and query streams over a memory, in both directions unless attn_type='uni')",
     "reformer.modeling_reformer.LSHSelfAttention": "Reformer's LSH attention (keys hashed into buckets, "
-    "sorted and attended in chunks)",
+    "sorted and attended in chunks): served by its layout file (its heads split over cp, "
+    "cpshard.recurrent.reformer), not by a derived layout",
     "reformer.modeling_reformer.LocalSelfAttention": "Reformer's chunked local attention (each chunk attends "
-    "to itself and the chunks before it)",
-    "prophetnet.modeling_prophetnet.ProphetNetNgramSelfAttention": "ProphetNet's n-stream self-attention (n "
-    "streams that predict the next n tokens beside the main stream)",
+    "to itself and the chunks before it): served by its layout file (its heads split over cp, "
+    "cpshard.recurrent.reformer), not by a derived layout",
     "cpmant.modeling_cpmant.CpmAntAttention": "CPM-Ant's attention, which is not causal: its model marks "
     "every token as context (`context` all ones in CpmAntModel.forward), so its mask lets every position see "
     "every other, later ones too",

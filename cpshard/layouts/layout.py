@@ -113,8 +113,17 @@ CONV_SLOT = "causal_conv1d_fn"
 #: the decoders that run their layers from more than one list, whole-sequence states kept beside them (HRM's
 #: H and L stacks; XLM's attentions, norms and FFNs and its padding mask), whose code cpshard has read (every
 #: op per position but attention): cut where the sequence enters the decoder (:attr:`Layout.cut_at_entry`);
-#: any other such decoder is refused
-ENTERED_DECODERS = frozenset({"HrmTextModel", "XLMModel"})
+#: any other such decoder is refused. ProphetNet's builds its streams itself: its hooks cut them where they
+#: enter its first layer (:mod:`cpshard.recurrent.prophetnet`), the layers' generic cut stepping aside alike
+ENTERED_DECODERS = frozenset({"HrmTextModel", "XLMModel", "ProphetNetDecoder", "ReformerModel"})
+#: attention modules that no registry function computes, which cp runs whole on every rank over the gathered
+#: sequence, keeping the rank's rows of their output (ProphetNet's n-stream attention): cp's own attention
+#: (the registry, its recompute, per-head parameters) leaves them alone
+WHOLE_ATTENTION = frozenset({"ProphetNetNgramSelfAttention"})
+#: attention modules that no registry function computes, whose own forward cp runs on a share of the heads
+#: over the gathered sequence (Reformer's LSH and local attention: :mod:`cpshard.recurrent.reformer`): cp's
+#: own attention leaves them alone too
+HEAD_SPLIT_ATTENTION = frozenset({"ReformerAttention"})
 
 
 @dataclass(frozen=True)
@@ -170,15 +179,16 @@ def recurrent_module(layer: nn.Module, rows: tuple[Recurrent, ...]) -> tuple[nn.
 
 
 def attention_layers(layers, layout: Layout) -> list[nn.Module]:
-    """The decoder layers that hold attention: those with a module at attention's path that is neither
-    their recurrent mixer (MiniMax's lightning layers share the name) nor pointwise. A layer may hold both
+    """The decoder layers that hold cp's attention: those with a module at attention's path that is neither
+    their recurrent mixer (MiniMax's lightning layers share the name) nor pointwise nor run whole
+    (:data:`WHOLE_ATTENTION`) or split by heads (:data:`HEAD_SPLIT_ATTENTION`). A layer may hold both
     (Falcon-H1 runs attention and a Mamba2 mixer side by side)."""
     found = []
     for layer in layers:
         attention = submodule(layer, layout.attention) if layout.attention else None  # "": none at all
         mixer = recurrent_module(layer, layout.recurrent)
         if isinstance(attention, nn.Module) and (mixer is None or mixer[0] is not attention):
-            if type(attention).__name__ not in layout.pointwise:
+            if type(attention).__name__ not in (*layout.pointwise, *WHOLE_ATTENTION, *HEAD_SPLIT_ATTENTION):
                 found.append(layer)
         elif mixer is None:  # neither: structure_problems names it
             found.append(layer)
@@ -238,6 +248,10 @@ class Layout:
     #: the model's own loss reads ``labels`` as already shifted (BART's causal LMs): cp_forward then
     #: takes a batch's ``labels`` as its ``shift_labels``
     labels_shifted: bool = False
+    #: the field of the model's output with the logits ``[B, n, L, V]`` of its further prediction streams
+    #: (ProphetNet's ``logits_ngram``), whose token losses join the logits' against the same labels: the loss
+    #: is then the mean over every stream's tokens (:mod:`cpshard.loss.streams`)
+    stream_logits: str | None = None
     #: the decoder reshapes its final hidden states to the input's length (GPT-2's ``view(output_shape)``):
     #: each rank's rows are given in a tensor of that length, and taken out again at the LM head
     restores_length: bool = False

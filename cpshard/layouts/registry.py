@@ -11,9 +11,11 @@ from cpshard.layouts import (
     llama,
     mistral,
     nemotron_h,
+    prophetnet,
     qwen3,
     qwen3_moe,
     qwen3_next,
+    reformer,
     xlm,
 )
 from cpshard.layouts.derive import derive_layout
@@ -21,7 +23,19 @@ from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import check_unchanged
 from cpshard.layouts.layout import Layout, structure_problems
 
-_FILES = (llama, mistral, qwen3, qwen3_moe, gemma3, qwen3_next, nemotron_h, granitemoehybrid, xlm)
+_FILES = (
+    llama,
+    mistral,
+    qwen3,
+    qwen3_moe,
+    gemma3,
+    qwen3_next,
+    nemotron_h,
+    granitemoehybrid,
+    xlm,
+    prophetnet,
+    reformer,
+)
 REGISTERED: dict[str, Layout] = {
     model_type: module.LAYOUT for module in _FILES for model_type in module.LAYOUT.model_types
 }

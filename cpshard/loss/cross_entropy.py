@@ -17,6 +17,7 @@ kept instead and their gradient is computed in the backward, in fp32, and rounde
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from cpshard.spec.sequence import row_blocks
 
@@ -33,11 +34,31 @@ def _gradient(probs: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) ->
     return probs.mul_(scale).scatter_add_(-1, target, -scale)
 
 
+def _scale(valid: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Each row's factor of ``softmax - one_hot``: d log p(target) / d logits = one_hot - softmax."""
+    return (valid * -grad).unsqueeze(-1).float()
+
+
+def targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, valid)``: each row's label as an index ``[..., 1]`` (0 where ignored), and whether it
+    counts."""
+    valid = labels != IGNORE_INDEX
+    return torch.where(valid, labels, 0).unsqueeze(-1), valid
+
+
+def log_probs_gradient(
+    logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of a block's token log-probabilities (``grad`` the upstream one per row) with respect
+    to its logits, in fp32: their softmax computed again (the exponential of the log-softmax, as torch's
+    backward takes it), then ``(one_hot - softmax) * grad`` where the row counts."""
+    return _gradient(torch.log_softmax(logits.float(), dim=-1).exp_(), target, _scale(valid, grad))
+
+
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, block_elements: int) -> torch.Tensor:
-        valid = labels != IGNORE_INDEX
-        target = torch.where(valid, labels, 0).unsqueeze(-1)
+        target, valid = targets(labels)
         picked = torch.empty(target.shape, dtype=torch.float32, device=logits.device)  # log p(target) per row
         # fp32 logits: their softmax kept now (the exponential of the log-softmax, as torch's backward takes
         # it); other dtypes keep the logits and round their gradient once, in the backward
@@ -54,6 +75,7 @@ class _TokenLogProbs(torch.autograd.Function):
         return torch.where(valid, picked.squeeze(-1), 0.0)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         if ctx.spent and ctx.early:
             raise RuntimeError(
@@ -62,13 +84,11 @@ class _TokenLogProbs(torch.autograd.Function):
             )
         ctx.spent = True
         saved, target, valid = ctx.saved_tensors
-        scale = (valid * -grad).unsqueeze(-1).float()  # d log p(target) / d logits = one_hot - softmax
         if ctx.early:
-            return _gradient(saved, target, scale), None, None
+            return _gradient(saved, target, _scale(valid, grad)), None, None
         out = torch.empty_like(saved)  # the one buffer of the logits' size
         for rows in ctx.blocks:
-            probs = torch.log_softmax(saved[rows].float(), dim=-1).exp_()
-            out[rows] = _gradient(probs, target[rows], scale[rows])
+            out[rows] = log_probs_gradient(saved[rows], target[rows], valid[rows], grad[rows])
         return out, None, None
 
 

@@ -35,11 +35,15 @@ def transform_logits(logits: torch.Tensor, config, transforms: tuple[str, ...]) 
     return logits
 
 
+def _head_names(model) -> dict[str, str]:
+    """The LM head's parameters: their names in the head -> in the model (a tied weight's first name)."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    return {local: canonical[id(p)] for local, p in model.get_output_embeddings().named_parameters()}
+
+
 def head_of(model, params: dict):
     """The LM head's weight and bias among ``params`` (a tied weight under the name params has for it)."""
-    head = model.get_output_embeddings()
-    canonical = {id(p): name for name, p in model.named_parameters()}
-    names = {local: canonical[id(p)] for local, p in head.named_parameters()}
+    names = _head_names(model)
     return params[names["weight"]], params[names["bias"]] if "bias" in names else None
 
 
@@ -85,20 +89,41 @@ def _models_logits(model, params: dict, hidden: torch.Tensor, path: str) -> torc
         setattr(owner, attribute, decoder)
 
 
+def _compare(model, params: dict, transforms: tuple[str, ...], decoder: str) -> bool:
+    """Whether the model's forward on stand-in hidden states gives :func:`own_logits`, and its logits'
+    gradient reaches no parameter outside the decoder but the head's weight and bias: one the model applies
+    beside them (Dory's ``lm_head.logit_scale``) may leave the logits alike at its initial value, and its
+    gradient would be missing."""
+    weight, _ = head_of(model, params)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 2, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+    outside = {
+        name: value.detach().requires_grad_(value.is_floating_point())
+        for name, value in params.items()
+        if not name.startswith(decoder + ".")
+    }
+    leaves = {name: value for name, value in outside.items() if value.requires_grad}
+    try:
+        with torch.enable_grad():
+            theirs = _models_logits(model, outside, hidden, decoder)
+            reached = ()  # a tied weight is the decoder's: nothing outside it may be a leaf
+            if leaves and theirs.requires_grad:
+                reached = torch.autograd.grad(theirs.sum(), list(leaves.values()), allow_unused=True)
+    except Exception:  # the model's forward wants more of its decoder than its output (FalconH1, Fuyu)
+        return False
+    head = {name for local, name in _head_names(model).items() if local in ("weight", "bias")}
+    if any(grad is not None and name not in head for name, grad in zip(leaves, reached)):
+        return False
+    with torch.no_grad():
+        ours = own_logits(model, params, hidden, transforms)
+    return theirs.shape == ours.shape and torch.allclose(theirs.detach(), ours, rtol=1e-5, atol=1e-5)
+
+
 def head_matches(model, params: dict, transforms: tuple[str, ...], decoder: str) -> bool:
-    """Whether :func:`own_logits` gives the model's own logits (checked once per model, on two tokens);
-    ``decoder``: the path of the model's decoder, stood in for by fixed hidden states."""
+    """Whether :func:`own_logits` gives the model's own logits, and from the head's weight and bias alone
+    (checked once per model, on two tokens); ``decoder``: the path of the model's decoder, stood in for by
+    fixed hidden states."""
     verdicts = _MATCHES.setdefault(model, {})
     if transforms not in verdicts:
-        weight, _ = head_of(model, params)
-        generator = torch.Generator().manual_seed(0)
-        hidden = torch.randn(1, 2, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
-        with torch.no_grad():
-            theirs, ours = (
-                _models_logits(model, params, hidden, decoder),
-                own_logits(model, params, hidden, transforms),
-            )
-        verdicts[transforms] = theirs.shape == ours.shape and torch.allclose(
-            theirs, ours, rtol=1e-5, atol=1e-5
-        )
+        verdicts[transforms] = _compare(model, params, transforms, decoder)
     return verdicts[transforms]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from cpshard.comm.arrival import arriving
 from cpshard.comm.record import active_recorder, expect, record
@@ -37,6 +38,7 @@ class _Halo(torch.autograd.Function):
         return _shift(tail, group, 1, ctx.recorder, name, "forward")
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         return _shift(grad, ctx.group, -1, ctx.recorder, ctx.name, "backward"), None, None
 

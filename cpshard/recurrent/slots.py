@@ -49,6 +49,8 @@ from cpshard.recurrent.hrm import hrm_entry_hooks
 from cpshard.recurrent.inkling import check_inkling_unchanged, inkling_hooks
 from cpshard.recurrent.inkling2 import inkling2_entry_hooks
 from cpshard.recurrent.lightning import check_lightning_unchanged, lightning_hooks
+from cpshard.recurrent.prophetnet import prophetnet_hooks
+from cpshard.recurrent.reformer import reformer_entry_hooks
 from cpshard.recurrent.rg_lru import check_rg_lru_unchanged, rg_lru_hooks
 from cpshard.recurrent.rwkv import check_rwkv_unchanged, rwkv_hooks
 from cpshard.recurrent.slot import Slot, cp_group, cut_to_rank, last_inputs, tensor_bytes
@@ -272,6 +274,11 @@ HOOKED_MIXERS = {
 ENTRY_HOOKS = {"inkling2": inkling2_entry_hooks}
 #: the installers of the decoder's entry hooks, by the decoder's class
 #: (:data:`~cpshard.layouts.layout.ENTERED_DECODERS`, whose names these are)
-DECODER_ENTRY_HOOKS = {"HrmTextModel": hrm_entry_hooks, "XLMModel": xlm_entry_hooks}
+DECODER_ENTRY_HOOKS = {
+    "HrmTextModel": hrm_entry_hooks,
+    "XLMModel": xlm_entry_hooks,
+    "ProphetNetDecoder": prophetnet_hooks,
+    "ReformerModel": reformer_entry_hooks,
+}
 #: the slot that serves each decay kind's kernel ("none": the kernel is a convolution, served by its halo)
 SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan, "diagonal": ChannelSplit, "none": Halo}

@@ -10,6 +10,7 @@ communication. The call's sequence order is part of the spec the cut goes to: un
 from __future__ import annotations
 
 import inspect
+import weakref
 from functools import partial
 
 import torch
@@ -21,15 +22,33 @@ from cpshard.interfaces import Hook
 from cpshard.layouts.layout import Layout
 
 
-def _cut(value, before, after, call: CallPlan):
+def _cut(value, before, after, call: CallPlan, once: bool = False):
+    """``value``'s share of this rank; ``once``: a tensor cut before in this call gives the same cut
+    (:func:`_cut_once`)."""
     if isinstance(value, dict):  # a rotary pair per rope type (DeepSeek-V4)
-        return {key: _cut(v, before, after, call) for key, v in value.items()}
+        return {key: _cut(v, before, after, call, once) for key, v in value.items()}
     if isinstance(value, tuple):
-        return tuple(_cut(v, before, after, call) for v in value)
+        return tuple(_cut(v, before, after, call, once) for v in value)
     if not isinstance(value, torch.Tensor):
         return value
+    if once:
+        return _cut_once(value, before, after, call)
     cut = redistribute(value, before, after.ordered("cp", call.order), call.mesh)
     return _fresh(cut, call.traced)
+
+
+def _cut_once(value: torch.Tensor, before, after, call: CallPlan) -> torch.Tensor:
+    """A per-layer input's cut, made once per call and tensor: transformers hands every layer the same
+    rotary pair, and a cut per layer would be a copy per layer (:func:`_fresh`), each kept for that
+    layer's backward. The tensor is known by a weak reference and its version: one freed (its id then
+    another's) or changed in place is cut anew."""
+
+    def make():
+        return weakref.ref(value), _cut(value, before, after, call)
+
+    version = None if value.is_inference() else value._version
+    known, cut = call.shared(("layer input", id(value), version, before, after), make)
+    return cut if known() is value else make()[1]
 
 
 def _fresh(cut: torch.Tensor, traced: bool) -> torch.Tensor:
@@ -56,10 +75,10 @@ def _cut_layer_inputs(first: bool, names: tuple[str, ...], module, args, kwargs)
             kwargs["hidden_states"] = _cut(kwargs["hidden_states"], *layout.hidden, call)
     for key, before, after in layout.layer_inputs:
         if kwargs.get(key) is not None:
-            kwargs[key] = _cut(kwargs[key], before, after, call)
+            kwargs[key] = _cut(kwargs[key], before, after, call, once=True)
         elif key in names[1 : len(args)]:
             index = names.index(key)
-            args = (*args[:index], _cut(args[index], before, after, call), *args[index + 1 :])
+            args = (*args[:index], _cut(args[index], before, after, call, once=True), *args[index + 1 :])
     if call.traced:
         _for_compiled_layer(module, args, kwargs, call)
     return args, kwargs
@@ -131,11 +150,12 @@ def _contiguous_again(module, args, output):
 
 def held_rows_only(hidden: torch.Tensor) -> torch.Tensor:
     """The rows this rank holds, where the decoder gave them in a tensor of the input's length
-    (:func:`_contiguous_again`); any other tensor as it is."""
+    (:func:`_contiguous_again`; ProphetNet's predict streams ``[B, n, L, D]``: the rows are the dim before the
+    features); any other tensor as it is."""
     call = split_call()
-    if call is None or not call.layout.restores_length or hidden.shape[1] != call.padded_length:
+    if call is None or not call.layout.restores_length or hidden.shape[-2] != call.padded_length:
         return hidden
-    return hidden[:, : _held_rows(call)]
+    return hidden[..., : _held_rows(call), :]
 
 
 @torch._dynamo.disable

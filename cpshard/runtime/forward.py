@@ -18,7 +18,9 @@ The stops a batch makes, most of them inside the model's own forward, where no c
 6. the final-norm hook (:mod:`cpshard.runtime.cut`): the rows back to contiguous chunks (from head-tail
    or striped order), so the logits are a plain ``Shard(1)``;
 7. the head hook: the LM head takes this rank's rows only (where the decoder restored the input's
-   length, as GPT-2's does); with ``logits=False`` the loss runs the head itself, a block at a time;
+   length, as GPT-2's does); where there are labels and cpshard's head gives the model's logits, the loss
+   runs the head itself (with the logits: whole, nothing else of their size kept; with ``logits=False``: a
+   block at a time);
 8. the loss (:mod:`cpshard.loss`): a local token-loss sum, summed over the token axes, over the global
    count of real tokens.
 """
@@ -33,14 +35,21 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
-from cpshard.call import CallPlan, running
+from cpshard.call import CallPlan, running, split_call
+from cpshard.comm.record import note_call
 from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
-from cpshard.loss.blocked import blocked_loss_sum, blocked_token_log_probs, blocked_token_statistics
+from cpshard.loss.blocked import (
+    blocked_loss_sum,
+    blocked_token_log_probs,
+    blocked_token_statistics,
+    logits_and_token_log_probs,
+)
 from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
 from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
 from cpshard.loss.router import adds_router_loss, load_balancing_loss
 from cpshard.loss.statistics import token_statistics
+from cpshard.loss.streams import check_stream_options, stream_logits, streams_loss_sum
 from cpshard.parallel.experts import (
     expert_counts,
 )
@@ -107,6 +116,7 @@ class CPForward:
 
     def __init__(self, model, layout: Layout, options: CPOptions):
         self.model, self.layout, self.options = model, layout, options
+        check_stream_options(layout, options.logits, options.token_logprobs, options.token_statistics)
         check_mlp_tile(model.get_submodule(layout.decoder_layers), layout, options.mlp_tile)
         install(model, layout, options.mlp_tile is not None, options.attention_recompute)
         if options.compile:
@@ -145,12 +155,15 @@ class CPForward:
 
     def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
         call, padded, params = self._prepare(params, batch, mesh, reduced)
-        cp = call.cp_size
+        cp, head_with_loss = call.cp_size, self._head_with_loss(params, padded)
         with running_call(self.model, call, self.options.strict):
-            local, router_logits = self._local_outputs(params, padded.model_inputs)
+            local, router_logits, streams = self._local_outputs(params, padded.model_inputs, head_with_loss)
         held = chunk_positions(padded.length, cp, cp_rank(mesh))
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
-        loss, num_tokens, logprobs, statistics = self._loss(local, params, padded, mesh, held, reduced)
+        streams = None if streams is None else streams[:, :, : len(held)]
+        loss, num_tokens, logprobs, statistics, local = self._loss(
+            local, params, padded, mesh, held, reduced, head_with_loss, streams
+        )
         if loss is not None and router_logits:
             loss = loss + self._router_loss(router_logits, padded, call)
         logits = sequence_sharded(local, padded.length, call.cp_mesh) if self.options.logits else None
@@ -160,18 +173,35 @@ class CPForward:
             statistics = {name: placed(value) for name, value in statistics.items()}
         return CPOutput(loss, logits, num_tokens, logprobs, statistics)
 
-    def _local_outputs(self, params: dict, inputs: dict) -> tuple[torch.Tensor, tuple | None]:
-        """This rank's logits (with ``logits=False`` its final hidden states: the head runs a block at a
-        time), and its MoE router logits where the config asks for the load-balancing loss (else None).
+    def _head_with_loss(self, params: dict, padded: PaddedBatch) -> bool:
+        """Whether the loss computes the logits (:func:`~cpshard.loss.blocked.logits_and_token_log_probs`,
+        which keeps neither their softmax nor their gradient beside them): where the call asks for the logits
+        and a loss, and cpshard's head gives the model's logits (else the model's own head runs)."""
+        options = self.options
+        return (
+            options.logits
+            and padded.shift_labels is not None
+            and not self.layout.stream_logits  # the model's own head gives every stream's logits
+            and head_matches(self.model, params, self.layout.head_transforms, self.layout.decoder)
+        )
+
+    def _local_outputs(
+        self, params: dict, inputs: dict, head_with_loss: bool = False
+    ) -> tuple[torch.Tensor, tuple | None, torch.Tensor | None]:
+        """This rank's logits (with ``logits=False`` or ``head_with_loss`` its final hidden states: the head
+        runs with the loss, a block at a time), its MoE router logits where the config asks for the
+        load-balancing loss (else None), and the logits of the further streams whose losses count (else None:
+        :func:`~cpshard.loss.streams.stream_logits`).
 
         Such models run their decoder alone and the head here: the model's own forward would add the
         load-balancing loss of this rank's slice, against the mask of the whole sequence."""
         inputs = {**inputs, "use_cache": False}
         routed = adds_router_loss(self.model, text_config(self.model))
-        if self.options.logits and not routed:
-            return torch.func.functional_call(
+        if self.options.logits and not routed and not head_with_loss:
+            output = torch.func.functional_call(
                 self.model, params, (), inputs, strict=False, tie_weights=True
-            ).logits, None
+            )
+            return output.logits, None, stream_logits(output, self.layout, text_config(self.model))
         if not head_matches(self.model, params, self.layout.head_transforms, self.layout.decoder):
             why, instead = (
                 ("for the router loss (output_router_logits=True)", "without the router loss")
@@ -185,15 +215,16 @@ class CPForward:
                 f"itself {why}; "
                 f"{instead}, cp_forward uses the model's own head"
             )
+        note_call(split_call(), self.model, inputs)  # no forward of the model shows this call to trace_comms
         prefix = self.layout.decoder + "."
         trunk = {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
         output = torch.func.functional_call(
             self.model.get_submodule(self.layout.decoder), trunk, (), inputs, strict=False, tie_weights=True
         )
         local = held_rows_only(output.last_hidden_state)
-        if self.options.logits:
+        if self.options.logits and not head_with_loss:
             local = own_logits(self.model, params, local, self.layout.head_transforms)
-        return local, output.router_logits if routed else None
+        return local, output.router_logits if routed else None, None
 
     def _router_loss(self, router_logits: tuple, padded: PaddedBatch, call: CallPlan) -> torch.Tensor:
         """The config's coefficient times the load-balancing loss over the whole batch."""
@@ -229,23 +260,44 @@ class CPForward:
             return token_statistics(local, labels, names)
         return blocked_token_statistics(local, labels, *self._head(params), names)
 
-    def _loss(self, local, params: dict, padded: PaddedBatch, mesh, held: torch.Tensor, reduced: bool):
+    def _loss(
+        self,
+        local,
+        params: dict,
+        padded: PaddedBatch,
+        mesh,
+        held: torch.Tensor,
+        reduced: bool,
+        head_with_loss: bool = False,
+        streams: torch.Tensor | None = None,
+    ):
         """``(loss, num_tokens, this rank's token log-probabilities or None, its token statistics or
-        None)``; the loss is the log-probabilities' negated sum over the normaliser when they are asked for
-        (one pass over the head); not ``reduced``, this rank's share of it."""
+        None, its logits)``; the loss is the log-probabilities' negated sum over the normaliser when they are
+        asked for (one pass over the head); not ``reduced``, this rank's share of it. ``head_with_loss``:
+        ``local`` is the final hidden states, and the loss computes the logits. ``streams``: the further
+        streams' logits, whose token losses join the loss over every stream's tokens."""
         if padded.shift_labels is None:
             for option in ("token_logprobs", "token_statistics"):
                 if getattr(self.options, option):
                     raise ValueError(f"{option} needs labels: give the batch labels or shift_labels")
-            return None, torch.zeros((), dtype=torch.int64), None, None
+            return None, torch.zeros((), dtype=torch.int64), None, None, local
         local_labels = padded.shift_labels.index_select(1, held)
         num_tokens, divisor = loss_normaliser(padded.shift_labels, padded.num_items, mesh)
-        logprobs = self._token_logprobs(local, params, local_labels) if self.options.token_logprobs else None
-        loss_sum = -logprobs.sum() if logprobs is not None else self._loss_sum(local, params, local_labels)
+        if head_with_loss:
+            local, picked = logits_and_token_log_probs(local, local_labels, *self._head(params))
+            logprobs, loss_sum = picked if self.options.token_logprobs else None, -picked.sum()
+        elif self.options.token_logprobs:
+            logprobs = self._token_logprobs(local, params, local_labels)
+            loss_sum = -logprobs.sum()
+        else:
+            logprobs, loss_sum = None, self._loss_sum(local, params, local_labels)
+        if streams is not None:
+            loss_sum = loss_sum + streams_loss_sum(streams, local_labels)
+            divisor = divisor * (1 + streams.shape[1])
         loss = loss_sum / divisor
         if reduced:
             loss = summed_over(loss, mesh, TOKEN_AXES, "loss")
-        return loss, num_tokens, logprobs, self._token_statistics(local, params, local_labels)
+        return loss, num_tokens, logprobs, self._token_statistics(local, params, local_labels), local
 
 
 def make_cp_forward(
@@ -272,7 +324,8 @@ def make_cp_forward(
     probed once against one process), a registered name, or a :class:`~cpshard.layouts.layout.Layout`.
     ``implementation``: "ulysses", "ring", "hybrid" or "auto" (Ulysses where the heads allow it).
     ``logits``: False computes the loss a block of tokens at a time, never holding a rank's whole
-    ``[L/cp, vocab]`` logits (``CPOutput.logits`` is then None).
+    ``[L/cp, vocab]`` logits (``CPOutput.logits`` is then None); True keeps nothing of the logits' size
+    beside them for the loss's backward (it computes each block's softmax again).
     ``strict``: True raises on any implicit DTensor redistribution inside the call.
     ``ulysses_degree``: for hybrid, the Ulysses group size (default: the largest that fits).
     ``sequence_order``: "contiguous", "head_tail" (causal load balance) or "striped" (the causal load

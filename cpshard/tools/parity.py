@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
 from cpshard.comm.record import recording
@@ -29,22 +30,34 @@ def tensor_group(name: str) -> str:
 
 
 def reference(model, params: dict, batch: dict):
-    """Loss, logits and gradients of the plain model on this process alone."""
+    """Loss, logits and gradients of the plain model on this process alone. The model holds ``params``
+    through the backward too: one that runs a backward of its own inside autograd's (Reformer's reversible
+    layers recompute each layer and call ``backward()`` on it) leaves those gradients in their ``.grad``,
+    which count with autograd's."""
     leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
     inputs = {key: value for key, value in batch.items() if key != "shift_labels"}
-    output = torch.func.functional_call(model, leaves, (), {**inputs, "use_cache": False}, strict=False)
-    loss = output.loss
-    if "shift_labels" in batch:  # transformers takes shift_labels in its loss only, not in forward
-        loss = model.loss_function(
-            output.logits, None, text_config(model).vocab_size, shift_labels=batch["shift_labels"]
-        )
-        if (
-            getattr(output, "aux_loss", None) is not None
-        ):  # the MoE router's load-balancing loss, as with labels
-            loss = loss + text_config(model).router_aux_loss_coef * output.aux_loss
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(leaves.items(), grads)}
+    with _reparametrize_module(model, leaves, tie_weights=True, strict=False):
+        output = model(**inputs, use_cache=False)
+        loss = output.loss
+        if "shift_labels" in batch:  # transformers takes shift_labels in its loss only, not in forward
+            loss = model.loss_function(
+                output.logits, None, text_config(model).vocab_size, shift_labels=batch["shift_labels"]
+            )
+            if (
+                getattr(output, "aux_loss", None) is not None
+            ):  # the MoE router's load-balancing loss, as with labels
+                loss = loss + text_config(model).router_aux_loss_coef * output.aux_loss
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    grads = {n: _with_own_backward(g, p) for (n, p), g in zip(leaves.items(), grads)}
     return loss.detach(), output.logits.detach(), grads
+
+
+def _with_own_backward(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:
+    """autograd's gradient of ``leaf`` plus what a backward inside the model left in its ``.grad``."""
+    own = leaf.grad
+    if grad is None:
+        return torch.zeros_like(leaf) if own is None else own
+    return grad if own is None else grad + own
 
 
 @dataclass(frozen=True)

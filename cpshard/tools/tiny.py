@@ -152,9 +152,13 @@ PER_TYPE = {
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size * expand = num_heads * head_dim
     **dict.fromkeys(_SEQ2SEQ_TYPES, _SEQ2SEQ),
-    "prophetnet": dict(num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2),
+    # its decoder builds [M, M] buckets and masks of max_position_embeddings in every forward: its own 512
+    "prophetnet": dict(
+        num_hidden_layers=None, num_encoder_layers=2, num_decoder_layers=2, max_position_embeddings=512
+    ),
     "zamba": dict(num_hidden_layers=3),
-    "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], max_position_embeddings=256),
+    # axial position embeddings take exactly prod(axial_pos_shape) tokens in training (its gradients' mode)
+    "reformer": dict(axial_pos_embds=False, max_position_embeddings=256),
     "qwen3_moe": _experts(num_experts=8, decoder_sparse_step=1, mlp_only_layers=[0]),
     # configs whose validators or models need more than SMALL, and the parts of composite configs;
     # Gemma 4's drafter: a text model without per-layer inputs that reads all its keys and values from
