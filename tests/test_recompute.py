@@ -227,6 +227,24 @@ def test_blocks_recompute_with_the_parameters_of_the_forward():
         torch.testing.assert_close(blocked, whole)
 
 
+def test_blocks_take_a_mask_of_one_row_broadcast_over_the_queries():
+    """A padding mask ``[B, 1, 1, K]`` holds one row for every query: each block takes it whole."""
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 7, 4, generator=generator, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, 1, 1, 7)
+    mask[0, ..., :2] = float("-inf")  # the first row's two left-padded keys
+
+    def attention(module, query, key, value, mask, **kwargs):
+        scores = query @ key.transpose(-1, -2) + mask
+        return (scores.softmax(-1) @ value).transpose(1, 2), None
+
+    whole = attention(None, q, k, v, mask)[0]
+    blocked = attend_in_blocks(False, attention, torch.nn.Module(), q, k, v, mask, 3)[0]
+    torch.testing.assert_close(blocked, whole)
+    for a, b in zip(*(torch.autograd.grad(out.pow(2).sum(), (q, k, v)) for out in (whole, blocked))):
+        torch.testing.assert_close(a, b)
+
+
 def test_blocks_serve_sdpa_and_eager_under_a_tensor_mask_or_none():
     check_blocked("sdpa", None, "model.layers.0.self_attn")
     check_blocked("eager", torch.zeros(1, 1, 4, 4), "model.layers.0.self_attn")

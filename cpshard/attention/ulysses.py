@@ -140,7 +140,7 @@ def _attend_rows(function, module, query, key, value, mask, kwargs: dict, part: 
     per query), each row as the function computes it whole; sdpa's boolean mask becomes floats here, one
     block at a time (see :func:`_sdpa_mask`)."""
     if mask is not None:
-        mask = mask[..., part, :]
+        mask = mask[..., part, :] if mask.shape[-2] > 1 else mask  # one row broadcast over the queries: all
         mask = _sdpa_mask(mask, query.dtype, kwargs) if sdpa and mask.dtype == torch.bool else mask
     return function(module, query, key, value, mask, **_rows(kwargs, part))[0]
 
