@@ -58,7 +58,7 @@ def test_tiled_mlp_is_exact(ranks2, name):
 
 
 def refused(model_type: str, tile) -> str:
-    model = tiny_model(model_type)
+    model = tiny_model(model_type, attn_implementation="auto")
     with pytest.raises(LayoutError) as caught:
         cpshard.make_cp_forward(model, mlp_tile=tile)
     return str(caught.value)
@@ -68,6 +68,7 @@ def test_tiles_that_cannot_serve_are_refused():
     assert "mlp_tile=0 is not a positive number of tokens" in refused("llama", 0)
     assert "mlp_tile=True is not a positive number of tokens" in refused("llama", True)
     assert "mlp_tile tiles dense MLPs; 'mlp' holds the experts ['mlp.experts']" in refused("qwen3_moe", 4)
+    assert "layout 'xlm' names none (its decoder has no MLP module per layer)" in refused("xlm", 4)
 
 
 def test_outside_a_call_the_mlp_is_its_own():

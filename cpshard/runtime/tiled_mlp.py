@@ -57,7 +57,12 @@ def check_mlp_tile(layers: nn.ModuleList, layout: Layout, tile: int | None) -> N
         return
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise LayoutError(f"mlp_tile={tile!r} is not a positive number of tokens")
-    if layout.mlp is None or not all(isinstance(submodule(layer, layout.mlp), nn.Module) for layer in layers):
+    if layout.mlp is None:
+        raise LayoutError(
+            f"mlp_tile tiles each decoder layer's MLP module, and layout {layout.name!r} names none (its "
+            "decoder has no MLP module per layer): make the cp forward without mlp_tile"
+        )
+    if not all(isinstance(submodule(layer, layout.mlp), nn.Module) for layer in layers):
         raise LayoutError(
             f"mlp_tile needs every decoder layer's MLP module; not every layer has {layout.mlp!r}"
         )
