@@ -178,13 +178,15 @@ def test_blocks_output_goes_back_into_its_own_storage(ranks2):
 
 
 def test_block_rows_hold_the_budgets_scores():
-    """A block's scores (batch x heads x queries x keys x 4 bytes) within the budget, at least one query;
-    sdpa without a mask, whose kernel holds no scores, in one block."""
+    """A block's scores (batch x heads x queries x keys x 4 bytes, in half precision too) within the
+    budget, at least one query; sdpa without a mask, whose kernel holds no scores, in one block."""
     query, key = torch.zeros(2, 3, 100, 8), torch.zeros(2, 1, 90, 8)
     per_query = 2 * 3 * 90 * 4
     assert block_rows("eager", query, key, None, 10 * per_query + 1) == 10
     assert block_rows("sdpa", query, key, torch.ones(2, 1, 100, 90, dtype=torch.bool), per_query - 1) == 1
     assert block_rows("sdpa", query, key, None, per_query) == 100
+    # bf16 scores are softmaxed in fp32 (eager): a block is sized by the fp32 copy, not by bf16's 2 bytes
+    assert block_rows("eager", query.bfloat16(), key.bfloat16(), None, 10 * per_query + 1) == 10
 
 
 @pytest.mark.parametrize(

@@ -173,12 +173,12 @@ def attend_in_blocks(sdpa: bool, function, module, query, key, value, mask, rows
 
 def block_rows(inner: str, query, key, mask, budget: int) -> int:
     """How many queries a block holds so that its scores (every head of every row of the batch, over
-    every key) take at most ``budget`` bytes (at least one query). sdpa without a mask holds no scores
-    (its kernel works in tiles) and aligns a causal block of fewer queries than keys at the first key,
-    not the last: one block."""
+    every key) take at most ``budget`` bytes (at least one query), counted in fp32 at the least: eager
+    softmaxes half-precision scores in fp32. sdpa without a mask holds no scores (its kernel works in
+    tiles) and aligns a causal block of fewer queries than keys at the first key, not the last: one block."""
     if inner == "sdpa" and mask is None:
         return query.shape[2]
-    per_query = query.shape[0] * query.shape[1] * key.shape[2] * query.element_size()
+    per_query = query.shape[0] * query.shape[1] * key.shape[2] * max(query.element_size(), 4)
     return max(1, budget // per_query)
 
 
