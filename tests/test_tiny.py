@@ -55,3 +55,8 @@ def test_packed_positions_restart_at_zero():
 def test_embeds_and_shift_labels():
     batch = tiny_batch(50, 2, 7, embeds_dim=16, shift=True)
     assert set(batch) == {"inputs_embeds", "shift_labels"} and batch["inputs_embeds"].shape == (2, 7, 16)
+
+
+def test_the_default_attention_is_sdpa_where_the_model_has_it_else_eager():
+    assert tiny_model("llama").config._attn_implementation == "sdpa"
+    assert tiny_model("reformer").config._attn_implementation == "eager"  # no sdpa in transformers 5.25

@@ -339,10 +339,11 @@ def causal_lm(config, attn_implementation: str | None = None):
 
 
 def tiny_model(
-    model_type: str, seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **overrides
+    model_type: str, seed: int = 0, attn_implementation: str = "auto", dtype=torch.float32, **overrides
 ):
     """A random causal LM of ``model_type``, the same on every process for the same seed.
-    ``attn_implementation="auto"``: sdpa where the model supports it, else eager."""
+    ``attn_implementation="auto"`` (the default): sdpa where the model supports it, else eager (Reformer,
+    XLM, GPT-Neo...), as ``cpshard check --attn auto`` chooses."""
     if attn_implementation == "auto":
         try:
             return tiny_model(model_type, seed, "sdpa", dtype, **overrides)
