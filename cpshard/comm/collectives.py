@@ -242,11 +242,28 @@ def sum_now_over_group(tensors: list[torch.Tensor], group, name: str = "") -> li
 def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
     """Every rank's ``x`` stacked along a new dim 0 (not differentiable; for checks)."""
     size = dist.get_world_size(group)
+    return _all_gathered(x, group, active_recorder(), name, "forward").view(size, *x.shape)
+
+
+def _all_gathered(x: torch.Tensor, group, recorder, name: str, phase: str) -> torch.Tensor:
+    """Every rank's ``x``, flat and in rank order (``[size * x.numel()]``): one all-gather, recorded."""
+    size = dist.get_world_size(group)
+    record(recorder, "all_gather", name, phase, x, size)
     out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
-    record(active_recorder(), "all_gather", name, "forward", x, size)
     with arriving("all_gather", name, group):
         dist.all_gather_single(out, x.contiguous().reshape(-1), group=group)
-    return out.view(size, *x.shape)
+    return out
+
+
+def _reduce_scattered(x: torch.Tensor, group, recorder, name: str, phase: str) -> torch.Tensor:
+    """This rank's block (the ``rank``-th of ``size`` equal ones, flat) of ``x`` summed over the group: one
+    reduce-scatter, recorded."""
+    size = dist.get_world_size(group)
+    record(recorder, "reduce_scatter", name, phase, x, size)
+    out = torch.empty(x.numel() // size, dtype=x.dtype, device=x.device)
+    with arriving("reduce_scatter", name, group):
+        dist.reduce_scatter_single(out, x.contiguous().reshape(-1), group=group)
+    return out
 
 
 def _rows_of(rank: int, rows: int, chunk: int) -> int:
@@ -277,10 +294,7 @@ class _GatherShards(torch.autograd.Function):
         ctx.group, ctx.name, ctx.recorder, ctx.chunks = group, name, active_recorder(), chunks
         ctx.local_rows = [shard.shape[0] for shard in shards]
         flat = torch.cat([_padded(shard, chunk).reshape(-1) for shard, chunk in zip(shards, chunks)])
-        record(ctx.recorder, "all_gather", name, "forward", flat, size)
-        out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        with arriving("all_gather", name, group):
-            dist.all_gather_single(out, flat, group=group)
+        out = _all_gathered(flat, group, ctx.recorder, name, "forward")
         pieces = out.view(size, -1).split([c * math.prod(s.shape[1:]) for c, s in zip(chunks, shards)], dim=1)
         return tuple(
             torch.cat([piece[r].view(c, *s.shape[1:])[: _rows_of(r, n, c)] for r in range(size)])
@@ -291,13 +305,8 @@ class _GatherShards(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         size = dist.get_world_size(ctx.group)
-        send = torch.cat(
-            [_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)], dim=1
-        ).contiguous()
-        record(ctx.recorder, "reduce_scatter", ctx.name, "backward", send, size)
-        out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
-        with arriving("reduce_scatter", ctx.name, ctx.group):
-            dist.reduce_scatter_single(out, send.view(-1), group=ctx.group)
+        send = torch.cat([_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)], dim=1)
+        out = _reduce_scattered(send, ctx.group, ctx.recorder, ctx.name, "backward")
         pieces = out.split([c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)])
         local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, ctx.chunks, ctx.local_rows)]
         return (None, None, None, *local)
@@ -325,22 +334,15 @@ class _ScatterSums(torch.autograd.Function):
         if x.shape[0] % size:
             raise ValueError(f"{name}: {x.shape[0]} rows do not split into {size} equal blocks")
         ctx.group, ctx.name, ctx.recorder = group, name, active_recorder()
-        send = x.contiguous()
-        record(ctx.recorder, "reduce_scatter", name, "forward", send, size)
-        out = torch.empty(x.shape[0] // size, *x.shape[1:], dtype=x.dtype, device=x.device)
-        with arriving("reduce_scatter", name, group):
-            dist.reduce_scatter_single(out.view(-1), send.view(-1), group=group)
-        return out
+        out = _reduce_scattered(x, group, ctx.recorder, name, "forward")
+        return out.view(x.shape[0] // size, *x.shape[1:])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        size, grad = dist.get_world_size(ctx.group), grad.contiguous()
-        record(ctx.recorder, "all_gather", ctx.name, "backward", grad, size)
-        out = torch.empty(size * grad.shape[0], *grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        with arriving("all_gather", ctx.name, ctx.group):
-            dist.all_gather_single(out.view(-1), grad.view(-1), group=ctx.group)
-        return out, None, None
+        size = dist.get_world_size(ctx.group)
+        out = _all_gathered(grad, ctx.group, ctx.recorder, ctx.name, "backward")
+        return out.view(size * grad.shape[0], *grad.shape[1:]), None, None
 
 
 def scatter_sums(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
@@ -362,11 +364,7 @@ def _gather_shares(x: torch.Tensor, rows: int, group, recorder, name: str, phase
     """Every rank's share (:func:`share_bounds`) of ``rows`` rows, back in rank order: one all-gather of
     the shares padded to the largest."""
     size, chunk = dist.get_world_size(group), -(-rows // dist.get_world_size(group))
-    flat = _padded(x, chunk).contiguous()
-    record(recorder, "all_gather", name, phase, flat, size)
-    out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
-    with arriving("all_gather", name, group):
-        dist.all_gather_single(out, flat.reshape(-1), group=group)
+    out = _all_gathered(_padded(x, chunk), group, recorder, name, phase)
     pieces = out.view(size, chunk, -1)
     return torch.cat([pieces[r, : _rows_of(r, rows, chunk)] for r in range(size)]).view(rows, *x.shape[1:])
 
