@@ -29,27 +29,12 @@ import torch
 from torch import nn
 
 from cpshard.call import CallPlan
-from cpshard.comm.collectives import all_gather_shards
-from cpshard.comm.record import expect
+from cpshard.comm.collectives import gathered
 from cpshard.spec.sequence import chunk_width, positions
 
 #: the layer type whose windows overlap (CSA: each entry weighs the previous window's Ca series, for it and
 #: its indexer); HCA's windows do not
 OVERLAPPING = "compressed_sparse_attention"
-
-
-def gathered(call: CallPlan, path: str, parts: list[torch.Tensor], dim: int, what: str, gradient: bool):
-    """Every rank's ``parts`` (each the same shape on every rank) concatenated along ``dim`` in rank order,
-    in one all-gather; with ``gradient`` their gradients come back reduce-scattered. Declares its bytes for
-    :func:`cpshard.debug.trace_comms`."""
-    size = call.cp_size
-    rows = [part.movedim(dim, 0).contiguous() for part in parts]
-    nbytes = sum(row.numel() * row.element_size() for row in rows)
-    expect(path, "all_gather", "forward", 1, nbytes)
-    if gradient:
-        expect(path, "reduce_scatter", "backward", 1, nbytes * size)
-    whole = all_gather_shards(rows, [row.shape[0] * size for row in rows], call.mesh.get_group("cp"), what)
-    return [x.movedim(0, dim) for x in whole]
 
 
 class WindowPlan(NamedTuple):
@@ -154,7 +139,7 @@ class CompressedWindows:
         tails = plan.tails.to(kv.device)
         what = f"{self.path} {name} halo tokens and gates"
         mine = [kv.index_select(1, tails), gate.index_select(1, tails)]
-        halo = gathered(self.call, self.path, mine, 1, what, gradient)
+        halo = gathered(mine, 1, self.call.mesh.get_group("cp"), self.path, what, gradient)
         self.halos[name] = halo
         take = plan.take.to(kv.device)
         chunk_kv = torch.cat([halo[0], kv], dim=1).index_select(1, take)
@@ -180,5 +165,6 @@ class CompressedWindows:
             # so that it runs their reduce-scatters and its halo's (collectives) whenever they do
             anchors = [*self.halos[name], self.compressor.position_bias, self.compressor.kv_norm.weight]
             mine = mine + 0 * sum(anchor.sum() for anchor in anchors)
-        whole = gathered(self.call, self.path, [mine], 1, f"{self.path} {name} entries", gradient)[0]
+        group, entries = self.call.mesh.get_group("cp"), f"{self.path} {name} entries"
+        whole = gathered([mine], 1, group, self.path, entries, gradient)[0]
         return whole.index_select(1, plan.order.to(whole.device))

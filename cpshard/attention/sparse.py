@@ -46,8 +46,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from cpshard.attention.compressed import CompressedWindows, gathered
+from cpshard.attention.compressed import CompressedWindows
 from cpshard.call import CallPlan, split_call
+from cpshard.comm.collectives import gathered
 from cpshard.interfaces import Hook
 from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.layouts.layout import SELECTING_WITH, gathers_keys
@@ -148,7 +149,7 @@ class WholeKeys:
 
     def _whole(self, parts: list[torch.Tensor], dim: int, what: str, gradient: bool) -> list[torch.Tensor]:
         call = self.call
-        whole = gathered(call, self.path, parts, dim, what, gradient)
+        whole = gathered(parts, dim, call.mesh.get_group("cp"), self.path, what, gradient)
         order = call.shared(("sequence order",), lambda: _sequence_order(call)).to(whole[0].device)
         return [x.index_select(dim, order[: call.length]) for x in whole]
 

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from cpshard.comm.arrival import arriving
 from cpshard.comm.channel import Channel, TracedGroup
-from cpshard.comm.record import active_recorder, record
+from cpshard.comm.record import active_recorder, expect, record
 
 
 def _all_to_all_single(send: torch.Tensor, group, name: str = "") -> torch.Tensor:
@@ -322,6 +322,22 @@ def all_gather_shards(
             f"{name or 'all_gather_shards'}: one dtype per call, got {sorted({str(s.dtype) for s in shards})}"
         )
     return list(_GatherShards.apply(group, name, tuple(rows), *shards))
+
+
+def gathered(
+    parts: list[torch.Tensor], dim: int, group, path: str, name: str, gradient: bool = True
+) -> list[torch.Tensor]:
+    """Every rank's ``parts`` (each the same shape on every rank) concatenated along ``dim`` in rank order,
+    in one all-gather (:func:`all_gather_shards`, named ``name``); the bytes declared for the module ``path``
+    (:func:`cpshard.debug.trace_comms`), with ``gradient`` the reduce-scatter of their gradients too."""
+    size = dist.get_world_size(group)
+    rows = [part.movedim(dim, 0).contiguous() for part in parts]
+    nbytes = sum(row.numel() * row.element_size() for row in rows)
+    expect(path, "all_gather", "forward", 1, nbytes)
+    if gradient:
+        expect(path, "reduce_scatter", "backward", 1, nbytes * size)
+    whole = all_gather_shards(rows, [row.shape[0] * size for row in rows], group, name)
+    return [x.movedim(0, dim) for x in whole]
 
 
 class _ScatterSums(torch.autograd.Function):

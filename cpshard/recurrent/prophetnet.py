@@ -39,13 +39,11 @@ import torch
 from torch import nn
 
 from cpshard.call import CallPlan, split_call
-from cpshard.comm.collectives import all_gather_shards
-from cpshard.comm.record import expect
+from cpshard.comm.collectives import gathered
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.fingerprint import check_written_for, written_against
-from cpshard.recurrent.slot import tensor_bytes
 
 #: what the hooks were written against in transformers 5.25.0: the decoder that builds the streams, the
 #: layer and FFN that run per position, the attention run whole, the causal LM's head and loss
@@ -83,11 +81,9 @@ def _gathered(hidden: torch.Tensor, call: CallPlan, streams: int, path: str) -> 
     """Every rank's rows of each stream, whole and in order, to the sequence's real length (cp's padding
     dropped), in one all-gather (its gradient reduce-scattered back: each rank's rows summed over the ranks
     that used them); its bytes declared for ``path``."""
-    rows = _streams(hidden, streams).movedim(2, 0).contiguous()  # [L / cp, B, 1 + n, D]
-    expect(path, "all_gather", "forward", 1, tensor_bytes(rows))
-    expect(path, "reduce_scatter", "backward", 1, tensor_bytes(rows) * call.cp_size)
-    (whole,) = all_gather_shards([rows], [call.padded_length], call.mesh.get_group("cp"), f"{path} streams")
-    return whole[: call.length].movedim(0, 2).flatten(1, 2)
+    group = call.mesh.get_group("cp")
+    (whole,) = gathered([_streams(hidden, streams)], 2, group, path, f"{path} streams")
+    return whole[:, :, : call.length].flatten(1, 2)
 
 
 #: the attention's inputs of the decoder's whole (cp-padded) length, by how many runs of keys each holds: its

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpshard.call import CallPlan, split_call
-from cpshard.comm.collectives import all_gather_rows, all_gather_shards, scatter_sums
+from cpshard.comm.collectives import all_gather_rows, gathered, scatter_sums
 from cpshard.comm.record import expect
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook, SeenAs
@@ -233,10 +233,6 @@ def _hash_share(
     return buckets[:, heads].contiguous()
 
 
-def _path(call: CallPlan, module: nn.Module) -> str:
-    return call.module_names.get(id(module), type(module).__name__)
-
-
 def _attention_forward(module: nn.Module, hidden_states, *args, **kwargs):
     """Inside a cp call: the rank's rows gathered whole, the module's own forward on this rank's heads over
     the batch's own positions (cp's padding left out: a query that sees no key, a left-padded row's first,
@@ -246,11 +242,8 @@ def _attention_forward(module: nn.Module, hidden_states, *args, **kwargs):
         return type(module).forward(module, hidden_states, *args, **kwargs)
     group = cp_group(call)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    share, path = module.num_attention_heads // size, _path(call, module)
-    rows = hidden_states.transpose(0, 1)
-    expect(path, "all_gather", "forward", 1, tensor_bytes(rows))
-    expect(path, "reduce_scatter", "backward", 1, tensor_bytes(rows) * size)
-    whole = all_gather_shards([rows], [rows.shape[0] * size], group, f"{path} input")[0].transpose(0, 1)
+    share, path = module.num_attention_heads // size, call.name_of(module)
+    whole = gathered([hidden_states], 1, group, path, f"{path} input")[0]
     mask = kwargs.get("attention_mask")
     if mask is not None:
         kwargs["attention_mask"] = mask[:, : call.length]
@@ -269,7 +262,7 @@ def _output_forward(module: nn.Module, hidden_states):
     width, rank = hidden_states.shape[-1], dist.get_rank(group)
     partial_sum = F.linear(hidden_states, module.dense.weight[:, rank * width : (rank + 1) * width])
     partial_sum = F.pad(partial_sum, (0, 0, 0, call.padded_length - partial_sum.shape[1]))  # cp's padding
-    path, size = _path(call, module), dist.get_world_size(group)
+    path, size = call.name_of(module), dist.get_world_size(group)
     expect(path, "reduce_scatter", "forward", 1, tensor_bytes(partial_sum))
     expect(path, "all_gather", "backward", 1, tensor_bytes(partial_sum) // size)
     rows = scatter_sums(partial_sum.transpose(0, 1), group, f"{path} partial sums").transpose(0, 1)
