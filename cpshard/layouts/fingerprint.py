@@ -17,6 +17,7 @@ with :func:`written_against`.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import inspect
@@ -121,7 +122,10 @@ def check_written_for(what: str, module_name: str, expected: Mapping[str, str]) 
         )
 
 
+@functools.cache
 def _tables() -> dict:
+    """The file, read once per process (every table's module reads its own at import); never modified:
+    :func:`written_against` hands out copies."""
     return json.loads(resources.files(__package__).joinpath(TABLES).read_text())
 
 
