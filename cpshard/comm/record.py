@@ -47,8 +47,8 @@ class CommsLog:
 
     events: list[CommEvent] = field(default_factory=list)
     expected: list[Expected] = field(default_factory=list)
-    #: ``(call, model, inputs)`` of each cp call that ran the model's decoder without the model's own
-    #: forward (:func:`note_call`), whose optimum a report works out as for a forward of the model
+    #: ``(call, model, inputs)`` of each cp call run inside the recording (:func:`note_call`), whose optimum a
+    #: report works out
     calls: list[tuple] = field(default_factory=list, repr=False, compare=False)
     #: the recording this one is nested in, which records every event too
     parent: CommsLog | None = field(default=None, repr=False, compare=False)
@@ -144,9 +144,9 @@ def record(recorder: Recorder | None, op: str, name: str, phase: str, tensor, gr
 
 
 def note_call(call, model, inputs: dict) -> None:
-    """Declare, in the open recording and every one it is nested in, a cp ``call`` of ``model`` on
-    ``inputs`` that runs its decoder alone (its head with the loss), where no forward of the model itself
-    shows it (no-op without a recording)."""
+    """Declare, in the open recording and every one it is nested in, a cp ``call`` of ``model`` on ``inputs``
+    (whether the model's own forward runs or its decoder alone, as with the head run with the loss); no-op
+    without a recording."""
     log = _ACTIVE.get()
     while log is not None:
         log.calls.append((call, model, inputs))

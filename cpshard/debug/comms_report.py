@@ -17,9 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import register_module_forward_hook
 
-from cpshard.call import CallPlan, split_call
+from cpshard.call import CallPlan
 from cpshard.comm.record import CommEvent, Expected, recording
 from cpshard.debug.analytic import attention_paths, head_dim, value_head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
@@ -214,24 +213,13 @@ def _group(
 def trace_comms(fn, /, *args, **kwargs) -> CommsReport:
     """Run ``fn(*args, **kwargs)`` and report every cpshard collective it launched on this rank,
     forward and backward; the value of ``fn`` is ``report.result``."""
+    with recording() as log:
+        result = fn(*args, **kwargs)
     runs: list[_Run] = []
     modules: set[str] = set()
-
-    def seen(module, module_args, module_kwargs, output):
-        call = split_call()
-        if call is not None and call.name_of(module) == "":  # the model itself, inside a cp call
+    for call, model, inputs in log.calls:  # every cp call the recording saw, that splits the sequence
+        if call.cp_size > 1:
             modules.update(call.module_names.values())
-            run = _Run.of(call, module, module_kwargs)
+            run = _Run.of(call, model, inputs)
             runs.extend([run] if run else [])
-
-    handle = register_module_forward_hook(seen, with_kwargs=True)
-    try:
-        with recording() as log:
-            result = fn(*args, **kwargs)
-    finally:
-        handle.remove()
-    for call, model, inputs in log.calls:  # cp calls that ran the model's decoder alone
-        modules.update(call.module_names.values())
-        run = _Run.of(call, model, inputs)
-        runs.extend([run] if run else [])
     return CommsReport(list(log.events), _group(log.events, runs, log.expected, modules), result)

@@ -234,7 +234,7 @@ class CPPrefill:
         inputs = {**padded.model_inputs, "use_cache": False}
         if self.head_keeps_rows:
             inputs["logits_to_keep"] = keep
-        with torch.no_grad(), running_call(self.model, call):
+        with torch.no_grad(), running_call(self.model, call, inputs):
             local = torch.func.functional_call(self.model, params, (), inputs, strict=False, tie_weights=True)
             # a model may ignore logits_to_keep (xLSTM takes any keyword): then it gave every position's
             kept = local.logits if local.logits.shape[1] == keep.numel() else local.logits[:, keep]

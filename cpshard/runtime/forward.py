@@ -35,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
-from cpshard.call import CallPlan, running, split_call
+from cpshard.call import CallPlan, running
 from cpshard.comm.record import note_call
 from cpshard.layouts.layout import Layout, text_config
 from cpshard.layouts.registry import resolve_layout
@@ -99,9 +99,11 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def running_call(model, call: CallPlan, strict: bool = False):
-    """The model's own forward runs inside this: the call is ambient for the installed pieces, a layer
-    recomputed under checkpointing re-enters it, and ``strict`` raises on implicit redistributions."""
+def running_call(model, call: CallPlan, inputs: dict, strict: bool = False):
+    """The model's own forward (or its decoder's) runs inside this, on ``inputs``: the call is ambient for
+    the installed pieces, a layer recomputed under checkpointing re-enters it, ``strict`` raises on implicit
+    redistributions, and an open recording learns of the call (:func:`~cpshard.comm.record.note_call`)."""
+    note_call(call, model, inputs)
     with (
         running(call),
         recompute_in(call, model),
@@ -156,7 +158,7 @@ class CPForward:
     def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
         call, padded, params = self._prepare(params, batch, mesh, reduced)
         cp, head_with_loss = call.cp_size, self._head_with_loss(params, padded)
-        with running_call(self.model, call, self.options.strict):
+        with running_call(self.model, call, padded.model_inputs, self.options.strict):
             local, router_logits, streams = self._local_outputs(params, padded.model_inputs, head_with_loss)
         held = chunk_positions(padded.length, cp, cp_rank(mesh))
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
@@ -215,7 +217,6 @@ class CPForward:
                 f"itself {why}; "
                 f"{instead}, cp_forward uses the model's own head"
             )
-        note_call(split_call(), self.model, inputs)  # no forward of the model shows this call to trace_comms
         prefix = self.layout.decoder + "."
         trunk = {name[len(prefix) :]: value for name, value in params.items() if name.startswith(prefix)}
         output = torch.func.functional_call(
