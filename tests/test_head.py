@@ -61,12 +61,18 @@ def test_a_head_cpshard_does_not_know_serves_logits_true_and_refuses_logits_fals
 
 
 @pytest.mark.parametrize(
-    "model_type, decoder",
-    [("dory", "model"), ("falcon_h1", "model"), ("electra", "electra")],
+    "model_type, decoder, dtype",
+    [
+        ("dory", "model", torch.float32),
+        ("falcon_h1", "model", torch.float32),
+        ("electra", "electra", torch.float32),
+        ("blt", "model", torch.bfloat16),
+    ],
 )
-def test_a_head_that_is_more_than_its_projection_is_not_cpshards(model_type, decoder):
+def test_a_head_that_is_more_than_its_projection_is_not_cpshards(model_type, decoder, dtype):
     """Dory's head scales by a parameter of its own (1 at first: the logits agree, its gradient would be
-    lost), FalconH1's forward reads its decoder's multiplier, ELECTRA's runs prediction layers first: the
-    check says no, without raising, and the model's own head runs (``logits=True``)."""
-    model = tiny_model(model_type)
+    lost), FalconH1's forward reads its decoder's multiplier, ELECTRA's runs prediction layers first, BLT's
+    casts bf16 logits to fp32: the check says no, without raising, and the model's own head runs
+    (``logits=True``)."""
+    model = tiny_model(model_type, dtype=dtype)
     assert head_matches(model, params_of(model), HEAD_TRANSFORMS, decoder) is False

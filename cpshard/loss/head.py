@@ -116,7 +116,8 @@ def _compare(model, params: dict, transforms: tuple[str, ...], decoder: str) -> 
         return False
     with torch.no_grad():
         ours = own_logits(model, params, hidden, transforms)
-    return theirs.shape == ours.shape and torch.allclose(theirs.detach(), ours, rtol=1e-5, atol=1e-5)
+    alike = theirs.shape == ours.shape and theirs.dtype == ours.dtype  # BLT's logits: fp32 from bf16
+    return alike and torch.allclose(theirs.detach(), ours, rtol=1e-5, atol=1e-5)
 
 
 def head_matches(model, params: dict, transforms: tuple[str, ...], decoder: str) -> bool:
