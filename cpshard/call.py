@@ -153,7 +153,9 @@ def current_call() -> CallPlan | None:
 
 
 @contextmanager
-def running(call: CallPlan):
+def running(call: CallPlan | None):
+    """``call`` as the running call inside; None: no call, for what cp runs whole on every rank alike inside
+    one (BLT's patcher and its cross-attention over gathered states: the model's own attention)."""
     token = _ACTIVE.set(call)
     try:
         yield call

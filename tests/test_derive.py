@@ -104,8 +104,9 @@ def test_attention_of_its_own_code_that_cpshard_does_not_know_is_refused():
 @pytest.mark.parametrize(
     "model_type, words",
     [
-        # no heads of one decoder: a byte encoder, a global transformer over patches, a byte decoder
-        ("blt", ["model.global_transformer.layers", "lists of layers that attend", "without cp"]),
+        # no heads of one decoder: a byte encoder, a global transformer over patches, a byte decoder (BLT's
+        # layout file serves it, not the generic layout)
+        ("blt", ["model.global_transformer.layers", "lists of layers that attend", "layout file of its own"]),
         (
             "xlnet",
             ["transformer.layer.0.rel_attn (XLNetRelativeAttention)", "two-stream", "attention registry"],

@@ -620,7 +620,8 @@ def generation_refusal(model_type: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "name"), [("xlm", "XLM"), ("prophetnet", "ProphetNet"), ("reformer", "Reformer")]
+    ("model_type", "name"),
+    [("xlm", "XLM"), ("prophetnet", "ProphetNet"), ("reformer", "Reformer"), ("blt", "BLT")],
 )
 def test_layouts_that_do_not_generate_refuse_it_on_every_rank(ranks2, model_type, name):
     """Layout files whose models cp trains but does not generate with say so, naming the model."""

@@ -20,10 +20,10 @@ from cpshard.tools.tiny import tiny_model
 
 SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")
 #: every model type with a layout file: the attention decoders above, the Gated DeltaNet and Mamba2 hybrids,
-#: XLM as a causal LM, ProphetNet's causal LM
+#: XLM as a causal LM, ProphetNet's, Reformer's and BLT's causal LMs
 FILES = sorted(
     (*SUPPORTED, "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid", "xlm")
-    + ("prophetnet", "reformer")
+    + ("prophetnet", "reformer", "blt")
 )
 
 
@@ -85,6 +85,7 @@ def test_models_that_do_not_fit_are_refused(models, model, model_type, why):
 def test_registry():
     assert sorted(REGISTERED) == FILES
     assert sorted(BY_NAME) == [
+        "blt",
         "decoder",
         "gemma3",
         "granitemoehybrid",

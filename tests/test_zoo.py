@@ -36,7 +36,7 @@ CLASSIC = (
 #: multimodal causal LMs that must be exact driven with text alone (their sizes in the text part)
 MULTIMODAL = ("gemma3", "gemma4", "llama4", "mllama")
 #: the exact types today
-MIN_EXACT = 190
+MIN_EXACT = 191
 #: address space per rank
 _MEMORY_LIMIT = 6 << 30
 _CPSHARD = os.path.dirname(cpshard.__file__)

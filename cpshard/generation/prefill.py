@@ -45,6 +45,8 @@ _NOT_GENERATED = {
     "and builds its relative-position buckets from the cache's length)",
     "ReformerModel": "Reformer (its cache keeps the hidden states and LSH buckets of every past position, "
     "which its one-token step re-hashes and attends over whole)",
+    "BltModel": "BLT (its cache holds its byte stacks' keys alone: a step's global transformer sees that "
+    "step's patches only, with no past that cp's split cache could place)",
 }
 
 

@@ -322,9 +322,10 @@ def _tensor_parallel(layer: nn.Module, attention: str, head_dim: int | None) -> 
 
 
 def _without_heads(config, decoder: nn.Module, decoder_path: str) -> LayoutError:
-    """Why cp cannot serve a model whose config names no ``num_attention_heads``: where its decoder runs more
-    than one list of layers that attend, each sized by a config of its own (BLT's byte encoder, global
-    transformer over patches pooled from the bytes, byte decoder and patcher), that it has no one decoder."""
+    """Why the generic layout cannot serve a model whose config names no ``num_attention_heads``: where its
+    decoder runs more than one list of layers that attend, each sized by a config of its own (BLT's byte
+    encoder, global transformer over patches pooled from the bytes, byte decoder and patcher), that it has no
+    one decoder, and needs a layout file of its own."""
     stacks = [
         _join(decoder_path, name)
         for name, layers in _outer_lists(decoder)
@@ -335,9 +336,9 @@ def _without_heads(config, decoder: nn.Module, decoder_path: str) -> LayoutError
     return LayoutError(
         f"{type(config).__name__} has no num_attention_heads of one decoder: its model runs "
         f"{len(stacks)} lists of layers that attend ({', '.join(stacks)}), each sized by a config of its "
-        "own, while cpshard serves one list of decoder layers over one sequence, cut once at its entry (BLT "
-        "pools its bytes into patches for a global transformer and cross-attends between them): run this "
-        "model without cp"
+        "own, while the generic layout reads one list of decoder layers over one sequence: such a model "
+        "needs a layout file of its own, which says where each sequence is cut (BLT's, "
+        "cpshard/layouts/blt.py, cuts its bytes and its patches)"
     )
 
 

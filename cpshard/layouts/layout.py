@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 from types import MappingProxyType
 
 from torch import nn
@@ -115,7 +116,7 @@ CONV_SLOT = "causal_conv1d_fn"
 #: op per position but attention): cut where the sequence enters the decoder (:attr:`Layout.cut_at_entry`);
 #: any other such decoder is refused. ProphetNet's builds its streams itself: its hooks cut them where they
 #: enter its first layer (:mod:`cpshard.recurrent.prophetnet`), the layers' generic cut stepping aside alike
-ENTERED_DECODERS = frozenset({"HrmTextModel", "XLMModel", "ProphetNetDecoder", "ReformerModel"})
+ENTERED_DECODERS = frozenset({"HrmTextModel", "XLMModel", "ProphetNetDecoder", "ReformerModel", "BltModel"})
 #: attention modules that no registry function computes, which cp runs whole on every rank over the gathered
 #: sequence, keeping the rank's rows of their output (ProphetNet's n-stream attention): cp's own attention
 #: (the registry, its recompute, per-head parameters) leaves them alone
@@ -195,6 +196,14 @@ def attention_layers(layers, layout: Layout) -> list[nn.Module]:
     return found
 
 
+def config_field(config, path: str):
+    """``config``'s field at the dotted ``path`` (a sub-config's: BLT's global stack), None where missing."""
+    try:
+        return attrgetter(path)(config)
+    except AttributeError:
+        return None
+
+
 def specs(before: str, after: str) -> tuple[Spec, Spec]:
     """A (before, after) pair of specs from their notation."""
     return Spec(before), Spec(after)
@@ -248,6 +257,9 @@ class Layout:
     #: the model's own loss reads ``labels`` as already shifted (BART's causal LMs): cp_forward then
     #: takes a batch's ``labels`` as its ``shift_labels``
     labels_shifted: bool = False
+    #: the model's inputs beside the tokens that a batch may carry, whole on every rank and never padded
+    #: (BLT's ``patch_lengths`` ``[B, P]``: precomputed patches, one integer per patch)
+    whole_inputs: tuple[str, ...] = ()
     #: the field of the model's output with the logits ``[B, n, L, V]`` of its further prediction streams
     #: (ProphetNet's ``logits_ngram``), whose token losses join the logits' against the same labels: the loss
     #: is then the mean over every stream's tokens (:mod:`cpshard.loss.streams`)
@@ -297,8 +309,8 @@ class Layout:
 
     def head_counts(self, config) -> tuple[int, int]:
         """``(heads, kv heads)`` from ``config`` (kv heads = heads where the layout names no kv field)."""
-        heads = getattr(config, self.heads)
-        kv_heads = getattr(config, self.kv_heads, None) if self.kv_heads else None
+        heads = attrgetter(self.heads)(config)  # a dotted path reads a sub-config (BLT's global stack)
+        kv_heads = attrgetter(self.kv_heads)(config) if self.kv_heads else None
         return heads, heads if kv_heads is None else kv_heads
 
 
@@ -374,7 +386,7 @@ def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
         problems.append("it does not call attention through transformers' attention-function registry")
     config = text_config(model) if hasattr(model, "config") else None
     for attr in (layout.heads, layout.kv_heads):
-        if attr is not None and not isinstance(getattr(config, attr, None), int):
+        if attr is not None and not isinstance(config_field(config, attr), int):
             problems.append(f"its config has no {attr}")
     odd = [name for name in layout.head_transforms if name not in HEAD_TRANSFORMS]
     if odd:

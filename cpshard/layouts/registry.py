@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from cpshard.layouts import (
+    blt,
     decoder,
     gemma3,
     granitemoehybrid,
@@ -35,6 +36,7 @@ _FILES = (
     xlm,
     prophetnet,
     reformer,
+    blt,
 )
 REGISTERED: dict[str, Layout] = {
     model_type: module.LAYOUT for module in _FILES for model_type in module.LAYOUT.model_types

@@ -21,7 +21,7 @@ from cpshard.call import current_call
 from cpshard.comm.collectives import sum_grads_over_group, sum_over_group
 from cpshard.comm.record import serving
 from cpshard.interfaces import Hook
-from cpshard.layouts.layout import TP_STYLES, Layout, submodule, text_config
+from cpshard.layouts.layout import TP_STYLES, Layout, config_field, submodule, text_config
 
 
 def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
@@ -38,7 +38,7 @@ def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
     if tp == 1:
         return
     fields = (layout.heads, layout.kv_heads, layout.mlp_width)
-    counts = {name: getattr(config, name, None) for name in fields if name is not None}
+    counts = {name: config_field(config, name) for name in fields if name is not None}
     bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
     if bad:
         raise ValueError(

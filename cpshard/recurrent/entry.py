@@ -10,6 +10,7 @@ that places the slice) sits with its hooks: :mod:`cpshard.recurrent.inkling2`, :
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -25,6 +26,13 @@ def model_function(decoder: nn.Module, name: str) -> Callable:
     """The function ``name`` as the decoder's modeling file imports it (``create_causal_mask``), so that the
     masks cp builds are the ones the model's own forward builds."""
     return getattr(sys.modules[type(decoder).__module__], name)
+
+
+def named_inputs(decoder: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The decoder's inputs by name (a causal LM may pass the token ids first, unnamed), read off its class's
+    forward (the instance's may be cp's)."""
+    names = list(inspect.signature(type(decoder).forward).parameters)[1:]  # past ``self``
+    return {**dict(zip(names, args)), **kwargs}
 
 
 def whole_inputs(decoder: nn.Module, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:

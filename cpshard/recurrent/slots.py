@@ -43,6 +43,7 @@ from cpshard.layouts.layout import (
     recurrent_module,
 )
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
+from cpshard.recurrent.blt import blt_entry_hooks
 from cpshard.recurrent.exchange import gathered_summaries
 from cpshard.recurrent.halo import declare_halo, with_halo
 from cpshard.recurrent.hrm import hrm_entry_hooks
@@ -279,6 +280,7 @@ DECODER_ENTRY_HOOKS = {
     "XLMModel": xlm_entry_hooks,
     "ProphetNetDecoder": prophetnet_hooks,
     "ReformerModel": reformer_entry_hooks,
+    "BltModel": blt_entry_hooks,
 }
 #: the slot that serves each decay kind's kernel ("none": the kernel is a convolution, served by its halo)
 SCAN_SLOTS = {"matrix": DeltaRule, "scalar": SSDScan, "diagonal": ChannelSplit, "none": Halo}

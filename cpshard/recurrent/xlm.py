@@ -18,15 +18,13 @@ fingerprinted with the rewritten attention (:data:`~cpshard.layouts.family_atten
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
 from cpshard.call import split_call
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
-from cpshard.recurrent.entry import model_function
+from cpshard.recurrent.entry import model_function, named_inputs
 from cpshard.recurrent.slot import cut_to_rank
 
 #: XLMModel's inputs with one value per position ``[B, L]`` that a cp batch carries: each cut to the rank's
@@ -45,11 +43,6 @@ class _NoPast:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs=None) -> tuple:
         return key, value
-
-
-def _named(decoder: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """The model's inputs by name (its causal LM passes the token ids first, unnamed)."""
-    return {**dict(zip(inspect.signature(decoder.forward).parameters, args)), **kwargs}
 
 
 def _whole_mask(decoder: nn.Module, inputs: dict, sequence: torch.Tensor) -> torch.Tensor:
@@ -72,7 +65,7 @@ def _enter(decoder: nn.Module, args, kwargs):
     call = split_call()
     if call is None:
         return None
-    inputs = _named(decoder, args, kwargs)
+    inputs = named_inputs(decoder, args, kwargs)
     embeds = inputs.get("inputs_embeds")
     sequence = inputs["input_ids"] if embeds is None else embeds
     positions = inputs.get("position_ids")

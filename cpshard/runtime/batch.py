@@ -20,9 +20,12 @@ from cpshard.spec.sequence import padded_length_for, positions
 
 INPUT_KEYS = ("input_ids", "inputs_embeds")
 TOKEN_KEYS = ("labels", "shift_labels", "attention_mask", "position_ids")
+#: inputs beside the tokens that a layout may take (its ``whole_inputs``), whole on every rank and never
+#: padded: BLT's ``patch_lengths`` ``[B, P]``, one integer per patch (precomputed patching)
+WHOLE_KEYS = ("patch_lengths",)
 #: the label-token count of the whole optimizer step (gradient accumulation): a 0-dim integer
 COUNT_KEY = "num_items_in_batch"
-BATCH_KEYS = INPUT_KEYS + TOKEN_KEYS + (COUNT_KEY,)
+BATCH_KEYS = INPUT_KEYS + TOKEN_KEYS + WHOLE_KEYS + (COUNT_KEY,)
 _FINGERPRINT_DIMS = 3
 #: per key: present, rank, the first dims' sizes and two weighted sums of the values
 _FINGERPRINT_ENTRIES = _FINGERPRINT_DIMS + 4
@@ -95,9 +98,31 @@ def _check_labels(batch: Mapping, vocab_size: int | None) -> None:
             )
 
 
-def validate(batch, vocab_size: int | None = None) -> tuple[int, int]:
-    """Raise a :class:`BatchError` naming what is wrong (labels against ``vocab_size`` where given);
-    return ``(B, L)``."""
+def _check_whole(batch: Mapping, rows: int, taken: tuple[str, ...]) -> None:
+    """Each of :data:`WHOLE_KEYS` given: one the model takes (``taken``: its layout's ``whole_inputs``), a
+    2-D integer tensor of one row per sequence; else a model would get an input it reads nowhere."""
+    for key in WHOLE_KEYS:
+        value = batch.get(key)
+        if value is None:
+            continue
+        if key not in taken:
+            raise BatchError(
+                f"batch[{key!r}]: this model's layout takes no {key} (inputs it takes beside the tokens: "
+                f"{', '.join(taken) or 'none'}); leave it out of the batch"
+            )
+        shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        integral = (
+            isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool
+        )
+        if not integral or value.dim() != 2 or value.shape[0] != rows:
+            raise BatchError(
+                f"batch[{key!r}] must be a 2-D integer tensor of {rows} rows (one per sequence), got {shape}"
+            )
+
+
+def validate(batch, vocab_size: int | None = None, whole: tuple[str, ...] = ()) -> tuple[int, int]:
+    """Raise a :class:`BatchError` naming what is wrong (labels against ``vocab_size`` where given, inputs
+    beside the tokens other than ``whole``); return ``(B, L)``."""
     if not isinstance(batch, Mapping):
         raise BatchError(f"the batch must be a dict of tensors, got {type(batch).__name__}")
     unknown = sorted(set(batch) - set(BATCH_KEYS), key=str)
@@ -123,6 +148,7 @@ def validate(batch, vocab_size: int | None = None) -> tuple[int, int]:
             _require_2d(batch, key, shape)
     _require_count(batch.get(COUNT_KEY))
     _check_labels(batch, vocab_size)
+    _check_whole(batch, shape[0], whole)
     return shape
 
 
@@ -243,6 +269,7 @@ def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None, order: str = "c
         inputs["attention_mask"] = _pad_tokens(batch["attention_mask"], extra, 0)
     if batch.get("position_ids") is not None:
         inputs["position_ids"] = continued_positions(batch["position_ids"], extra)
+    inputs.update({key: batch[key] for key in WHOLE_KEYS if batch.get(key) is not None})
     labels = batch.get("shift_labels")
     if labels is None and batch.get("labels") is not None:
         labels = shifted_labels(batch["labels"])
@@ -275,10 +302,15 @@ def _dp_groups(mesh) -> list[list[int]]:
 
 
 def check_batch(
-    batch, mesh, vocab_size: int | None = None, packed_refusal: str | None = None
+    batch,
+    mesh,
+    vocab_size: int | None = None,
+    packed_refusal: str | None = None,
+    whole: tuple[str, ...] = (),
 ) -> tuple[int, int]:
-    """:func:`validate` the batch and check it is the same on every rank of each dp group; return ``(B, L)``.
-    A batch of packed documents is refused with ``packed_refusal`` where one is given.
+    """:func:`validate` the batch (the model taking the inputs ``whole`` beside its tokens) and check it is
+    the same on every rank of each dp group; return ``(B, L)``. A batch of packed documents is refused with
+    ``packed_refusal`` where one is given.
 
     Every rank of the mesh raises, or none does: one all-gather over the whole mesh, before any other
     collective, carries each rank's fingerprint and whether its batch is valid. A check within the cp
@@ -289,7 +321,7 @@ def check_batch(
     from cpshard.parallel.mesh import group_over
 
     try:
-        shape, error = validate(batch, vocab_size), None
+        shape, error = validate(batch, vocab_size, whole), None
         if packed_refusal is not None and packed_documents(batch):
             raise BatchError(packed_refusal)
     except BatchError as raised:

@@ -14,7 +14,7 @@ from cpshard.comm.collectives import sum_over_group
 from cpshard.comm.record import serving
 from cpshard.loss.cross_entropy import IGNORE_INDEX
 from cpshard.parallel.mesh import DATA_AXES, group_over
-from cpshard.runtime.batch import BatchError, shifted_labels, validate
+from cpshard.runtime.batch import WHOLE_KEYS, BatchError, shifted_labels, validate
 
 
 def label_count(shift_labels: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ def count_label_tokens(micro_batches, mesh) -> torch.Tensor:
     ``num_items_in_batch``. Each rank passes its own dp group's micro-batches; every rank calls it."""
     total = torch.zeros((), dtype=torch.int64)
     for batch in micro_batches:
-        validate(batch)
+        validate(batch, whole=WHOLE_KEYS)  # the labels alone are read
         labels = batch.get("shift_labels")
         if labels is None and batch.get("labels") is not None:
             labels = shifted_labels(batch["labels"])

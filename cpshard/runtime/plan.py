@@ -302,7 +302,8 @@ def plan_call(
     implementation, degree = choose_strategy(model, layout, options, mesh, params)
     if layout.labels_shifted:
         batch = labels_read_as_shifted(batch)
-    check_batch(batch, mesh, getattr(text_config(model), "vocab_size", None), _packed_refusal(layout))
+    vocab_size = getattr(text_config(model), "vocab_size", None)
+    check_batch(batch, mesh, vocab_size, _packed_refusal(layout), layout.whole_inputs)
     order = choose_order(options.sequence_order, implementation, batch, _contiguous_only(layout))
     padded = pad_batch(batch, cp_size(mesh), getattr(text_config(model), "pad_token_id", None), order)
     return _call_plan(layout, options, module_names, mesh, (implementation, degree, order), padded), padded

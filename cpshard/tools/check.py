@@ -228,7 +228,7 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
         ) from None
     chosen = resolve_layout(model, layout)  # a LayoutError: cpshard refuses the model (exit status 1)
     try:
-        heads = getattr(text_config(model), chosen.heads)
+        heads = chosen.head_counts(text_config(model))[0]
         implementation, degree = choose_implementation(config.implementation, heads, config.cp)
     except (ValueError, OSError, KeyError) as error:
         raise UsageError(" ".join(str(error).split())) from None

@@ -210,7 +210,9 @@ PER_TYPE = {
         moe_shared_expert_intermediate_size=32,
     ),
     "gemma4_text": dict(vocab_size_per_layer_input=SMALL["vocab_size"]),
-    "blt": dict(encoder_hash_byte_group_vocab=64),
+    # the patcher's threshold near the median of its entropies at init: patches of 1 to 7 bytes, and rows of
+    # fewer patches than others (a byte's own patch alone leaves the cross-attention's q and k no gradient)
+    "blt": dict(encoder_hash_byte_group_vocab=64, patching_threshold=4.39),
     **dict.fromkeys(
         ("blt_local_encoder", "blt_local_decoder"), dict(hidden_size_global=SMALL["hidden_size"])
     ),
