@@ -5,8 +5,8 @@ Its model runs three stacks over two sequences, so there is no one list of layer
 (``model``) is the decoder whose entry cuts both sequences itself (:mod:`cpshard.recurrent.blt`), and the last
 module before the head. The layers the layout names are the global transformer's (the stack of most
 parameters and work: BLT's patches are a few bytes each), with its heads and its MLP (``mlp_tile``,
-``attention_recompute`` act on them); the byte stacks' heads are checked where the call runs. Like XLM's, a decoder cut at its entry without a tensor-parallel plan: cp alone (and
-fsdp).
+``attention_recompute`` act on them); the byte stacks' heads are checked where the call runs. Like XLM's,
+a decoder cut at its entry without a tensor-parallel plan: cp alone (and fsdp).
 """
 
 from dataclasses import replace
