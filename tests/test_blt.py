@@ -23,22 +23,31 @@ PHASES = ("forward", "backward")
 ONE_BYTE_PATCHES = {"patch_in_forward": False, "patching_mode": "static"}
 
 
-def failing_against_own_code(cp: int, lengths=(13, 40), embeds=False, make=None, **overrides) -> list[str]:
+def failing_against_own_code(
+    cp: int, lengths=(13, 40), embeds=False, make=None, checkpointed=False, packed=False, **overrides
+) -> list[str]:
     """cp on a prepared BLT against its own code, plain, left- and right-padded, at each of ``lengths``
-    (``embeds``: embeddings in place of bytes). Gradient rows beyond 1e-5 of their scale count only where cp
-    lies farther from a float64 run than one process does: with patches of one byte, a patch's query sees
-    one key, and the gradient of its softmax, zero in exact arithmetic, is rounding in both."""
+    (``embeds``: embeddings in place of bytes; ``checkpointed``: both models training under activation
+    checkpointing; ``packed``: documents restarting their positions). Gradient rows beyond 1e-5 of their
+    scale count only where cp lies farther from a float64 run than one process does: with patches of one
+    byte, a patch's query sees one key, and the gradient of its softmax, zero in exact arithmetic, is
+    rounding in both."""
     mesh = cpshard.make_mesh(cp=cp)
     own, prepared = (tiny_model("blt", attn_implementation="auto", **overrides) for _ in range(2))
+    if checkpointed:
+        for model in (own, prepared):
+            model.train()
+            model.activation_checkpointing_enable()
     cp_forward, params = cpshard.make_cp_forward(prepared, **(make or {})), cpshard.params_of(prepared)
     width = own.config.encoder_config.hidden_size if embeds else None
     rows = []
     for length in lengths:
         for pad in (None, "left", "right"):
-            batch = tiny_batch(own.config.vocab_size, 2, length, pad=pad, embeds_dim=width)
+            batch = tiny_batch(own.config.vocab_size, 2, length, pad=pad, embeds_dim=width, packed=packed)
             found = failing_rows([check_parity(own, batch, mesh, cp_forward, params)])
-            twin = tiny_model("blt", attn_implementation="auto", **overrides)
-            found = beyond_own_rounding(twin, own, params, batch, mesh, cp_forward, found)
+            if any(row.startswith("grad ") for row in found):
+                twin = tiny_model("blt", attn_implementation="auto", **overrides)
+                found = beyond_own_rounding(twin, own, params, batch, mesh, cp_forward, found)
             rows += [f"L={length} pad={pad}: {row}" for row in found]
     return rows
 
@@ -73,6 +82,30 @@ def test_memory_modes_on_the_global_transformer_are_exact(ranks2):
     """``mlp_tile`` and ``attention_recompute`` on the layout's layers, the global transformer's."""
     make = {"mlp_tile": 4, "attention_recompute": True, "attention_block_bytes": 4096}
     assert ranks2.run(failing_against_own_code, 2, (40,), make=make) == [[], []]
+
+
+@pytest.mark.parametrize(
+    "make", [{}, {"implementation": "ring"}, {"implementation": "hybrid", "ulysses_degree": 2}]
+)
+def test_activation_checkpointing_recomputes_each_stack_in_its_own_sequence(ranks4, make):
+    """The global transformer's layers recompute in the call of the patches' length they ran in, the byte
+    stacks' in the bytes' (the ring reads the lengths: a recompute in the other call would not fit)."""
+    assert ranks4.run(failing_against_own_code, 4, (13,), make=make, checkpointed=True) == [[]] * 4
+
+
+def test_packed_documents_are_exact(ranks2):
+    """Positions that restart per document: the byte stacks' mask and rotary pair from them."""
+    assert ranks2.run(failing_against_own_code, 2, (40,), packed=True) == [[], []]
+
+
+@pytest.mark.parametrize("stack", ["encoder_config", "global_config", "decoder_config"])
+def test_a_rope_that_rescales_by_the_longest_position_is_refused(stack):
+    """Each stack's rotary pair is computed on the rank's positions: a dynamic rope would see a shorter
+    sequence than one process's."""
+    rope = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}
+    model = tiny_model("blt", attn_implementation="auto", **{stack: rope})
+    with pytest.raises(cpshard.LayoutError, match="rescales its rotary pair"):
+        cpshard.make_cp_forward(model)
 
 
 def test_blt_is_exact_from_embeddings(ranks2):
@@ -144,10 +177,10 @@ def test_patch_lengths_where_they_do_not_fit_are_refused_on_every_rank(ranks2, m
         assert says in message, message
 
 
-def recorded_and_analytic(cp: int, length: int) -> tuple[dict, dict]:
+def recorded_and_analytic(cp: int, length: int, overrides: dict) -> tuple[dict, dict]:
     """The all-gathers' and reduce-scatters' bytes on this rank, at the encoder's cross-attention and at the
     decoder, and the analytic figures for the batch's patches."""
-    model = tiny_model("blt", attn_implementation="auto")
+    model = tiny_model("blt", attn_implementation="auto", **overrides)
     batch = tiny_batch(model.config.vocab_size, 2, length)
     with torch.no_grad():
         patches = model.model.patcher(
@@ -157,7 +190,7 @@ def recorded_and_analytic(cp: int, length: int) -> tuple[dict, dict]:
         cp_forward = cpshard.make_cp_forward(model)
         cpshard.value_and_grad(cp_forward)(cpshard.params_of(model), batch, cpshard.make_mesh(cp=cp))
     places = {
-        "encoder": "model.local_encoder.cross_attn_layers.0 ",
+        "encoder": "model.local_encoder.cross_attn_layers.",  # every crossing's
         "decoder": "model.local_decoder ",
         "global": "model.global_transformer.layers.0.self_attn ",
     }
@@ -179,10 +212,12 @@ def recorded_and_analytic(cp: int, length: int) -> tuple[dict, dict]:
     }
 
 
-def test_bytes_are_the_analytic_ones(ranks2):
-    """The gathers where the sequences meet (their gradients reduce-scattered), and the global
-    transformer's all-to-alls over the rank's patches, not its bytes."""
-    for recorded, analytic in ranks2.run(recorded_and_analytic, 2, 64):
+@pytest.mark.parametrize("overrides", [{}, {"encoder_config": {"cross_attn_all_layers": True}}])
+def test_bytes_are_the_analytic_ones(ranks2, overrides):
+    """The gathers where the sequences meet (their gradients reduce-scattered; of an encoder crossing after
+    every layer, the last one's alone: it replaces the others unread), and the global transformer's
+    all-to-alls over the rank's patches, not its bytes."""
+    for recorded, analytic in ranks2.run(recorded_and_analytic, 2, 64, overrides):
         assert recorded == analytic, (recorded, analytic)
 
 
@@ -200,6 +235,7 @@ def call_refusal(make: dict, overrides: dict) -> str:
     "make, overrides, says",
     [
         ({}, {"output_hidden_states": True}, "output_hidden_states in a cp forward"),
+        ({}, {"output_attentions": True}, "output_attentions in a cp forward"),
         (
             {"implementation": "ulysses"},
             {"encoder_config": {"num_attention_heads": 2, "num_key_value_heads": 2}},

@@ -15,15 +15,16 @@ sequences, and moves states only where they meet:
   attention over the byte sequence (the call's own);
 - the patches are cut over cp too, ``ceil(P / cp)`` a rank: the global transformer runs on the rank's
   patches under cp's attention over the patch sequence (a call of the patches' length, :func:`_patch_call`);
-- where the two meet, states are all-gathered with their gradient: the encoder's byte states at each of its
-  cross-attention layers (a patch pools its bytes and attends to them), and the decoder's projected patch
-  states once (a byte attends to one patch's ``cross_attn_k`` keys). Each cross-attention runs the module's
-  own forward on the rank's queries, the model's own attention function outside the call, over the keys
-  those queries can see: the bytes the rank's patches hold, the patches the rank's bytes read. The keys
-  left out are keys the model's mask hides from each of those queries, so every softmax is one process's.
+- where the two meet, states are all-gathered with their gradient: the encoder's byte states at its
+  cross-attention (a patch pools its bytes and attends to them; of a crossing after every layer, the last:
+  each replaces the one before unread), and the decoder's projected patch states once (a byte attends to
+  one patch's ``cross_attn_k`` keys). Each cross-attention runs the module's own forward on the rank's
+  queries, the model's own attention function outside the call, over the keys those queries can see: the
+  bytes the rank's patches hold, the patches the rank's bytes read. The keys left out are keys the model's
+  mask hides from each of those queries, so every softmax is one process's.
 
-Bytes a step and rank (:func:`gathered_bytes`): ``B * L/cp * d_encoder`` into an all-gather at each encoder
-cross-attention layer and ``B * P/cp * k * d_decoder`` into one for the decoder (their gradients
+Bytes a step and rank (:func:`gathered_bytes`): ``B * L/cp * d_encoder`` into an all-gather at the encoder's
+cross-attention and ``B * P/cp * k * d_decoder`` into one for the decoder (their gradients
 reduce-scattered, ``cp`` times those), beside Ulysses' all-to-alls in every layer of the three stacks.
 
 A patch with no bytes attends to none, and the model's mask then spreads its attention over every byte of
@@ -31,7 +32,8 @@ the sequence, later ones too: one process's patch past the last byte (where ever
 those past a row's last patch (rows hold as many patches as the row with most). No byte reads those, and
 cp gives them the keys of their span, so that they stay finite; an empty patch that a byte reads (given
 patch lengths with a zero among them) is refused: the model is not causal there. Refused too, on every rank:
-a cache (and generation), per-layer outputs.
+a cache (and generation), per-layer outputs, a rope type that rescales by the longest position (each stack's
+rotary pair is computed on the rank's positions).
 
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 """
@@ -50,8 +52,9 @@ from cpshard.call import CallPlan, running, split_call
 from cpshard.comm.collectives import gathered
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
+from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.fingerprint import check_written_for, written_against
-from cpshard.recurrent.entry import model_function, named_inputs
+from cpshard.recurrent.entry import model_function, named_inputs, rescales_by_length
 from cpshard.recurrent.slot import cp_group, cut_to_rank
 
 #: what the forward below restates, in transformers 5.25.0: the model's forward and its patch ids, the
@@ -62,9 +65,18 @@ WRITTEN_AGAINST = written_against(__name__)
 STACKS = ("encoder_config", "global_config", "decoder_config")
 
 
-def check_blt_unchanged() -> None:
-    """Raise where the installed BLT code is not the code cp was written for."""
+def check_blt_unchanged(model: nn.Module) -> None:
+    """Raise where the installed BLT code is not the code cp was written for, or where a stack's rotary pair,
+    which cp computes on the rank's positions, is not per position."""
     check_written_for("BltModel (its bytes and its patches cut over cp)", *WRITTEN_AGAINST)
+    for name in ("local_encoder", "global_transformer", "local_decoder"):
+        rope = getattr(model, name).rotary_emb.rope_type
+        if rescales_by_length(rope):
+            raise LayoutError(
+                f"BLT's {name}: rope type {rope!r} rescales its rotary pair by the longest position a call "
+                "sees, which differs between a cp rank's share and the whole sequence; cp serves BLT with "
+                "rope types whose pair depends on a position's id alone"
+            )
 
 
 @dataclass(frozen=True)
@@ -92,13 +104,12 @@ class Patching:
 
 
 def gathered_bytes(config, batch: int, length: int, patches: int, cp: int, itemsize: int = 4) -> dict:
-    """What one rank puts into the all-gathers of one forward: the encoder's byte rows at each of its
-    cross-attention layers, the decoder's projected patch rows once (their gradients' reduce-scatters put
-    in ``cp`` times these)."""
+    """What one rank puts into the all-gathers of one forward: the encoder's byte rows at its (last)
+    cross-attention, the decoder's projected patch rows (their gradients' reduce-scatters put in ``cp`` times
+    these)."""
     encoder, decoder = config.encoder_config, config.decoder_config
-    crossings = encoder.num_hidden_layers if encoder.cross_attn_all_layers else 1
     return {
-        "encoder": crossings * batch * -(-length // cp) * encoder.hidden_size * itemsize,
+        "encoder": batch * -(-length // cp) * encoder.hidden_size * itemsize,
         "decoder": batch * -(-patches // cp) * config.cross_attn_k * decoder.hidden_size * itemsize,
     }
 
@@ -158,7 +169,8 @@ def _check_read_patches(patching: Patching, length: int) -> None:
 def _check_call(model: nn.Module, call: CallPlan, inputs: dict) -> None:
     """Raise, on every rank alike, for what cp does not serve (see the module's docstring)."""
     per_layer = ("output_hidden_states", "output_attentions")
-    asked = {key for key in ("cache", "use_cache", *per_layer) if inputs.get(key)}
+    asked = {key for key in ("use_cache", *per_layer) if inputs.get(key)}
+    asked |= {"cache"} if inputs.get("cache") is not None else set()
     asked |= {key for key in per_layer if getattr(model.config, key, False)}
     if asked:
         raise ValueError(f"BltModel: {', '.join(sorted(asked))} in a cp forward; cp serves BLT without them")
@@ -233,20 +245,20 @@ def _encoder_patches(model, index: int, hidden, patching: Patching, call: CallPl
 
 def _encoder(model, embeds, patching: Patching, mask, positions, call: CallPlan, kwargs: dict):
     """``BltLocalEncoder.forward`` on this rank's bytes and patches: its byte rows and the rank's patch
-    states ``[B, held, k * d]``."""
+    states ``[B, held, k * d]``. With ``cross_attn_all_layers`` the model pools and cross-attends after every
+    layer, each time from that layer's byte states, and each crossing replaces the one before unread: cp
+    runs the last layer's alone (the one whose states reach the global transformer)."""
     encoder = model.local_encoder
     config = encoder.config
     hidden = F.dropout(embeds, p=config.dropout, training=encoder.training)
     position_embeddings = encoder.rotary_emb(hidden, positions)
     hidden = F.dropout(hidden, p=config.dropout, training=encoder.training)
-    patches = None
-    for index, layer in enumerate(encoder.layers):
+    for layer in encoder.layers:
         hidden = layer(
             hidden, position_embeddings=position_embeddings, attention_mask=mask, cache=None, **kwargs
         )
-        if index == len(encoder.layers) - 1 or config.cross_attn_all_layers:
-            at = index if config.cross_attn_all_layers else 0
-            patches = _encoder_patches(model, at, hidden, patching, call, kwargs)
+    at = len(encoder.layers) - 1 if config.cross_attn_all_layers else 0
+    patches = _encoder_patches(model, at, hidden, patching, call, kwargs)
     k = model.config.cross_attn_k
     return hidden, patches.view(hidden.shape[0], patching.held, k * config.hidden_size)
 
@@ -307,17 +319,13 @@ def _decoder(model, hidden, states, patching: Patching, mask, positions, call: C
     return decoder.norm(hidden)
 
 
-def _byte_mask(model, ids, embeds, attention_mask, positions):
-    """The bytes' causal mask over the whole (cp-padded) sequence, as ``BltModel.forward`` builds it."""
+def _byte_mask(model, sequence: torch.Tensor, dtype: torch.dtype, attention_mask, positions):
+    """The bytes' causal mask over the whole (cp-padded) ``sequence`` (ids or embeddings), as
+    ``BltModel.forward`` builds it for its embeddings of ``dtype``."""
     config = model.config
-    name = (
-        "create_causal_mask"
-        if config.local_attention_window_len is None
-        else "create_sliding_window_causal_mask"
-    )
-    source = ids if ids is not None else embeds
-    dtype = model.encoder_hash_tok_embedding.weight.dtype if embeds is None else embeds.dtype
-    shape = torch.zeros((), dtype=dtype, device=source.device).expand(*source.shape[:2], 1)
+    windowed = config.local_attention_window_len is not None
+    name = "create_sliding_window_causal_mask" if windowed else "create_causal_mask"
+    shape = torch.zeros((), dtype=dtype, device=sequence.device).expand(*sequence.shape[:2], 1)
     return model_function(model, name)(
         config=config.encoder_config,
         inputs_embeds=shape,
@@ -343,14 +351,14 @@ def _model_forward(model: nn.Module, *args, **kwargs):
         lengths = _patch_lengths(model, ids, embeds, call.length)
     patching = _patching(model, lengths, call)
     _check_read_patches(patching, call.length)
-    sequence = ids if ids is not None else embeds
-    positions = given if given is not None else torch.arange(sequence.shape[1], device=sequence.device)[None]
-    mask = _byte_mask(model, ids, embeds, attention_mask, positions)
     rows = (
         _byte_embeddings(model, ids, call)
         if ids is not None
         else redistribute(embeds, *call.layout.hidden, call.mesh)
     )
+    sequence = ids if ids is not None else embeds
+    positions = given if given is not None else torch.arange(sequence.shape[1], device=sequence.device)[None]
+    mask = _byte_mask(model, sequence, rows.dtype, attention_mask, positions)
     positions = cut_to_rank(positions, call)
     hidden, patches = _encoder(model, rows, patching, mask, positions, call, inputs)
     states = _global(model, patches, patching, call, inputs)
@@ -361,6 +369,6 @@ def _model_forward(model: nn.Module, *args, **kwargs):
 def blt_entry_hooks(decoder: nn.Module, layers: nn.ModuleList, layers_path: str) -> list[Hook]:
     """BLT's model forward taken (idempotent: outside a cp call it is the class's own); no hooks: the forward
     cuts the bytes and the patches itself."""
-    check_blt_unchanged()
+    check_blt_unchanged(decoder)
     decoder.forward = partial(_model_forward, decoder)
     return []

@@ -28,6 +28,13 @@ def model_function(decoder: nn.Module, name: str) -> Callable:
     return getattr(sys.modules[type(decoder).__module__], name)
 
 
+def rescales_by_length(rope_type: str) -> bool:
+    """Whether transformers' ``dynamic_rope_update`` rescales a rotary pair by the longest position a call
+    sees (its ``dynamic`` and ``longrope`` types): a pair computed on a cp rank's slice then differs from the
+    whole sequence's."""
+    return "dynamic" in rope_type or rope_type == "longrope"
+
+
 def named_inputs(decoder: nn.Module, args: tuple, kwargs: dict) -> dict:
     """The decoder's inputs by name (a causal LM may pass the token ids first, unnamed), read off its class's
     forward (the instance's may be cp's)."""

@@ -7,12 +7,12 @@ loop keeps beside the layers (the H state starts as the scaled embeddings, the L
 repeated at every position), so a cut at a layer's entry would add the whole sequence's state to a slice.
 Everything it computes is per position but attention: the states, their sums, the norms, the MLP, the gate
 on the attention output, the rotary pair (of the position ids; not the rope types that rescale by the
-longest position, :func:`_rescaled`). So cp cuts where the sequence enters the decoder
-(:mod:`cpshard.recurrent.entry`): a pre-hook embeds the tokens and builds the causal mask on the whole
-sequence with the model's own ``create_causal_mask`` (cp's attention sees whole sequences), and hands the
-decoder the rank's slice of the embeddings and ``position_ids``; both states, and every pass, then hold the
-rank's positions only. Not served: ``token_type_ids`` (the prefix-LM block HRM overlays on its mask), a cache
-and generation (its cache slots per cycle), which are refused by name.
+longest position, :func:`~cpshard.recurrent.entry.rescales_by_length`). So cp cuts where the sequence enters
+the decoder (:mod:`cpshard.recurrent.entry`): a pre-hook embeds the tokens and builds the causal mask on the
+whole sequence with the model's own ``create_causal_mask`` (cp's attention sees whole sequences), and hands
+the decoder the rank's slice of the embeddings and ``position_ids``; both states, and every pass, then hold
+the rank's positions only. Not served: ``token_type_ids`` (the prefix-LM block HRM overlays on its mask), a
+cache and generation (its cache slots per cycle), which are refused by name.
 
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 """
@@ -28,17 +28,11 @@ from cpshard.call import split_call
 from cpshard.interfaces import Hook
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.fingerprint import check_written_for, written_against
-from cpshard.recurrent.entry import entered, model_function
+from cpshard.recurrent.entry import entered, model_function, rescales_by_length
 
 #: what the hook was written against in transformers 5.25.0: the decoder's loop, and everything it runs per
 #: position on the slice (a change there could mix positions)
 WRITTEN_AGAINST = written_against(__name__)
-
-
-def _rescaled(rope_type: str) -> bool:
-    """Whether transformers' ``dynamic_rope_update`` rescales the rotary pair by the longest position a call
-    sees (its ``dynamic`` and ``longrope`` types), which differs between a cp rank's slice and the whole."""
-    return "dynamic" in rope_type or rope_type == "longrope"
 
 
 def check_hrm_unchanged(decoder: nn.Module) -> None:
@@ -46,7 +40,7 @@ def check_hrm_unchanged(decoder: nn.Module) -> None:
     pair is not per position."""
     check_written_for("HrmTextModel (its loop over the H and L stacks, cut at its entry)", *WRITTEN_AGAINST)
     rope = decoder.rotary_emb.rope_type
-    if _rescaled(rope):
+    if rescales_by_length(rope):
         raise LayoutError(
             f"{type(decoder).__name__}: rope type {rope!r} rescales its rotary pair by the longest position "
             "a call sees, which differs between a cp rank's slice and the whole sequence; cp serves HRM with "

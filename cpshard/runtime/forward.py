@@ -106,7 +106,7 @@ def running_call(model, call: CallPlan, inputs: dict, strict: bool = False):
     note_call(call, model, inputs)
     with (
         running(call),
-        recompute_in(call, model),
+        recompute_in(model),
         ExplicitRedistributionContext(enable=strict, strict=True),
     ):
         yield

@@ -32,14 +32,16 @@ from cpshard.call import CallPlan, current_call, running
 _FUNC = "_gradient_checkpointing_func"
 
 
-def _in_call(call: CallPlan, module: nn.Module, names: tuple[str, ...], fn, count: int, *inputs, **kwargs):
+def _in_call(
+    call: CallPlan | None, module: nn.Module, names: tuple[str, ...], fn, count: int, *inputs, **kwargs
+):
     """``fn`` on the first ``count`` inputs, inside ``call``, with the rest of the inputs as ``module``'s
     parameters ``names``."""
     with running(call), _reparametrize_module(module, dict(zip(names, inputs[count:]))):
         return fn(*inputs[:count], **kwargs)
 
 
-def checkpoint_in_call(checkpoint, call: CallPlan, module: nn.Module, fn, *args, **kwargs):
+def checkpoint_in_call(checkpoint, call: CallPlan | None, module: nn.Module, fn, *args, **kwargs):
     """``checkpoint(fn, *args, **kwargs)`` whose recompute runs inside ``call`` with the parameters ``module``
     holds now (the call's)."""
     names = tuple(name for name, _ in module.named_parameters())
@@ -56,12 +58,19 @@ def checkpointing_modules(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def _checkpoint_in_running_call(checkpoint, module: nn.Module, fn, *args, **kwargs):
+    """``checkpoint_in_call`` in the call running ``module``'s forward now: a call nested in the cp call
+    (BLT's global transformer runs in one of its patches' length), or none (what cp runs whole inside one)."""
+    return checkpoint_in_call(checkpoint, current_call(), module, fn, *args, **kwargs)
+
+
 @contextmanager
-def recompute_in(call: CallPlan, model: nn.Module):
-    """While the block runs, checkpointed modules recompute inside ``call``; afterwards, as they were."""
+def recompute_in(model: nn.Module):
+    """While the block runs, checkpointed modules recompute inside the call that ran their forward;
+    afterwards, as they were."""
     patched = [(module, module.__dict__.get(_FUNC)) for module in checkpointing_modules(model)]
     for module, _ in patched:
-        setattr(module, _FUNC, partial(checkpoint_in_call, getattr(module, _FUNC), call, module))
+        setattr(module, _FUNC, partial(_checkpoint_in_running_call, getattr(module, _FUNC), module))
     try:
         yield
     finally:
