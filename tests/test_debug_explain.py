@@ -92,3 +92,13 @@ def test_kv_heads_repeated_on_cp4(ranks4):
         # 2 kv heads over 4 ranks: each repeated twice so that every rank gets one
         assert replicas == 2 and "each kv head repeated 2x" in text
         assert moves["k"][3] == moves["v"][3] == 2 * KV * HD * F32 and moves["q"][3] == H * HD * F32
+
+
+def test_layers_sized_by_a_sub_config_of_their_own(ranks2):
+    """BLT's layout names its global transformer, sized by ``global_config`` (the top config has no hidden
+    size): the moves are that stack's, and the text says they run over a sequence of their own."""
+    for layout, implementation, _, moves, modules, text in ranks2.run(explained, "blt"):
+        assert (layout, implementation) == ("blt", "ulysses") and modules[0].startswith("model.global_")
+        width = 64 // 4  # the global stack's hidden size over its heads (tiny: 64, 4 heads, 2 kv heads)
+        assert moves["q"][3] == 4 * width * F32 and moves["k"][3] == 2 * width * F32
+        assert "per position of the sequence they run over" in text

@@ -77,16 +77,17 @@ def head_dim(config, layout: Layout) -> int:
     """q's and k's width per head: a latent-attention model's nope and rope parts together (its config's
     ``head_dim`` is the rope part alone: DeepSeek-V2/V3, MiniCPM3, LongCat-Flash), else the config's
     ``head_dim`` or hidden / heads."""
-    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    sizes = layout.sizes_config(config)
+    nope, rope = getattr(sizes, "qk_nope_head_dim", None), getattr(sizes, "qk_rope_head_dim", None)
     if isinstance(nope, int) and isinstance(rope, int):
         return nope + rope
-    return getattr(config, "head_dim", None) or config.hidden_size // layout.head_counts(config)[0]
+    return getattr(sizes, "head_dim", None) or sizes.hidden_size // layout.head_counts(config)[0]
 
 
 def value_head_dim(config, layout: Layout) -> int:
     """v's (and the attention output's) width per head: a latent-attention model's ``v_head_dim``, else
     q's."""
-    width = getattr(config, "v_head_dim", None)
+    width = getattr(layout.sizes_config(config), "v_head_dim", None)
     return width if isinstance(width, int) else head_dim(config, layout)
 
 
@@ -110,7 +111,8 @@ def attention_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.
 def cut_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype) -> tuple[Step, ...]:
     """The residual stream's cut at the first decoder layer, then the per-layer inputs' cuts."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    hidden = step("hidden_states", *layout.hidden, {"d": config.hidden_size}, layout, sizes, itemsize)
+    width = layout.sizes_config(config).hidden_size
+    hidden = step("hidden_states", *layout.hidden, {"d": width}, layout, sizes, itemsize)
     return (
         hidden,
         *(step(key, src, dst, {}, layout, sizes, itemsize) for key, src, dst in layout.layer_inputs),

@@ -35,6 +35,9 @@ class Explanation:
     #: the moves of each attention module (empty unless the choice is Ulysses)
     attention: tuple[Step, ...]
     attention_modules: tuple[str, ...]
+    #: where the layout's layers run over a sequence of their own (sized by a sub-config: BLT's global
+    #: transformer over patches), what the rows below describe
+    own_sequence: str = ""
 
     @property
     def attention_bytes_per_token(self) -> int:
@@ -54,6 +57,7 @@ class Explanation:
             ),
             "",
             "bytes/token: a collective's input on one rank, per token that rank holds (B*L/cp of them)",
+            *([self.own_sequence] if self.own_sequence else []),
         ]
         layers, first = self.layout.decoder_layers, f"{self.layout.decoder_layers}.0"
         rows = [_row(f"{first} (once)", self.cuts[0])]
@@ -165,4 +169,17 @@ def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree
         cut_steps(config, chosen, sizes, model.dtype),
         attention,
         tuple(attention_paths(model, chosen)),
+        _own_sequence(config, chosen),
+    )
+
+
+def _own_sequence(config, layout: Layout) -> str:
+    """What the rows describe where the layout's layers are sized by a sub-config of their own (BLT's global
+    transformer), which runs over a sequence of its own that the decoder cuts at its entry; else empty."""
+    if layout.sizes_config(config) is config:
+        return ""
+    return (
+        f"the rows are {layout.decoder_layers}' (sized by the config's "
+        f"{layout.heads.rpartition('.')[0]}), per position of the sequence they run over; {layout.decoder} "
+        "cuts that and its other stacks' sequences at its entry (see its layout file), not listed here"
     )

@@ -307,6 +307,12 @@ class Layout:
         """This layout under another name, registered for ``model_types``."""
         return replace(self, name=name, model_types=model_types)
 
+    def sizes_config(self, config):
+        """The config that sizes the layout's layers: the sub-config its heads' dotted path names (BLT's
+        ``global_config``), else ``config`` itself."""
+        prefix, _, _ = self.heads.rpartition(".")
+        return attrgetter(prefix)(config) if prefix else config
+
     def head_counts(self, config) -> tuple[int, int]:
         """``(heads, kv heads)`` from ``config`` (kv heads = heads where the layout names no kv field)."""
         heads = attrgetter(self.heads)(config)  # a dotted path reads a sub-config (BLT's global stack)
