@@ -15,7 +15,7 @@ import torch
 import cpshard
 from cpshard.comm.record import recording
 from cpshard.recurrent.blt import WRITTEN_AGAINST, Patching, _check_read_patches, gathered_bytes
-from cpshard.tools.parity import beyond_own_rounding, check_parity, failing_rows
+from cpshard.tools.parity import beyond_own_rounding, check_parity, failing_rows, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 PHASES = ("forward", "backward")
@@ -175,6 +175,32 @@ def patch_lengths_refusal(model_type: str, lengths) -> str:
 def test_patch_lengths_where_they_do_not_fit_are_refused_on_every_rank(ranks2, model_type, lengths, says):
     for message in ranks2.run(patch_lengths_refusal, model_type, lengths):
         assert says in message, message
+
+
+def fsdp_beside_cp() -> tuple[float, list[str]]:
+    """One step on fsdp=2 x cp=2 (each fsdp rank's own batch, the parameters sharded by
+    ``cpshard.parallelize``) against one process on both batches: the loss's difference and the gradients
+    beyond 1e-5 of their scale."""
+    mesh = cpshard.make_mesh(fsdp=2, cp=2)
+    model, twin = (tiny_model("blt", attn_implementation="auto") for _ in range(2))
+    batches = [tiny_batch(model.config.vocab_size, 2, 13, seed=seed, pad="left") for seed in (1, 2)]
+    whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+    step = cpshard.value_and_grad(cpshard.make_cp_forward(model))
+    output, grads = step(
+        cpshard.params_of(cpshard.parallelize(model, mesh)), batches[mesh.get_local_rank("fsdp")], mesh
+    )
+    loss, _, expected = reference(twin, {n: p.detach() for n, p in cpshard.params_of(twin).items()}, whole)
+    failing = [
+        name
+        for name, grad in grads.items()
+        if (grad.full_tensor() - expected[name]).abs().max() > 1e-5 * expected[name].abs().max()
+    ]
+    return abs(output.loss.item() - loss.item()), failing
+
+
+def test_fsdp_beside_cp_is_exact(ranks4):
+    for loss_difference, failing in ranks4.run(fsdp_beside_cp):
+        assert loss_difference <= 1e-5 and failing == [], (loss_difference, failing)
 
 
 def recorded_and_analytic(cp: int, length: int, overrides: dict) -> tuple[dict, dict]:
