@@ -69,7 +69,7 @@ class _Run:
         inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
         if inputs is None or getattr(call, "implementation", "ulysses") != "ulysses":
             return None
-        if "." in call.layout.heads:  # stacks of sizes of their own (BLT's bytes and patches): no one optimum
+        if call.layout.sizes_path:  # stacks of sizes of their own (BLT's bytes and patches): no one optimum
             return None
         params, config, layout = list(model.parameters()), text_config(model), call.layout
         floating = [p for p in params if p.is_floating_point()]

@@ -169,17 +169,17 @@ def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree
         cut_steps(config, chosen, sizes, model.dtype),
         attention,
         tuple(attention_paths(model, chosen)),
-        _own_sequence(config, chosen),
+        _own_sequence(chosen),
     )
 
 
-def _own_sequence(config, layout: Layout) -> str:
+def _own_sequence(layout: Layout) -> str:
     """What the rows describe where the layout's layers are sized by a sub-config of their own (BLT's global
     transformer), which runs over a sequence of its own that the decoder cuts at its entry; else empty."""
-    if layout.sizes_config(config) is config:
+    if not layout.sizes_path:
         return ""
     return (
         f"the rows are {layout.decoder_layers}' (sized by the config's "
-        f"{layout.heads.rpartition('.')[0]}), per position of the sequence they run over; {layout.decoder} "
+        f"{layout.sizes_path}), per position of the sequence they run over; {layout.decoder} "
         "cuts that and its other stacks' sequences at its entry (see its layout file), not listed here"
     )

@@ -307,11 +307,15 @@ class Layout:
         """This layout under another name, registered for ``model_types``."""
         return replace(self, name=name, model_types=model_types)
 
+    @property
+    def sizes_path(self) -> str:
+        """Where the config that sizes the layout's layers sits in the model's: the sub-config its heads'
+        dotted path names (BLT's ``global_config``, layers over a sequence of their own), else empty."""
+        return self.heads.rpartition(".")[0]
+
     def sizes_config(self, config):
-        """The config that sizes the layout's layers: the sub-config its heads' dotted path names (BLT's
-        ``global_config``), else ``config`` itself."""
-        prefix, _, _ = self.heads.rpartition(".")
-        return attrgetter(prefix)(config) if prefix else config
+        """The config that sizes the layout's layers (:attr:`sizes_path`'s, else ``config`` itself)."""
+        return attrgetter(self.sizes_path)(config) if self.sizes_path else config
 
     def head_counts(self, config) -> tuple[int, int]:
         """``(heads, kv heads)`` from ``config`` (kv heads = heads where the layout names no kv field)."""

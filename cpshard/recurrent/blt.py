@@ -52,9 +52,8 @@ from cpshard.call import CallPlan, running, split_call
 from cpshard.comm.collectives import gathered
 from cpshard.comm.redistribute import redistribute
 from cpshard.interfaces import Hook
-from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.fingerprint import check_written_for, written_against
-from cpshard.recurrent.entry import model_function, named_inputs, rescales_by_length
+from cpshard.recurrent.entry import check_rope_per_position, model_function, named_inputs
 from cpshard.recurrent.slot import cp_group, cut_to_rank
 
 #: what the forward below restates, in transformers 5.25.0: the model's forward and its patch ids, the
@@ -70,13 +69,7 @@ def check_blt_unchanged(model: nn.Module) -> None:
     which cp computes on the rank's positions, is not per position."""
     check_written_for("BltModel (its bytes and its patches cut over cp)", *WRITTEN_AGAINST)
     for name in ("local_encoder", "global_transformer", "local_decoder"):
-        rope = getattr(model, name).rotary_emb.rope_type
-        if rescales_by_length(rope):
-            raise LayoutError(
-                f"BLT's {name}: rope type {rope!r} rescales its rotary pair by the longest position a call "
-                "sees, which differs between a cp rank's share and the whole sequence; cp serves BLT with "
-                "rope types whose pair depends on a position's id alone"
-            )
+        check_rope_per_position(f"BLT's {name}", getattr(model, name).rotary_emb)
 
 
 @dataclass(frozen=True)

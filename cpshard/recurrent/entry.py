@@ -19,6 +19,7 @@ from torch import nn
 
 from cpshard.call import CallPlan
 from cpshard.comm.redistribute import redistribute
+from cpshard.layouts.errors import LayoutError
 from cpshard.recurrent.slot import cut_to_rank
 
 
@@ -28,11 +29,17 @@ def model_function(decoder: nn.Module, name: str) -> Callable:
     return getattr(sys.modules[type(decoder).__module__], name)
 
 
-def rescales_by_length(rope_type: str) -> bool:
-    """Whether transformers' ``dynamic_rope_update`` rescales a rotary pair by the longest position a call
-    sees (its ``dynamic`` and ``longrope`` types): a pair computed on a cp rank's slice then differs from the
-    whole sequence's."""
-    return "dynamic" in rope_type or rope_type == "longrope"
+def check_rope_per_position(what: str, rotary: nn.Module) -> None:
+    """Raise where ``rotary``'s rope type rescales its pair by the longest position a call sees
+    (transformers' ``dynamic_rope_update``: its ``dynamic`` and ``longrope`` types): a pair computed on a cp
+    rank's slice, as a decoder cut at its entry computes it, then differs from the whole sequence's."""
+    rope = rotary.rope_type
+    if "dynamic" in rope or rope == "longrope":
+        raise LayoutError(
+            f"{what}: rope type {rope!r} rescales its rotary pair by the longest position a call sees, which "
+            "differs between a cp rank's slice and the whole sequence; cp serves it with a rope type whose "
+            "pair depends on a position's id alone"
+        )
 
 
 def named_inputs(decoder: nn.Module, args: tuple, kwargs: dict) -> dict:

@@ -6,13 +6,13 @@ state, ``H_cycles`` times (earlier L cycles under ``no_grad``). The states are w
 loop keeps beside the layers (the H state starts as the scaled embeddings, the L state as a learned vector
 repeated at every position), so a cut at a layer's entry would add the whole sequence's state to a slice.
 Everything it computes is per position but attention: the states, their sums, the norms, the MLP, the gate
-on the attention output, the rotary pair (of the position ids; not the rope types that rescale by the
-longest position, :func:`~cpshard.recurrent.entry.rescales_by_length`). So cp cuts where the sequence enters
-the decoder (:mod:`cpshard.recurrent.entry`): a pre-hook embeds the tokens and builds the causal mask on the
-whole sequence with the model's own ``create_causal_mask`` (cp's attention sees whole sequences), and hands
-the decoder the rank's slice of the embeddings and ``position_ids``; both states, and every pass, then hold
-the rank's positions only. Not served: ``token_type_ids`` (the prefix-LM block HRM overlays on its mask), a
-cache and generation (its cache slots per cycle), which are refused by name.
+on the attention output, the rotary pair (of the position ids; rope types that rescale by the longest
+position are refused, :func:`~cpshard.recurrent.entry.check_rope_per_position`). So cp cuts where the
+sequence enters the decoder (:mod:`cpshard.recurrent.entry`): a pre-hook embeds the tokens and builds the
+causal mask on the whole sequence with the model's own ``create_causal_mask`` (cp's attention sees whole
+sequences), and hands the decoder the rank's slice of the embeddings and ``position_ids``; both states, and
+every pass, then hold the rank's positions only. Not served: ``token_type_ids`` (the prefix-LM block HRM
+overlays on its mask), a cache and generation (its cache slots per cycle), which are refused by name.
 
 Written against transformers 5.25's code (:data:`WRITTEN_AGAINST`); other code is refused at setup.
 """
@@ -26,9 +26,8 @@ from torch import nn
 
 from cpshard.call import split_call
 from cpshard.interfaces import Hook
-from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.fingerprint import check_written_for, written_against
-from cpshard.recurrent.entry import entered, model_function, rescales_by_length
+from cpshard.recurrent.entry import check_rope_per_position, entered, model_function
 
 #: what the hook was written against in transformers 5.25.0: the decoder's loop, and everything it runs per
 #: position on the slice (a change there could mix positions)
@@ -39,13 +38,7 @@ def check_hrm_unchanged(decoder: nn.Module) -> None:
     """Raise where the installed HRM code is not the code the entry cut was written for, or where its rotary
     pair is not per position."""
     check_written_for("HrmTextModel (its loop over the H and L stacks, cut at its entry)", *WRITTEN_AGAINST)
-    rope = decoder.rotary_emb.rope_type
-    if rescales_by_length(rope):
-        raise LayoutError(
-            f"{type(decoder).__name__}: rope type {rope!r} rescales its rotary pair by the longest position "
-            "a call sees, which differs between a cp rank's slice and the whole sequence; cp serves HRM with "
-            "a rope type whose pair depends on a position's id alone"
-        )
+    check_rope_per_position(type(decoder).__name__, decoder.rotary_emb)
 
 
 def _check_inputs(decoder: nn.Module, args, kwargs) -> None:
