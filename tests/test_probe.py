@@ -1,6 +1,8 @@
 """Verify before trusting: a layout that is not a tested file is probed once, and a mismatch is an error
 on every rank naming the first layer that differs."""
 
+from functools import partial
+
 import pytest
 import torch
 import transformers
@@ -76,6 +78,21 @@ def test_an_error_of_the_model_alone_is_named_as_the_model_s(ranks2):
         assert "the model's own forward, in one process without cp, raised AttributeError" in message, message
         assert "router_aux_loss_coef" in message and "reading_a_missing_field" in message, message
         assert "cp run" not in message and "mixes tokens" not in message, message
+
+
+def out_of_memory_on_rank_1(stage: str, module, args):
+    """A pre-hook whose one-process reference runs out of memory on cp rank 1 alone, in the probe's forward
+    (run without gradient) or its gradient: the other rank must not wait for it in the probe's collectives."""
+    in_stage = torch.is_grad_enabled() == (stage == "gradient")
+    if split_call() is None and in_stage and torch.distributed.get_rank() == 1:
+        raise MemoryError("out of memory in the reference")
+
+
+def test_a_reference_failing_on_one_rank_fails_every_rank_without_a_hang(ranks2):
+    for stage in ("forward", "gradient"):
+        first, second = ranks2.run(probe_with, partial(out_of_memory_on_rank_1, stage), "model.layers.0")
+        assert "raised on another cp rank" in first, (stage, first)
+        assert "without cp, raised MemoryError: out of memory in the reference" in second, (stage, second)
 
 
 def test_a_right_layout_passes_the_probe_and_stays_exact(ranks2):

@@ -10,7 +10,8 @@ can differ where the forward agrees). A mismatch,
 or an error in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that
 differs: cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a
 forward without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a
-copy of the gradients), once per model, layout and implementation, and one all-reduce of a number.
+copy of the gradients), once per model, layout and implementation, and three all-reduces of a number
+(one after each one-process reference, so that a rank whose reference fails cannot leave the others hung).
 """
 
 from __future__ import annotations
@@ -156,10 +157,8 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
     with torch.no_grad():
         final = model.get_submodule(layout.final_norm)
         stream = layout.hidden[0]
-        theirs, ours = (
-            _layer_outputs(layers, final, stream, plain),
-            _layer_outputs(layers, final, stream, under_cp),
-        )
+        theirs = on_every_rank(lambda: _layer_outputs(layers, final, stream, plain), mesh)
+        ours = _layer_outputs(layers, final, stream, under_cp)
     differing = [
         i
         for i, ((mine, held), (whole, _)) in enumerate(zip(ours, theirs, strict=True))
@@ -182,15 +181,41 @@ def _first_gradient_difference(cp_forward, params: dict, batch: dict, mesh) -> s
     """The first parameter whose gradient of the probe's loss differs (a backward the forward cannot show)."""
     model = cp_forward.model
     leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
-    with one_process():
-        inputs = {**batch, "use_cache": False}
-        loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
-        theirs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+
+    def reference():
+        with one_process():
+            inputs = {**batch, "use_cache": False}
+            loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
+            return torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+
+    theirs = on_every_rank(reference, mesh)
     _, ours = value_and_grad(cp_forward)(params, batch, mesh)
     for (name, leaf), want in zip(leaves.items(), theirs):
         if not _close(ours[name], torch.zeros_like(leaf) if want is None else want):
             return f"the gradient of {name}"
     return None
+
+
+def on_every_rank(local, mesh):
+    """``local()``, a part of the probe with no collective inside (the one-process reference), whose failure
+    on any cp rank is made every rank's: a rank it failed on (out of memory, say) leaves the probe, and the
+    others would wait for it in the probe's next collective. The rank it failed on raises its error; the
+    others a LayoutError saying where to look."""
+    try:
+        result, error = local(), None
+    except Exception as raised:  # noqa: BLE001 -- re-raised below, after every rank knows
+        result, error = None, raised
+    failed = torch.tensor([error is not None], dtype=torch.int64)
+    dist.all_reduce(failed, group=mesh.get_group("cp"))
+    if error is not None:
+        raise error
+    if failed.item():
+        raise LayoutError(
+            "cpshard cannot vouch for this model: the probe's one-process reference raised on another cp "
+            "rank (its error, raised there, says what; often memory: the reference runs the whole probe "
+            "batch on each rank)"
+        )
+    return result
 
 
 class OneProcessFailed(Exception):
