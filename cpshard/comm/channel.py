@@ -13,8 +13,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torch._library.opaque_object import register_opaque_type
-from torch._opaque_base import OpaqueBase
+try:  # torch 2.14's names for 2.13's opaque objects (there, 2.13's warn at import)
+    from torch._custom_class_base import CustomClassBase as OpaqueBase
+    from torch._library.opaque_object import register_custom_class as register_opaque_type
+
+    _REFERENCE = "symbolic"
+except ImportError:  # torch 2.13
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase
+
+    _REFERENCE = "reference"
 
 
 class Channel(OpaqueBase):
@@ -25,7 +33,7 @@ class Channel(OpaqueBase):
         self.groups, self.path, self.recorder, self.call = groups, path, recorder, call
 
 
-register_opaque_type(Channel, typ="reference")
+register_opaque_type(Channel, typ=_REFERENCE)
 
 
 @dataclass(frozen=True)
