@@ -83,8 +83,12 @@ def classify(model_types: list[str]) -> dict[str, tuple[str, str]]:
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    limit = _mapped_bytes() + _MEMORY_BUDGET
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # a type too big raises, not kills
+    # a type too big raises, not kills; the soft limit alone, which the next group of types raises again
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = _mapped_bytes() + _MEMORY_BUDGET
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     mesh = cpshard.make_mesh(cp=2)
     return {model_type: _outcome(model_type, mesh) for model_type in model_types}
 
