@@ -144,21 +144,16 @@ def _add_bench(commands) -> None:
     )
     add = parser.add_argument
     listed = lambda values: " ".join(map(str, values))  # noqa: E731
-    add(
-        "--seqs",
-        type=int,
-        nargs="+",
-        default=list(defaults.seqs),
-        help=f"sequence lengths (default {listed(defaults.seqs)})",
-    )
-    add(
-        "--cp",
-        type=int,
-        nargs="+",
-        default=list(defaults.cps),
-        dest="cps",
-        help=f"cp sizes: local CPU ranks (default {listed(defaults.cps)})",
-    )
+
+    def add_list(flag: str, field: str, help: str, shown: str = "", **more) -> None:
+        """An option of one or more values whose default is the bench config's ``field`` (in the help:
+        ``shown``, else the values)."""
+        values = getattr(defaults, field)
+        help = f"{help} (default {shown or listed(values)})"
+        add(flag, nargs="+", default=list(values), dest=field, help=help, **more)
+
+    add_list("--seqs", "seqs", "sequence lengths", type=int)
+    add_list("--cp", "cps", "cp sizes: local CPU ranks", type=int)
     add(
         "--model",
         choices=list(MODELS),
@@ -184,13 +179,7 @@ def _add_bench(commands) -> None:
         default = getattr(defaults, name)
         help = f"{help} (default: --model's)" if name in MODELS["vocab1k"] else f"{help} (default {default})"
         add("--" + name.replace("_", "-"), type=int, help=help)
-    add(
-        "--variants",
-        nargs="+",
-        default=list(defaults.variants),
-        metavar="VARIANT",
-        help=f"any of: {listed(VARIANTS)} (default all)",
-    )
+    add_list("--variants", "variants", f"any of: {listed(VARIANTS)}", shown="all", metavar="VARIANT")
     add(
         "--single-rank0-only",
         action="store_true",
