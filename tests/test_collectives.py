@@ -8,13 +8,13 @@ import torch.distributed as dist
 import cpshard
 from cpshard.comm.collectives import (
     all_gather_rows,
-    all_to_all,
     gather_shares,
     scatter_sums,
     share_rows,
     sum_many_grads_over_group,
     sum_over_group,
 )
+from cpshard.comm.exchange import all_to_all
 from cpshard.comm.record import recording
 
 #: (scatter_dim, gather_dim) pairs, negative dims included

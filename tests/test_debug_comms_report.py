@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.comm.collectives import all_to_all
+from cpshard.comm.exchange import all_to_all
 from cpshard.debug import trace_comms
 from cpshard.debug.comms_report import split_name
 from cpshard.runtime.batch import fingerprint

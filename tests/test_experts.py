@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 import cpshard
 from cpshard.call import CallPlan, running
-from cpshard.comm.collectives import all_to_all_rows
+from cpshard.comm.exchange import all_to_all_rows
 from cpshard.comm.record import recording
 from cpshard.debug.optimum import ep_bytes, tp_share_bytes
 from cpshard.layouts.decoder import LAYOUT

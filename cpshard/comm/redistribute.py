@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from cpshard.comm.collectives import all_to_all
+from cpshard.comm.exchange import all_to_all
 from cpshard.spec.notation import Dim, Spec, SpecError
 from cpshard.spec.sequence import chunks_per_rank, positions
 
@@ -77,7 +77,7 @@ def redistribute(
 ) -> torch.Tensor:
     """``x``, the local part of a tensor placed as ``src`` on ``mesh``, placed as ``dst``. Differentiable.
     ``donate``: the caller reads ``x`` no more, and an all-to-all's result may take its storage
-    (:func:`cpshard.comm.collectives.all_to_all`)."""
+    (:func:`cpshard.comm.exchange.all_to_all`)."""
     src, dst = Spec(src), Spec(dst)
     tensor = name or "tensor"
     if x.dim() != len(src.dims):

@@ -39,14 +39,8 @@ import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from cpshard.call import current_call
-from cpshard.comm.collectives import (
-    all_to_all,
-    all_to_all_rows,
-    gather_shares,
-    share_rows,
-    sum_grads_over_group,
-    sum_over_group,
-)
+from cpshard.comm.collectives import gather_shares, share_rows, sum_grads_over_group, sum_over_group
+from cpshard.comm.exchange import all_to_all, all_to_all_rows
 from cpshard.comm.record import serving
 from cpshard.interfaces import SeenAs, register_wrapper
 

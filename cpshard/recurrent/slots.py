@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import split_call
-from cpshard.comm.collectives import all_to_all
+from cpshard.comm.exchange import all_to_all
 from cpshard.comm.record import expect
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import (

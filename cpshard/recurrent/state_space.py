@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpshard.comm.collectives import all_gather_shards, all_to_all
+from cpshard.comm.collectives import all_gather_shards
+from cpshard.comm.exchange import all_to_all
 from cpshard.comm.record import expect
 from cpshard.recurrent.affine import correct_outputs, fold_states, outgoing_state, ssd_summary
 from cpshard.recurrent.exchange import gathered_summaries
