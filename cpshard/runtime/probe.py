@@ -205,15 +205,15 @@ def on_every_rank(local, mesh):
         result, error = local(), None
     except Exception as raised:  # noqa: BLE001 -- re-raised below, after every rank knows
         result, error = None, raised
-    failed = torch.tensor([error is not None], dtype=torch.int64)
-    dist.all_reduce(failed, group=mesh.get_group("cp"))
+    failed = torch.tensor([cp_rank(mesh) + 1 if error is not None else 0], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=mesh.get_group("cp"))  # the last rank it failed on
     if error is not None:
         raise error
     if failed.item():
         raise LayoutError(
-            "cpshard cannot vouch for this model: the probe's one-process reference raised on another cp "
-            "rank (its error, raised there, says what; often memory: the reference runs the whole probe "
-            "batch on each rank)"
+            f"cpshard cannot vouch for this model: the probe's one-process reference raised on cp rank "
+            f"{failed.item() - 1} (its error, raised there, says what; often memory: the reference runs the "
+            "whole probe batch on each rank)"
         )
     return result
 
