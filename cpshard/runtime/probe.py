@@ -205,17 +205,24 @@ def on_every_rank(local, mesh):
         result, error = local(), None
     except Exception as raised:  # noqa: BLE001 -- re-raised below, after every rank knows
         result, error = None, raised
-    failed = torch.tensor([cp_rank(mesh) + 1 if error is not None else 0], dtype=torch.int64)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=mesh.get_group("cp"))  # the last rank it failed on
+    failing = _failing_rank(error is not None, mesh)
     if error is not None:
         raise error
-    if failed.item():
+    if failing is not None:
         raise LayoutError(
             f"cpshard cannot vouch for this model: the probe's one-process reference raised on cp rank "
-            f"{failed.item() - 1} (its error, raised there, says what; often memory: the reference runs the "
-            "whole probe batch on each rank)"
+            f"{failing} (its error, raised there, says what; often memory: the reference runs the whole "
+            "probe batch on each rank)"
         )
     return result
+
+
+def _failing_rank(failed: bool, mesh) -> int | None:
+    """On every rank, the last cp rank on which ``failed`` holds, None where it holds on none (one
+    all-reduce): what lets every rank leave the probe together."""
+    flag = torch.tensor([cp_rank(mesh) + 1 if failed else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group("cp"))
+    return int(flag.item()) - 1 if flag.item() else None
 
 
 class OneProcessFailed(Exception):
@@ -301,9 +308,7 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
             what, error = first_difference(cp_forward, params, mesh), None
     except Exception as raised:  # noqa: BLE001 -- reported on every rank below
         what, error = "the probe's cp run", raised
-    failed = torch.tensor([what is not None], dtype=torch.int64)
-    dist.all_reduce(failed, group=mesh.get_group("cp"))
-    if failed.item():
+    if _failing_rank(what is not None, mesh) is not None:
         verified.discard(key)
         if _refused_by_cpshard(error):  # a clear refusal (ring and ALiBi, a hybrid degree): as it is
             raise error
