@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.attention.ulysses import attend_in_blocks, block_rows, check_blocked
-from cpshard.layouts.family_attention import eager_for
+from cpshard.layouts.family_eager import eager_for
 from cpshard.runtime.recompute import checkpointing_modules
 from cpshard.tools.parity import check_parity, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model

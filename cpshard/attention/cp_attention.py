@@ -31,7 +31,8 @@ from cpshard.call import TRACED_KEY, active_decode, current_call, split_call
 from cpshard.comm.channel import TracedGroup
 from cpshard.interfaces import register_once, register_wrapper
 from cpshard.layouts.errors import LayoutError
-from cpshard.layouts.family_attention import FORWARDS, eager_for, hides_scores
+from cpshard.layouts.family_attention import FORWARDS
+from cpshard.layouts.family_eager import eager_for, hides_scores
 from cpshard.layouts.layout import PER_POSITION_ATTENTION
 
 PREFIX = "cpshard_"

@@ -12,11 +12,11 @@ through a rewrite made for this one. What the family adds to the scores becomes 
 built from the model's own whole-sequence inputs, so it holds for any cut of the queries: ALiBi (Bloom, MPT)
 per head and key, GPT-Neo's local window per query and key. The scores are then the same sum
 one process computes, in another order (equal to rounding); where a family hides scores otherwise than by
-adding the mask (MPT's ``masked_fill``, XGLM's clamp), its eager function does the same, so that even a
-row that sees no key gets the family's gradient. Cost: a mask with ALiBi is ``[batch, heads, L, L]``
-floats per layer (Ulysses keeps its share of the heads), where the families' own code builds the same
-``[batch * heads, L, L]`` scores; ring and hybrid take masks of allowed and hidden positions only, so they
-refuse ALiBi and GPT-Neo's window with a clear error.
+adding the mask (MPT's ``masked_fill``, XGLM's clamp), its eager function does the same
+(:mod:`cpshard.layouts.family_eager`), so that even a row that sees no key gets the family's gradient. Cost:
+a mask with ALiBi is ``[batch, heads, L, L]`` floats per layer (Ulysses keeps its share of the heads), where
+the families' own code builds the same ``[batch * heads, L, L]`` scores; ring and hybrid take masks of
+allowed and hidden positions only, so they refuse ALiBi and GPT-Neo's window with a clear error.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from functools import partial
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
 
+from cpshard.layouts.family_eager import OPENAI_LATER, eager_for, hidden_value
 from cpshard.layouts.fingerprint import check_written_for, written_against
 from cpshard.spec.masks import additive_mask
 
@@ -37,14 +37,10 @@ from cpshard.spec.masks import additive_mask
 PER_KEY_INPUTS = ("alibi", "position_bias")
 
 
-def _hidden_value(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).min
-
-
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The model's mask as additive floats (0 where allowed, the dtype's minimum where hidden, as
     transformers builds them)."""
-    return additive_mask(mask, dtype, _hidden_value(dtype))
+    return additive_mask(mask, dtype, hidden_value(dtype))
 
 
 def _whole(mask: torch.Tensor | None, family: str) -> torch.Tensor:
@@ -54,82 +50,6 @@ def _whole(mask: torch.Tensor | None, family: str) -> torch.Tensor:
             "none: use the eager attention implementation"
         )
     return mask
-
-
-def _eager_then(hide):
-    """transformers' eager attention with ``hide(scores, mask)`` applied to the masked scores, as a family's
-    own code treats its hidden positions (their gradient, in a row that sees no key, differs from a sum's)."""
-
-    def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        key, value = (repeat_kv(x, module.num_key_value_groups) for x in (key, value))
-        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-        scores = scores if attention_mask is None else scores + attention_mask
-        weights = nn.functional.softmax(hide(scores, attention_mask).float(), dim=-1).to(value.dtype)
-        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-    eager.causal_by_shape = hide in _CAUSAL_BY_SHAPE  # Ulysses' blocks of queries refuse such a function
-    return eager
-
-
-def _filled(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """MPT's ``masked_fill``: a hidden score (the dtype's minimum in the mask) is that minimum, gradient 0."""
-    return scores.masked_fill(mask == _hidden_value(mask.dtype), _hidden_value(scores.dtype))
-
-
-def _clamped(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """XGLM's ``torch.max(scores, minimum)`` (a hidden score ties the minimum: half its gradient)."""
-    return torch.max(scores, torch.full((), _hidden_value(scores.dtype), device=scores.device))
-
-
-#: the score OpenAI GPT gives a later key, whatever q·k (its padding mask added after)
-_OPENAI_LATER = -1e4
-
-
-def _later_fixed(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """OpenAI GPT's ``w * b - 1e4 * (1 - b)``: a later key's score is -1e4 plus the padding mask (what
-    :func:`_openai` put in ``mask`` there), gradient 0; a row of padding sees only those. The causal part
-    comes from the shape: the queries and keys are whole sequences from their first position (one process,
-    Ulysses; the ring refuses a mask of -1e4)."""
-    later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-    fixed = torch.full((), _OPENAI_LATER, dtype=scores.dtype, device=scores.device)
-    return torch.where(later, fixed if mask is None else mask, scores)
-
-
-def _later_filled(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """XLM's causal ``masked_fill``: a later key's score is the dtype's minimum, gradient 0. Its causal mask
-    is the triangle of the sequence's shape and nothing else (XLM hides no padding key), so it comes from the
-    shape here, the queries the last of the keys (whole sequences: one process, Ulysses)."""
-    queries, keys = scores.shape[-2:]
-    later = torch.ones(queries, keys, dtype=torch.bool, device=scores.device).triu(keys - queries + 1)
-    return scores.masked_fill(later, _hidden_value(scores.dtype))
-
-
-#: the hides that make attention causal from the scores' shape, the queries the last of the keys: a block of
-#: queries (``make_cp_forward(attention_block_bytes=...)``) would be taken for the sequence's last
-_CAUSAL_BY_SHAPE = (_later_fixed, _later_filled)
-#: the families whose own code treats hidden scores otherwise than by adding the mask
-_HIDING = {
-    "MptAttention": _filled,
-    "XGLMAttention": _clamped,
-    "Attention": _later_fixed,
-    "MultiHeadAttention": _later_filled,
-}
-#: the eager attention of those, and of GPT-Neo (float32 scores, its weights cast to the values' dtype)
-_EAGER = {name: _eager_then(hide) for name, hide in _HIDING.items()} | {
-    "GPTNeoSelfAttention": _eager_then(lambda scores, mask: scores)
-}
-
-
-def eager_for(module_class: type):
-    """The eager attention function for a rewritten family's class (its own masking, else transformers')."""
-    return _EAGER.get(module_class.__name__, eager_attention_forward)
-
-
-def hides_scores(module_class: type) -> bool:
-    """Whether the family gives a hidden score its own value and gradient (MPT's fill, XGLM's clamp): in a
-    row that sees no key that gradient differs from the ring's, which adds the mask."""
-    return module_class.__name__ in _HIDING
 
 
 def _attend(module, config, query, key, value, mask, scaling: float, dropout: float):
@@ -194,7 +114,7 @@ def _mpt(module, config, hidden_states, position_bias, cache=None, attention_mas
     keys = hidden.shape[-1]
     # MPT adds its float32 bias to the scores (so they are float32): a bf16 bias would round it (to 2 at 500)
     bias = position_bias[:, :, max(0, position_bias.shape[-1] - keys) :].unsqueeze(0).float()
-    mask = torch.where(hidden, _hidden_value(bias.dtype), bias)
+    mask = torch.where(hidden, hidden_value(bias.dtype), bias)
     output, weights = _attend(
         module, config, query, key, value, mask, module.softmax_scale, module.attn_dropout_p
     )
@@ -255,7 +175,7 @@ def _openai(module, config, x, attention_mask=None, output_attentions=False):
     mask = attention_mask  # OpenAI GPT's padding mask, [B, 1, 1, keys]: the later keys' -1e4 goes in first
     if mask is not None:
         later = torch.ones(mask.shape[-1], mask.shape[-1], device=mask.device).tril().bool()
-        mask = additive_mask(later, mask.dtype, _OPENAI_LATER) + mask
+        mask = additive_mask(later, mask.dtype, OPENAI_LATER) + mask
     scaling = value.shape[-1] ** -0.5 if module.scale else 1.0
     output, weights = _attend(module, config, query, key, value, mask, scaling, module.attn_dropout.p)
     return [module.resid_dropout(module.c_proj(output))] + ([weights] if output_attentions else [])
@@ -312,9 +232,9 @@ _BIDIRECTIONAL = (
 
 def _xlm(module, config, input, mask, kv=None, cache=None, output_attentions=False, **kwargs):
     """XLM's attention as a causal LM's: its model's causal mask (``[B, L, L]``) is the triangle of the
-    sequence's shape alone, so the registry gets none and attends causally (eager: :func:`_later_filled`),
-    over the whole sequence under cp whatever slice the model built its mask for; a mask of keys
-    (``[B, L]``, not causal) is refused."""
+    sequence's shape alone, so the registry gets none and attends causally (eager: XLM's causal fill in
+    :mod:`cpshard.layouts.family_eager`), over the whole sequence under cp whatever slice the model built its
+    mask for; a mask of keys (``[B, L]``, not causal) is refused."""
     _self_attention_only(module, kv)
     if mask.dim() != 3:
         raise ValueError(_BIDIRECTIONAL)
