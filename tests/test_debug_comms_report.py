@@ -8,7 +8,8 @@ from cpshard.comm.exchange import all_to_all
 from cpshard.debug import trace_comms
 from cpshard.debug.comms_report import split_name
 from cpshard.runtime.batch import fingerprint
-from cpshard.tools.tiny import SMALL, tiny_batch, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_model
+from cpshard.tools.tiny_sizes import SMALL
 
 F32 = 4
 V, D, FFN = SMALL["vocab_size"], SMALL["hidden_size"], SMALL["intermediate_size"]

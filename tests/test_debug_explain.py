@@ -4,7 +4,8 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.debug import explain
-from cpshard.tools.tiny import SMALL, tiny_model
+from cpshard.tools.tiny import tiny_model
+from cpshard.tools.tiny_sizes import SMALL
 
 F32 = 4
 H, KV, HD = SMALL["num_attention_heads"], SMALL["num_key_value_heads"], SMALL["head_dim"]

@@ -121,7 +121,7 @@ def cp_output_types():
 
 
 def test_cp_output(ranks2):
-    vocab = 128  # cpshard.tools.tiny.SMALL
+    vocab = 128  # cpshard.tools.tiny_sizes.SMALL
     for logits, table in ranks2.run(cp_output_types):
         assert logits == f"f32[2, 13@cp, {vocab}]"
         assert [line.split(None, 1) for line in table.splitlines()] == [

@@ -28,7 +28,7 @@ from cpshard.tools.tiny import tiny_model
 
 EXAMPLES_PER_CP = 50  # 100 in all
 MAX_LENGTH = 24
-VOCAB = 128  # cpshard.tools.tiny.SMALL
+VOCAB = 128  # cpshard.tools.tiny_sizes.SMALL
 MODEL_TYPES = ("llama", "qwen3", "mistral", "gemma3_text")
 SLIDING = ("mistral", "gemma3_text")  # a sliding window is a plain config option for these
 IMPLEMENTATIONS = {2: ("ring", "ulysses"), 4: ("hybrid", "ring", "ulysses")}

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cpshard.tools.tiny import SMALL, tiny_batch, tiny_config, tiny_model
+from cpshard.tools.tiny import tiny_batch, tiny_config, tiny_model
+from cpshard.tools.tiny_sizes import SMALL
 
 
 def test_models_are_deterministic_per_seed():

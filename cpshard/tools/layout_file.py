@@ -16,7 +16,8 @@ from cpshard.layouts.family_attention import rewritten
 from cpshard.layouts.layout import Layout, attention_layers
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.spec.notation import Spec
-from cpshard.tools.tiny import SMALL, tiny_model
+from cpshard.tools.tiny import tiny_model
+from cpshard.tools.tiny_sizes import SMALL
 from cpshard.tools.usage import UsageError
 
 
