@@ -11,7 +11,8 @@ import cpshard
 from cpshard.debug import trace_comms
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.errors import LayoutError
-from cpshard.layouts.layout import ENTERED_DECODERS, structure_problems
+from cpshard.layouts.layout import ENTERED_DECODERS
+from cpshard.layouts.structure import structure_problems
 from cpshard.recurrent.slots import DECODER_ENTRY_HOOKS
 from cpshard.runtime.install import attention_modules
 from cpshard.tools.parity import check_parity, failing_rows

@@ -5,7 +5,6 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from cpshard.comm.redistribute import plan
-from cpshard.layouts.layout import structure_problems
 from cpshard.layouts.registry import (
     BY_NAME,
     REGISTERED,
@@ -16,6 +15,7 @@ from cpshard.layouts.registry import (
     qwen3,
     resolve_layout,
 )
+from cpshard.layouts.structure import structure_problems
 from cpshard.tools.tiny import tiny_model
 
 SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")

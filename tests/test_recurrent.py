@@ -694,7 +694,7 @@ def test_trace_comms_sets_inkling_s_halos_and_moved_rows_at_their_optimum(ranks2
 def test_a_mamba2_mixer_s_slots_are_taken_its_fused_kernel_too():
     """The fused slot that would do the whole mixer in one call (mamba_ssm's, on a GPU) steps aside inside
     a cp call, so the scan and the convolution run through the slots cpshard serves."""
-    from cpshard.layouts.layout import kernel_slots
+    from cpshard.layouts.structure import kernel_slots
     from cpshard.recurrent.slots import Halo
     from cpshard.recurrent.state_space import SSDScan, Unfused
     from cpshard.runtime.install import install

@@ -23,7 +23,8 @@ from cpshard.comm.record import CommEvent, Expected, recording
 from cpshard.debug.analytic import attention_paths, head_dim, value_head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
-from cpshard.layouts.layout import gathers_keys, text_config
+from cpshard.layouts.layout import gathers_keys
+from cpshard.layouts.structure import text_config
 
 PHASES = ("forward", "backward")
 #: the names cpshard's forward and :func:`cpshard.value_and_grad` give their reductions

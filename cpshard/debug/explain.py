@@ -14,8 +14,9 @@ from cpshard.attention.ulysses import kv_replication
 from cpshard.debug.analytic import Step, attention_paths, attention_steps, cut_steps, mesh_sizes
 from cpshard.debug.table import grouped, table
 from cpshard.debug.typeof import dtype_name
-from cpshard.layouts.layout import Layout, text_config
+from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import REGISTERED, resolve_layout
+from cpshard.layouts.structure import text_config
 from cpshard.parallel.mesh import cp_size
 
 

@@ -16,8 +16,8 @@ from cpshard.attention.choice import choose_implementation
 from cpshard.attention.ulysses import kv_replication
 from cpshard.comm.redistribute import plan
 from cpshard.debug.analytic import head_dim, value_head_dim
-from cpshard.layouts.layout import text_config
 from cpshard.layouts.registry import resolve_layout
+from cpshard.layouts.structure import text_config
 from cpshard.runtime.forward import params_of
 from cpshard.spec.notation import Spec
 from cpshard.spec.sequence import chunk_positions, padded_length_for, positions

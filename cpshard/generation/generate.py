@@ -15,7 +15,7 @@ from cpshard.comm.collectives import all_gather_rows
 from cpshard.generation.decode import make_cp_decode
 from cpshard.generation.prefill import make_cp_prefill
 from cpshard.generation.sampling import Sampling, next_tokens
-from cpshard.layouts.layout import text_config
+from cpshard.layouts.structure import text_config
 from cpshard.runtime.forward import params_of
 
 _MODELS_OWN = object()

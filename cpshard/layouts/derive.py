@@ -41,15 +41,17 @@ from cpshard.layouts.layout import (
     Layout,
     Recurrent,
     attention_at,
-    calls_attention_registry,
     gathers_keys,
+)
+from cpshard.layouts.recording import Recording, record_forward, restores_length
+from cpshard.layouts.structure import (
+    calls_attention_registry,
     kernel_slots,
     recurrent_module,
     serves,
     submodule,
     text_config,
 )
-from cpshard.layouts.recording import Recording, record_forward, restores_length
 
 _ATTENTION_NAME = re.compile(r"atten|attn", re.IGNORECASE)
 #: parameters of a state-space layer (Mamba's decay and step): it carries a state along the sequence

@@ -2,13 +2,12 @@
 
 A :class:`Layout` holds no architecture facts of its own: every row is written out in a layout
 file (``layouts/decoder.py`` is the generic transformers decoder, ``layouts/llama.py`` the whole
-Llama table) or derived from a model (:mod:`cpshard.layouts.derive`). The structure checks,
-which say where a model does not fit a layout, live here beside the type.
+Llama table) or derived from a model (:mod:`cpshard.layouts.derive`). Reading a model against a
+layout (which modules are its attention, where it does not fit) is :mod:`cpshard.layouts.structure`.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
@@ -16,7 +15,6 @@ from types import MappingProxyType
 
 from torch import nn
 
-from cpshard.layouts.family_attention import rewritten
 from cpshard.spec.notation import Spec
 
 #: how a layout's tensor-parallel plan may treat a module (see :mod:`cpshard.parallel.placement`)
@@ -158,44 +156,6 @@ def gathers_keys(module: nn.Module) -> bool:
     return name in SPARSE_ATTENTION and (attribute is None or getattr(module, attribute, None) is not None)
 
 
-def kernel_slots(module: nn.Module) -> dict:
-    """The kernel slots of ``module`` (the kernels package's per-module ``_kernel_funcs``), empty if none."""
-    slots = module.__dict__.get("_kernel_funcs")
-    return slots if isinstance(slots, dict) else {}
-
-
-def serves(module: nn.Module, kernel: str) -> bool:
-    """Whether ``module`` is a recurrent mixer of ``kernel``: one that holds its slot, or for a
-    :data:`HOOKED` kernel, one of its class."""
-    return type(module).__name__ in HOOKED[kernel] if kernel in HOOKED else kernel in kernel_slots(module)
-
-
-def recurrent_module(layer: nn.Module, rows: tuple[Recurrent, ...]) -> tuple[nn.Module, Recurrent] | None:
-    """The recurrent mixer ``layer`` holds and its row, or None (an attention layer)."""
-    for row in rows:
-        module = submodule(layer, row.module)
-        if isinstance(module, nn.Module) and serves(module, row.kernel):
-            return module, row
-    return None
-
-
-def attention_layers(layers, layout: Layout) -> list[nn.Module]:
-    """The decoder layers that hold cp's attention: those with a module at attention's path that is neither
-    their recurrent mixer (MiniMax's lightning layers share the name) nor pointwise nor run whole
-    (:data:`WHOLE_ATTENTION`) or split by heads (:data:`HEAD_SPLIT_ATTENTION`). A layer may hold both
-    (Falcon-H1 runs attention and a Mamba2 mixer side by side)."""
-    found = []
-    for layer in layers:
-        attention = submodule(layer, layout.attention) if layout.attention else None  # "": none at all
-        mixer = recurrent_module(layer, layout.recurrent)
-        if isinstance(attention, nn.Module) and (mixer is None or mixer[0] is not attention):
-            if type(attention).__name__ not in (*layout.pointwise, *WHOLE_ATTENTION, *HEAD_SPLIT_ATTENTION):
-                found.append(layer)
-        elif mixer is None:  # neither: structure_problems names it
-            found.append(layer)
-    return found
-
-
 def config_field(config, path: str):
     """``config``'s field at the dotted ``path`` (a sub-config's: BLT's global stack), None where missing."""
     try:
@@ -324,37 +284,6 @@ class Layout:
         return heads, heads if kv_heads is None else kv_heads
 
 
-#: signs, in a module's own code, that it hands attention to transformers' registry
-_REGISTRY_CALLS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
-
-
-def _forward_calls_registry(module: nn.Module) -> bool:
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return False
-    return any(call in source for call in _REGISTRY_CALLS)
-
-
-def text_config(model_or_config):
-    """The config that holds the decoder's sizes: a multimodal model's text part (heads, vocabulary, pad id,
-    logit transforms sit there, not at its top level), else the model's own config."""
-    config = getattr(model_or_config, "config", model_or_config)
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if get is not None else config
-
-
-def calls_attention_registry(module: nn.Module) -> bool:
-    """Whether ``module`` (or a module inside it: BERT's ``attention.self``) calls its attention function
-    through transformers' registry (the function cpshard replaces); read from the source, since a class
-    flag may be missing or wrong); or whose attention cpshard rewrites to call it
-    (:mod:`cpshard.layouts.family_attention`). A list of attention modules (LongCat-Flash's two per layer)
-    calls it when each of them does: one that did not would attend over a rank's slice alone."""
-    if isinstance(module, nn.ModuleList):
-        return len(module) > 0 and all(calls_attention_registry(inner) for inner in module)
-    return any(_forward_calls_registry(inner) or rewritten(inner) for inner in module.modules())
-
-
 def attention_at(layer: nn.Module, path: str) -> list[nn.Module]:
     """The attention modules ``layer`` holds at ``path``: the module there, or each module of a list there
     (LongCat-Flash's layers run two attention sublayers, ``self_attn.0`` and ``self_attn.1``), so that what
@@ -365,40 +294,3 @@ def attention_at(layer: nn.Module, path: str) -> list[nn.Module]:
 
 def _from_rows(rows: dict) -> Layout:
     return Layout(**rows)
-
-
-def submodule(model: nn.Module, path: str):
-    """``model.<path>`` or None."""
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
-
-
-def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
-    """What in ``model`` does not match ``layout`` (empty when it fits)."""
-    problems = []
-    layers = submodule(model, layout.decoder_layers)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        return [f"no list of decoder layers at {layout.decoder_layers!r}"]
-    if not isinstance(submodule(model, layout.final_norm), nn.Module):
-        problems.append(f"no final norm at {layout.final_norm!r}")
-    signature = inspect.signature(layers[0].forward).parameters
-    taken = [key for key, _, _ in layout.layer_inputs if key in signature]
-    if layout.layer_inputs and not taken and not any(p.kind == p.VAR_KEYWORD for p in signature.values()):
-        names = ", ".join(key for key, _, _ in layout.layer_inputs)
-        problems.append(f"its decoder layers ({type(layers[0]).__name__}) take none of {names}")
-    attentions = [submodule(layer, layout.attention) for layer in attention_layers(layers, layout)]
-    if not all(isinstance(module, nn.Module) for module in attentions):
-        recurrent = " or a recurrent mixer of its table" if layout.recurrent else ""
-        problems.append(f"not every decoder layer has an attention module {layout.attention!r}{recurrent}")
-    elif not all(calls_attention_registry(module) for module in attentions):
-        problems.append("it does not call attention through transformers' attention-function registry")
-    config = text_config(model) if hasattr(model, "config") else None
-    for attr in (layout.heads, layout.kv_heads):
-        if attr is not None and not isinstance(config_field(config, attr), int):
-            problems.append(f"its config has no {attr}")
-    odd = [name for name in layout.head_transforms if name not in HEAD_TRANSFORMS]
-    if odd:
-        problems.append(f"unknown head transforms {odd}; cpshard knows {HEAD_TRANSFORMS}")
-    return problems

@@ -24,7 +24,8 @@ from torch import nn
 
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import PER_KEY_INPUTS
-from cpshard.layouts.layout import ENTERED_DECODERS, specs, text_config
+from cpshard.layouts.layout import ENTERED_DECODERS, specs
+from cpshard.layouts.structure import text_config
 
 #: the sequence length of the recording run: odd and prime, so no other size is mistaken for it
 PROBE_LENGTH = 13

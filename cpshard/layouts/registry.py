@@ -22,7 +22,8 @@ from cpshard.layouts import (
 from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import check_unchanged
-from cpshard.layouts.layout import Layout, structure_problems
+from cpshard.layouts.layout import Layout
+from cpshard.layouts.structure import structure_problems
 
 _FILES = (
     llama,

@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from cpshard.comm.collectives import all_gather_shards, sum_grads_over_group
 from cpshard.comm.record import serving
-from cpshard.layouts.layout import Layout, text_config
+from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
+from cpshard.layouts.structure import text_config
 from cpshard.parallel.experts import check_expert_parallel
 from cpshard.parallel.mesh import MESH_AXES, expert_degree, mesh_size
 from cpshard.parallel.placement import Placed, placed, placement_problem, style_of

@@ -21,7 +21,8 @@ from cpshard.call import current_call
 from cpshard.comm.collectives import sum_grads_over_group, sum_over_group
 from cpshard.comm.record import serving
 from cpshard.interfaces import Hook
-from cpshard.layouts.layout import TP_STYLES, Layout, config_field, submodule, text_config
+from cpshard.layouts.layout import TP_STYLES, Layout, config_field
+from cpshard.layouts.structure import submodule, text_config
 
 
 def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:

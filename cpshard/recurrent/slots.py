@@ -33,15 +33,8 @@ from cpshard.call import split_call
 from cpshard.comm.exchange import all_to_all
 from cpshard.comm.record import expect
 from cpshard.interfaces import Hook
-from cpshard.layouts.layout import (
-    CUT_AT_ENTRY,
-    FUSED_SLOTS,
-    RECURRENT_KERNELS,
-    Layout,
-    Recurrent,
-    kernel_slots,
-    recurrent_module,
-)
+from cpshard.layouts.layout import CUT_AT_ENTRY, FUSED_SLOTS, RECURRENT_KERNELS, Layout, Recurrent
+from cpshard.layouts.structure import kernel_slots, recurrent_module
 from cpshard.recurrent.affine import correct_outputs, delta_rule_summary, fold_states
 from cpshard.recurrent.blt import blt_entry_hooks
 from cpshard.recurrent.exchange import gathered_summaries

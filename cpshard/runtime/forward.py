@@ -37,8 +37,9 @@ from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
 from cpshard.call import CallPlan, running
 from cpshard.comm.record import note_call
-from cpshard.layouts.layout import Layout, text_config
+from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
+from cpshard.layouts.structure import text_config
 from cpshard.loss.blocked import (
     blocked_loss_sum,
     blocked_token_log_probs,

@@ -26,7 +26,8 @@ from cpshard.attention.cp_attention import cp_attention_name
 from cpshard.attention.sparse import sparse_attention_hooks, undifferentiated_modules
 from cpshard.interfaces import install_hooks
 from cpshard.layouts.family_attention import rewrite, rewritten
-from cpshard.layouts.layout import Layout, attention_at, attention_layers
+from cpshard.layouts.layout import Layout, attention_at
+from cpshard.layouts.structure import attention_layers
 from cpshard.parallel.experts import PREFIX as EXPERTS_PREFIX
 from cpshard.parallel.experts import experts_modules, install_experts
 from cpshard.parallel.tensor import tensor_parallel_hooks

@@ -18,8 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
 from cpshard.call import CallPlan
-from cpshard.layouts.layout import Layout, text_config
+from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import BY_NAME
+from cpshard.layouts.structure import text_config
 from cpshard.loss.statistics import check_statistics
 from cpshard.parallel.experts import check_expert_parallel, check_expert_plan, choose_expert_plan
 from cpshard.parallel.mesh import cp_mesh, cp_size, expert_degree, mesh_size, split_cp

@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from cpshard.call import split_call
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.fingerprint import WRITTEN_FOR
-from cpshard.layouts.layout import recurrent_module, text_config
 from cpshard.layouts.registry import REGISTERED
+from cpshard.layouts.structure import recurrent_module, text_config
 from cpshard.parallel.mesh import cp_rank, cp_size
 from cpshard.runtime.grad import value_and_grad
 from cpshard.spec.sequence import chunk_positions, positions

@@ -22,7 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from cpshard.call import current_call
 from cpshard.layouts.errors import LayoutError
-from cpshard.layouts.layout import Layout, submodule
+from cpshard.layouts.layout import Layout
+from cpshard.layouts.structure import submodule
 from cpshard.runtime.recompute import OwnForward, checkpoint_in_call, install_forward
 
 

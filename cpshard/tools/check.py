@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
-from cpshard.layouts.layout import Layout, text_config
+from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import REGISTERED, resolve_layout
+from cpshard.layouts.structure import text_config
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks, RankError
 from cpshard.runtime.forward import make_cp_forward

@@ -13,8 +13,9 @@ from dataclasses import fields
 from transformers import AutoConfig
 
 from cpshard.layouts.family_attention import rewritten
-from cpshard.layouts.layout import Layout, attention_layers
+from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import REGISTERED, resolve_layout
+from cpshard.layouts.structure import attention_layers
 from cpshard.spec.notation import Spec
 from cpshard.tools.tiny import tiny_model
 from cpshard.tools.tiny_sizes import SMALL

@@ -13,7 +13,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
 from cpshard.comm.record import recording
-from cpshard.layouts.layout import text_config
+from cpshard.layouts.structure import text_config
 from cpshard.runtime.forward import params_of
 from cpshard.runtime.grad import value_and_grad
 
