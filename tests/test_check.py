@@ -16,12 +16,13 @@ from cpshard.tools.check import (
     build_model,
     check_job,
     exit_status,
+    float64_look,
     format_report,
     parse_override,
     plan,
     resolve_source,
 )
-from cpshard.tools.parity import Parity, failing_rows
+from cpshard.tools.parity import Parity, Rounding, failing_rows
 from cpshard.tools.tiny import tiny_model
 
 #: cuts the sequence but never moves q, k, v: each rank attends within its own slice only
@@ -190,7 +191,66 @@ def test_a_refusal_inside_the_ranks_is_one_line(capsys):
 def test_a_hybrid_with_linear_attention_passes(ranks2):
     """qwen3_next: a Gated DeltaNet layer and an attention layer, every row within tolerance. Each rank's
     slice starts on the kernel's chunk grid (two chunks of 64 a rank): off it, the chunked kernel's fp32
-    rounding alone moves one process's logits by about 2e-5 of scale (see tests/test_recurrent.py)."""
+    rounding alone moves one process's logits by about 2e-5 of scale (see tests/test_recurrent.py, and the
+    float64 look below)."""
     parities = ranks2.run(check_job, CheckConfig("qwen3_next", seq=256))
     assert any(row.startswith("grad model.layers.0.linear_attn") for row in parities[0].diffs)
     assert failing_rows(parities) == []
+
+
+def _rows(**values) -> dict:
+    return {
+        "loss": values.get("loss", 0.0),
+        "logits": values.get("logits", 0.0),
+        "grad lm_head": values.get("grad", 0.0),
+    }
+
+
+@pytest.mark.parametrize(
+    "grad_from_float64, status, verdict",
+    [
+        (1.5e-5, 0, "PASS: 3 rows on 1 ranks (2 within fp32 rounding"),
+        (4e-5, 1, "FAIL: 1 of 3 rows differ beyond 1e-05 x scale: grad lm_head"),
+    ],
+    ids=["within-rounding", "beyond"],
+)
+def test_a_failing_row_within_fp32_rounding_of_float64_passes_and_one_beyond_fails(
+    grad_from_float64, status, verdict
+):
+    """fp32 rows that fail at 1e-5 get a second look against a float64 run: within twice one process's own
+    distance from it (or 1e-5 of scale) a row is rounding; farther, cp's own error."""
+    config = CheckConfig("llama")
+    parity = Parity(_rows(logits=3e-5, grad=3e-5), _rows(loss=1.0, logits=1.0, grad=1.0), comm_bytes=0)
+    rounding = Rounding(
+        cp=_rows(logits=1.3e-5, grad=grad_from_float64),
+        own=_rows(logits=2.3e-5, grad=1e-5),
+        scales=_rows(loss=1.0, logits=1.0, grad=1.0),
+    )
+    assert exit_status(config, [parity]) == 1  # without the second look: the fp32 verdict
+    report = format_report(config, [parity], [rounding])
+    assert exit_status(config, [parity], [rounding]) == status, report
+    lines = report.splitlines()
+    assert lines[-1].startswith(verdict), report
+    assert lines[2].endswith("pass") and lines[3].endswith("pass (fp32 rounding)"), report
+    assert lines[4].endswith("pass (fp32 rounding)" if status == 0 else "FAIL"), report
+    assert "  logits: cp 1.3e-05, one process 2.3e-05" in lines
+
+
+@pytest.mark.ranks  # starts its own ranks
+def test_a_check_off_the_kernel_s_chunk_grid_passes_within_fp32_rounding(capsys):
+    """qwen3_next at cp 4 on 203 tokens: each rank's 51 start off the Gated DeltaNet kernel's chunk grid, and
+    its logits lie 1.7e-5 of scale from one process's (this machine), which is itself 2.3e-5 from a float64
+    run; cp 1.3e-5. The check passes, naming the rows it passed as rounding."""
+    assert main(["check", "qwen3_next", "--cp", "4", "--seq", "203"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("PASS: 13 rows on 4 ranks"), out
+    if "within fp32 rounding" in out:  # the fp32 rows failed on this CPU: the float64 look passed them
+        assert "comparing cp and one process with a float64 run" in out and "pass (fp32 rounding)" in out
+
+
+def test_afloat64_look_that_fails_leaves_the_fp32_verdict(ranks2):
+    """The second look raises on the ranks (here: a folder that is gone by then): the check says so in one
+    line and keeps the fp32 verdict (None: no second look), rather than losing the table to a traceback."""
+    said = []
+    assert float64_look(ranks2, CheckConfig("/no/such/folder"), "auto", said.append) is None
+    assert len(said) == 1 and said[0].startswith("  the float64 run failed, so the fp32 verdict stands: rank")
