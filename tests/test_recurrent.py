@@ -548,7 +548,7 @@ def test_a_mamba2_layer_moves_one_summary_whatever_the_length(ranks2):
 def test_a_step_optimum_of_attention_layers_refuses_linear_ones():
     from cpshard.debug.optimum import optimum_for
 
-    with pytest.raises(ValueError, match="has linear-attention layers: their bytes are per layer and scheme"):
+    with pytest.raises(ValueError, match="has recurrent layers: their bytes are per layer and scheme"):
         optimum_for(_model("qwen3_next"), 2, 256, 2)
 
 

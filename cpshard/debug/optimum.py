@@ -149,7 +149,7 @@ def _sizes(model) -> dict:
     layout, config = resolve_layout(model), text_config(model)
     if layout.recurrent:
         raise ValueError(
-            f"{type(model).__name__} has linear-attention layers: their bytes are per layer and scheme "
+            f"{type(model).__name__} has recurrent layers: their bytes are per layer and scheme "
             "(cpshard.recurrent.slots.state_passing_bytes and head_split_bytes), which a step's optimum "
             "of attention layers does not count"
         )

@@ -132,10 +132,10 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
 
 
 def check_recurrent_parallelism(layout: Layout, options: CPOptions, tp: int, ep: int) -> None:
-    """What cp does not yet serve beside linear-attention layers, refused with the layer's name. Under tp the
+    """What cp does not yet serve beside recurrent layers, refused with the layer's name. Under tp the
     recurrent layers run whole on every tp rank beside the plan's split layers, which a registered layout
     file's plan is tested for; a derived plan is the model's own, written for no such mix."""
-    mixer = f"the linear-attention layers ({', '.join(sorted({row.module for row in layout.recurrent}))})"
+    mixer = f"the recurrent layers ({', '.join(sorted({row.module for row in layout.recurrent}))})"
     refused = {
         f"tp > 1 with the derived layout {layout.name!r}": tp > 1 and layout.name.startswith("derived:"),
         "ep > 1": ep > 1,
@@ -160,10 +160,10 @@ def _packed_refusal(layout: Layout) -> str | None:
         return None
     mixers = ", ".join(sorted({row.module for row in layout.recurrent}))
     return (
-        f"packed documents (position_ids that restart): the model's linear-attention layers ({mixers}) carry "
-        "their state across document boundaries (transformers keeps documents apart there only through "
-        "cu_seqlens, on fla's kernels); cp refuses rather than pass a state from one document into the "
-        "next: pass one document per row"
+        f"packed documents (position_ids that restart): the model's recurrent layers ({mixers}) carry "
+        "their state across document boundaries (transformers keeps documents apart there, where it does at "
+        "all, only through cu_seqlens on fla's GPU kernels); cp refuses rather than pass a state from one "
+        "document into the next: pass one document per row"
     )
 
 
@@ -171,7 +171,7 @@ def _contiguous_only(layout: Layout) -> str | None:
     """Why ``layout`` runs in contiguous order only (None: it takes any)."""
     if layout.recurrent:
         return (
-            "the model's linear-attention layers carry a state along the sequence, passed from rank to rank "
+            "the model's recurrent layers carry a state along the sequence, passed from rank to rank "
             "in contiguous order"
         )
     if layout.cut_at_entry:
