@@ -254,3 +254,12 @@ def test_afloat64_look_that_fails_leaves_the_fp32_verdict(ranks2):
     said = []
     assert float64_look(ranks2, CheckConfig("/no/such/folder"), "auto", said.append) is None
     assert len(said) == 1 and said[0].startswith("  the float64 run failed, so the fp32 verdict stands: rank")
+
+
+@pytest.mark.parametrize("model_type", ["rwkv", "xlstm", "openai-gpt"])
+def test_the_plan_on_the_meta_device_takes_a_model_whose_layers_take_no_positions(model_type):
+    """The plan derives the layout on a meta-device copy, where nothing runs, so the layers' inputs are
+    guessed from their signatures: RWKV's, xLSTM's and OpenAI GPT's blocks take neither rotary pairs nor
+    positions, and the check refused them before ranks started ("take none of position_embeddings,
+    position_ids"), where the ranks' real derivation serves them (the zoo: exact)."""
+    assert f"random {model_type} (small)" in plan(CheckConfig(model_type))

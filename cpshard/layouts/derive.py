@@ -50,6 +50,7 @@ from cpshard.layouts.structure import (
     recurrent_module,
     serves,
     submodule,
+    taken_inputs,
     text_config,
 )
 
@@ -389,8 +390,8 @@ def derive_layout(model: nn.Module) -> Layout:
     )
     plan = _tensor_parallel(with_attention[0][1], attention, head_dim) if with_attention else {}
     top = inner.split(".")[0]  # the decoder's child that holds the layers
-    if any(p.is_meta for p in model.parameters()):  # nothing can run: the generic decoder's inputs
-        recording = Recording(DECODER.layer_inputs, (), False)
+    if any(p.is_meta for p in model.parameters()):  # nothing can run: the generic inputs the layers take
+        recording = Recording(taken_inputs(layers[0], DECODER.layer_inputs), (), False)
     else:
         recording = record_forward(model, decoder, layers, layers_path, top)
     sparse = _sparse_attention(layers, attention)

@@ -99,6 +99,15 @@ def submodule(model: nn.Module, path: str):
         return None
 
 
+def taken_inputs(layer: nn.Module, inputs: tuple) -> tuple:
+    """The rows of ``inputs`` (``(key, before, after)``) that ``layer``'s forward takes: by name, or every
+    one where it takes any keyword."""
+    signature = inspect.signature(layer.forward).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in signature.values()):
+        return inputs
+    return tuple(row for row in inputs if row[0] in signature)
+
+
 def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
     """What in ``model`` does not match ``layout`` (empty when it fits)."""
     problems = []
@@ -107,9 +116,7 @@ def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
         return [f"no list of decoder layers at {layout.decoder_layers!r}"]
     if not isinstance(submodule(model, layout.final_norm), nn.Module):
         problems.append(f"no final norm at {layout.final_norm!r}")
-    signature = inspect.signature(layers[0].forward).parameters
-    taken = [key for key, _, _ in layout.layer_inputs if key in signature]
-    if layout.layer_inputs and not taken and not any(p.kind == p.VAR_KEYWORD for p in signature.values()):
+    if layout.layer_inputs and not taken_inputs(layers[0], layout.layer_inputs):
         names = ", ".join(key for key, _, _ in layout.layer_inputs)
         problems.append(f"its decoder layers ({type(layers[0]).__name__}) take none of {names}")
     attentions = [submodule(layer, layout.attention) for layer in attention_layers(layers, layout)]
