@@ -3,7 +3,14 @@
 from dataclasses import replace
 
 import cpshard
-from cpshard.tools.parity import beyond_own_rounding, check_parity, failing_rows, tensor_group
+from cpshard.tools.parity import (
+    beyond_own_rounding,
+    check_parity,
+    failing_rows,
+    float64_distances,
+    in_float64,
+    tensor_group,
+)
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
@@ -44,22 +51,28 @@ def rows_beyond_rounding_of_a_wrong_cp_run() -> dict:
     model = tiny_model("llama", attn_implementation="auto")
     batch, mesh = tiny_batch(model.config.vocab_size, 2, 11, pad="left"), cpshard.make_mesh(cp=2)
     right = cpshard.make_cp_forward(model)
-    unpadded = {key: value for key, value in batch.items() if key != "attention_mask"}
-    wrong = type("Unpadded", (), {"__call__": lambda self, params, _, mesh: right(params, unpadded, mesh)})()
-    rows = failing_rows([check_parity(model, batch, mesh, wrong)])
+    rows = failing_rows([check_parity(model, batch, mesh, _unpadded(right, batch))])
+    twin = tiny_model("llama", attn_implementation="auto")
+    wrong_in_float64 = _unpadded(cpshard.make_cp_forward(in_float64(tiny_model("llama"))), batch)
+    params = cpshard.params_of(model)
     return {
         "right": failing_rows([check_parity(model, batch, mesh, right)]),
         "wrong": rows,
         "beyond rounding": beyond_own_rounding(
-            tiny_model("llama", attn_implementation="auto"),
-            model,
-            cpshard.params_of(model),
-            batch,
-            mesh,
-            wrong,
-            rows,
+            twin, model, params, batch, mesh, _unpadded(right, batch), rows
         ),
+        "beyond, cp in float64 too": float64_distances(
+            twin, model, params, batch, mesh, _unpadded(right, batch), wrong_in_float64
+        ).beyond(rows),
     }
+
+
+def _unpadded(cp_forward, batch: dict):
+    """``cp_forward`` on ``batch`` without its padding mask, whatever batch it is given."""
+    unpadded = {key: value for key, value in batch.items() if key != "attention_mask"}
+    return type(
+        "Unpadded", (), {"__call__": lambda self, params, _, mesh: cp_forward(params, unpadded, mesh)}
+    )()
 
 
 def test_the_rounding_allowance_keeps_a_wrong_cp_run_wrong(ranks2):
@@ -67,3 +80,4 @@ def test_the_rounding_allowance_keeps_a_wrong_cp_run_wrong(ranks2):
         grads = [row for row in result["wrong"] if row.startswith("grad ")]
         assert result["right"] == [] and grads, result
         assert result["beyond rounding"] == result["wrong"], result
+        assert result["beyond, cp in float64 too"] == result["wrong"], result

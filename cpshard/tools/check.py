@@ -37,6 +37,7 @@ from cpshard.tools.parity import (
     failing_rows,
     float64_distances,
     format_rows,
+    in_float64,
 )
 from cpshard.tools.tiny import causal_lm, tiny_batch, tiny_config, tiny_model
 from cpshard.tools.usage import UsageError, say
@@ -276,10 +277,12 @@ def check_job(config: CheckConfig, layout: Layout | str = "auto") -> Parity:
 
 def rounding_job(config: CheckConfig, layout: Layout | str = "auto") -> Rounding:
     """One rank's second look at an fp32 check that failed: cp and one process against a float64 run of the
-    same weights and batch."""
+    same weights and batch, and cp run in float64 too."""
     model, batch, mesh, cp_forward = _setup(config, layout)
-    twin = build_model(resolve_source(config.model), config)
-    return float64_distances(twin, model, params_of(model), batch, mesh, cp_forward)
+    source = resolve_source(config.model)
+    twin, cp_twin = (build_model(source, config) for _ in range(2))
+    twin_forward = make_cp_forward(in_float64(cp_twin), layout=layout, implementation=config.implementation)
+    return float64_distances(twin, model, params_of(model), batch, mesh, cp_forward, twin_forward)
 
 
 def _ready() -> bool:
@@ -320,15 +323,17 @@ def format_report(
             "against a float64 run of the same weights and batch (largest |diff| / scale, worst rank):"
         )
         for row in rounding:
-            cp, own = (max(sides) for sides in zip(*(r.relative(row) for r in roundings)))
-            lines.append(f"  {row}: cp {cp:.1e}, one process {own:.1e}")
+            cp, own, *arithmetic = (max(sides) for sides in zip(*(r.relative(row) for r in roundings)))
+            same = any(r.same_arithmetic(row) for r in roundings) and arithmetic
+            tail = f"; cp run in float64 {arithmetic[0]:.1e} (the same arithmetic)" if same else ""
+            lines.append(f"  {row}: cp {cp:.1e}, one process {own:.1e}{tail}")
     if beyond:
         names = ", ".join(beyond)
         lines.append(f"FAIL: {len(beyond)} of {rows} rows differ beyond {config.rtol:g} x scale: {names}")
     elif rounding:
         lines.append(
-            f"PASS: {rows} rows on {len(parities)} ranks ({len(rounding)} within fp32 rounding: cp no "
-            "farther from float64 than twice one process is)"
+            f"PASS: {rows} rows on {len(parities)} ranks ({len(rounding)} within fp32 rounding, as the "
+            "float64 runs above show)"
         )
     else:
         lines.append(f"PASS: {rows} rows on {len(parities)} ranks")

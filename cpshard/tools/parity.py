@@ -145,45 +145,76 @@ class Float64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+#: in float64, cp within this fraction of its fp32 distance from the exact result: the same arithmetic as one
+#: process (a cp error keeps its size in float64; rounding shrinks to the float64 runs' floor, about 1e-7 of
+#: scale as measured here: not every step of them is float64)
+SAME_ARITHMETIC = 1e-2
+
+
 @dataclass(frozen=True)
 class Rounding:
     """Per row, against a float64 run of the same weights and batch: how far cp lies from it, how far one
-    fp32 process lies from it, and the float64 row's scale. fp32 rounding depends on the order of the
-    additions, which cp changes; where one process itself is far from the exact result
-    (gemma4_unified_text's gradients: 2.7e-5 of scale, cp 1.1e-5; qwen3_next's logits at cp 4 off its
-    kernel's chunk grid: 2.3e-5, cp 1.3e-5), a gap of that size between the two says nothing about cp,
-    while a cp error lies far outside."""
+    fp32 process lies from it, and the float64 row's scale; where cp ran in float64 too (``arithmetic``), how
+    far that run lies from it. fp32 rounding depends on the order of the additions, which cp changes; where
+    one process itself is far from the exact result (gemma4_unified_text's gradients: 2.7e-5 of scale, cp
+    1.1e-5; qwen3_next's logits at cp 4 off its kernel's chunk grid: 2.3e-5, cp 1.3e-5), a gap of that size
+    between the two says nothing about cp, while a cp error lies far outside. A row that cancels to a small
+    part of its terms can leave cp more than twice as far as one process by rounding alone (HY-V4's
+    hyper-connection head at cp 4: cp 5.8e-5 of scale, one process 2.3e-5); in float64 cp then lies within
+    1e-7 of the exact result, the same arithmetic (:data:`SAME_ARITHMETIC`)."""
 
     cp: dict[str, float]
     own: dict[str, float]
     scales: dict[str, float]
+    arithmetic: dict[str, float] | None = None
 
     def beyond(self, rows: list[str], rtol: float = RTOL) -> list[str]:
         """Of ``rows``, those where cp lies farther from float64 than twice one process's own distance from
-        it and than ``rtol`` of the row's scale: cp's own error, not rounding."""
-        return [row for row in rows if self.cp[row] > max(2 * self.own[row], rtol * self.scales[row])]
+        it and than ``rtol`` of the row's scale, and, where cp ran in float64, is not the same arithmetic
+        there: cp's own error, not rounding."""
+        return [
+            row
+            for row in rows
+            if self.cp[row] > max(2 * self.own[row], rtol * self.scales[row])
+            and not self.same_arithmetic(row)
+        ]
 
-    def relative(self, row: str) -> tuple[float, float]:
-        """cp's and one process's distance from float64 in ``row``, as fractions of its scale."""
+    def same_arithmetic(self, row: str) -> bool:
+        """Whether cp's float64 run lies within :data:`SAME_ARITHMETIC` of its fp32 distance from float64."""
+        return self.arithmetic is not None and self.arithmetic[row] <= SAME_ARITHMETIC * self.cp[row]
+
+    def relative(self, row: str) -> tuple[float, ...]:
+        """cp's and one process's distance from float64 in ``row`` (and cp's float64 run's, where it ran), as
+        fractions of its scale."""
         scale = self.scales[row] or 1.0
-        return self.cp[row] / scale, self.own[row] / scale
+        distances = (self.cp, self.own) + ((self.arithmetic,) if self.arithmetic is not None else ())
+        return tuple(distance[row] / scale for distance in distances)
 
 
-def float64_distances(twin, own, params: dict, batch: dict, mesh, cp_forward) -> Rounding:
+def in_float64(model):
+    """``model`` cast to float64 (its experts on the eager path: grouped_mm takes no float64)."""
+    model = model.double()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return model
+
+
+def float64_distances(twin, own, params: dict, batch: dict, mesh, cp_forward, twin_forward=None) -> Rounding:
     """:class:`Rounding` of ``cp_forward`` and the plain model ``own`` (fp32) on ``params`` and ``batch``;
     the float64 run is ``twin``'s (a fresh model of ``own``'s config, cast here, its own fp32 casts kept in
-    float64 by :class:`Float64`)."""
+    float64 by :class:`Float64`); ``twin_forward``, a cp forward over another fresh model cast by
+    :func:`in_float64`, runs cp in float64 too."""
     cp = _cp_run(params, batch, mesh, cp_forward)
     one = reference(own, params, batch)
-    twin = twin.double()
-    if hasattr(twin, "set_experts_implementation"):  # grouped_mm takes no float64
-        twin.set_experts_implementation("eager")
+    doubled = {name: value.double() for name, value in params.items()}
     with Float64():
-        exact = reference(twin, {name: value.double() for name, value in params.items()}, batch)
+        exact = reference(in_float64(twin), doubled, batch)
+        cp64 = None if twin_forward is None else _cp_run(doubled, batch, mesh, twin_forward)
     cp_distances, scales = _row_differences(*cp, *exact)
     if cp[1] is None:  # the plain model's logits are not compared where cp's loss never held them
         one = (one[0], None, one[2])
-    return Rounding(cp_distances, _row_differences(*one, *exact)[0], scales)
+    arithmetic = None if cp64 is None else _row_differences(*cp64, *exact)[0]
+    return Rounding(cp_distances, _row_differences(*one, *exact)[0], scales, arithmetic)
 
 
 def beyond_own_rounding(twin, own, params: dict, batch: dict, mesh, cp_forward, rows: list[str]) -> list[str]:
