@@ -1,9 +1,10 @@
 """The transformers zoo: every causal LM type is exact under cp=2 or refused with a clear cpshard error.
 
 Each type is built tiny and random (no downloads), then run with ``layout="auto"`` on a plain batch of odd
-length and on a left-padded batch, against one process on the same weights (a second model of the type
-that cpshard never prepared: the model's own code): loss, logits and every gradient. A type is *exact*
-when every row passes on both ranks, *refused* when cpshard raised its own error (the last frame of the
+length (11 tokens) and on a left-padded batch, against one process on the same weights (a second model of
+the type that cpshard never prepared: the model's own code): loss, logits and every gradient. A type is
+*exact* when every row passes on both ranks (or lies within fp32 rounding of a float64 run:
+:class:`cpshard.tools.parity.Rounding`), *refused* when cpshard raised its own error (the last frame of the
 traceback is in cpshard) on both ranks. Anything else (an error from deep inside the model, a wrong
 result) fails the test. One process group serves every type.
 """
@@ -21,7 +22,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import cpshard
-from cpshard.tools.parity import beyond_own_rounding, check_parity, failing_rows
+from cpshard.tools.parity import check_parity, failing_rows, float64_distances, in_float64
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 ZOO = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -37,6 +38,10 @@ CLASSIC = (
 MULTIMODAL = ("gemma3", "gemma4", "llama4", "mllama")
 #: the exact types today
 MIN_EXACT = 191
+#: the zoo's cp size (2 or 4) and tokens per row: CI runs 2 and 11; ``CPSHARD_ZOO_CP=4 CPSHARD_ZOO_TOKENS=37``
+#: runs the same test at another shape (8 minutes here)
+ZOO_CP = int(os.environ.get("CPSHARD_ZOO_CP", "2"))
+ZOO_TOKENS = int(os.environ.get("CPSHARD_ZOO_TOKENS", "11"))
 #: address space per rank beyond what it maps when the zoo starts (torch's CUDA build maps 3 GiB more than
 #: its CPU build before any tensor)
 _MEMORY_BUDGET = 5 << 30
@@ -59,10 +64,14 @@ def _outcome(model_type: str, mesh) -> tuple[str, str]:
     try:
         cp_forward, params = cpshard.make_cp_forward(model), cpshard.params_of(model)
         for pad in (None, "left"):
-            batch = tiny_batch(model.config.get_text_config(decoder=True).vocab_size, 2, 11, pad=pad)
+            vocab = model.config.get_text_config(decoder=True).vocab_size
+            batch = tiny_batch(vocab, 2, ZOO_TOKENS, pad=pad)
             failing = failing_rows([check_parity(own, batch, mesh, cp_forward, params)])
-            twin = tiny_model(model_type, attn_implementation="auto")
-            failing = beyond_own_rounding(twin, own, params, batch, mesh, cp_forward, failing)
+            if failing:  # fp32 rounding, or cp's own error? (cpshard.tools.parity.Rounding)
+                twin, cp_twin = (tiny_model(model_type, attn_implementation="auto") for _ in range(2))
+                twin_forward = cpshard.make_cp_forward(in_float64(cp_twin))
+                rounding = float64_distances(twin, own, params, batch, mesh, cp_forward, twin_forward)
+                failing = rounding.beyond(failing)
             if failing:
                 return "wrong", f"pad={pad}: {', '.join(failing[:4])}"
     except Exception as error:
@@ -89,7 +98,7 @@ def classify(model_types: list[str]) -> dict[str, tuple[str, str]]:
     if hard != resource.RLIM_INFINITY:
         soft = min(soft, hard)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    mesh = cpshard.make_mesh(cp=2)
+    mesh = cpshard.make_mesh(cp=ZOO_CP)
     return {model_type: _outcome(model_type, mesh) for model_type in model_types}
 
 
@@ -100,11 +109,14 @@ def _merged(per_rank: list[dict]) -> dict[str, tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def zoo(ranks2):
+def zoo(ranks2, ranks4):
+    if ZOO_CP not in (2, 4):
+        pytest.fail(f"CPSHARD_ZOO_CP={ZOO_CP}: the zoo runs at cp 2 or 4")
+    ranks = {2: ranks2, 4: ranks4}[ZOO_CP]
     types = [t for t in ZOO if t not in UNBUILDABLE]
     outcomes = {}
     for start in range(0, len(types), 16):
-        outcomes.update(_merged(ranks2.run(classify, types[start : start + 16])))
+        outcomes.update(_merged(ranks.run(classify, types[start : start + 16])))
     return outcomes
 
 
