@@ -9,7 +9,10 @@ bad invocation costs a second and says one line. Then ``cp`` local CPU ranks eac
 A row passes when its largest difference is at most ``rtol`` times the largest reference value
 in that row: fp32 ``1e-5`` (what the demo and tests hold cp to); bf16 ``5e-2``, about six bf16
 roundings (``2**-7`` each): the cp run sums in another order (gradients over ranks, ring attention
-over blocks; up to ``3.5e-2`` was seen), so bf16 catches gross errors and fp32 proves exactness.
+over blocks; up to ``3.5e-2`` was seen), so bf16 catches gross errors and fp32 proves exactness. An fp32
+row beyond its tolerance gets a second look against float64 runs (:class:`cpshard.tools.parity.Rounding`):
+one process's rounding can be as large as the gap, and cp's float64 run shows whether cp computes what one
+process computes.
 """
 
 from __future__ import annotations
