@@ -213,3 +213,22 @@ def test_the_probe_has_a_padded_row(ranks2):
     assert all("differs between cp and one process" in message for message in messages), messages
     # rank 1 holds the real positions after the padding: its first layer's output differs there
     assert "on a probe batch, the output of model.layers.0 differs" in messages[1], messages
+
+
+def bf16_probe_of(model_type: str) -> float:
+    """A bf16 model's first cp call (the probe of its derived layout), then its loss against one process's."""
+    model = tiny_model(model_type, dtype=torch.bfloat16)
+    batch, mesh = tiny_batch(model.config.vocab_size, 2, 130), cpshard.make_mesh(cp=4)
+    loss = cpshard.make_cp_forward(model)(cpshard.params_of(model), batch, mesh).loss
+    with torch.no_grad():
+        return ((loss - model(**batch).loss).abs() / loss.abs()).item()
+
+
+@pytest.mark.parametrize("model_type", ["rwkv", "minimax"])
+def test_a_bf16_probe_judges_its_layout_in_fp32_where_bf16_rounding_differs(ranks4, model_type):
+    """bf16's rounding through RWKV's WKV scan and MiniMax's lightning attention at cp 4 passes the probe's
+    1e-2 (1.7e-2, 1.0e-2 of scale), and the layout (exact in fp32) was refused; the probe now runs again on
+    an fp32 copy of the weights, which passes. A layout that is wrong stays refused in bf16 (test_check's
+    broken layout)."""
+    for difference in ranks4.run(bf16_probe_of, model_type):
+        assert difference < 5e-2
