@@ -9,10 +9,13 @@ import torch
 
 from cpshard.cli import main
 from cpshard.layouts.decoder import LAYOUT as DECODER
+from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import RankError
+from cpshard.runtime.forward import make_cp_forward
 from cpshard.spec.notation import Spec
 from cpshard.tools.check import (
     CheckConfig,
+    _reported,
     build_model,
     check_job,
     exit_status,
@@ -23,8 +26,8 @@ from cpshard.tools.check import (
     resolve_source,
     rounding_job,
 )
-from cpshard.tools.parity import Parity, Rounding, failing_rows
-from cpshard.tools.tiny import tiny_model
+from cpshard.tools.parity import Parity, Rounding, check_parity, failing_rows
+from cpshard.tools.tiny import tiny_batch, tiny_model
 
 #: cuts the sequence but never moves q, k, v: each rank attends within its own slice only
 BROKEN = DECODER.with_rows(
@@ -300,3 +303,28 @@ def test_the_plan_on_the_meta_device_takes_a_model_whose_layers_take_no_position
     positions, and the check refused them before ranks started ("take none of position_embeddings,
     position_ids"), where the ranks' real derivation serves them (the zoo: exact)."""
     assert f"random {model_type} (small)" in plan(CheckConfig(model_type))
+
+
+def _unsupported(module, args):
+    raise RuntimeError("expected m1 and m2 to have the same dtype")  # as xLSTM's own kernel in bf16
+
+
+def parity_of_a_model_that_fails_alone():
+    """check_parity on a model whose own forward raises, without cp (a pre-hook on its decoder)."""
+    model = tiny_model("llama")
+    model.model.register_forward_pre_hook(_unsupported)
+    batch = tiny_batch(model.config.vocab_size, 2, 8)
+    return check_parity(model, batch, make_mesh(cp=2), make_cp_forward(model))
+
+
+def test_a_model_whose_own_forward_fails_is_named_as_the_model_s(ranks2):
+    """transformers 5.25's xLSTM raises in bf16 on 130 tokens in one process, cp or not: the check says that
+    the model's own forward without cp raised, and where, rather than leave a bare traceback to blame cp."""
+    with pytest.raises(RankError) as caught:
+        ranks2.run(parity_of_a_model_that_fails_alone)
+    assert {failure.kind for failure in caught.value.failures.values()} == {"OneProcessFailed"}
+    said = _reported(caught.value)
+    first, second = said.splitlines()[:2]
+    assert "raised OneProcessFailed: RuntimeError: expected m1 and m2 to have the same dtype" in first, said
+    assert second.startswith("that is the model's own forward, in one process without cp"), said
+    assert "_unsupported" in said  # the frame that raised

@@ -250,8 +250,12 @@ def _failing_rank(failed: bool, mesh) -> int | None:
 
 
 class OneProcessFailed(Exception):
-    """The probe's one-process reference (the model's own forward, no cp) raised: the model does not run
-    as it is configured, whatever cp does."""
+    """A one-process reference (the model's own forward, no cp: the probe's, the parity check's) raised: the
+    model does not run as it is configured, whatever cp does."""
+
+    def __str__(self) -> str:
+        cause = self.args[0]
+        return f"{type(cause).__name__}: {cause}"
 
 
 @contextmanager

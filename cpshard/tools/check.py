@@ -355,9 +355,16 @@ REFUSALS = ("LayoutError", "BatchError", "ValueError")
 
 def _reported(error: RankError) -> str:
     """The ranks' failure in one line where every rank refused with cpshard's own error, else with the
-    blamed rank's traceback (a crash)."""
-    if all(failure.kind in REFUSALS for failure in error.failures.values()):
+    blamed rank's traceback (a crash); one of the model's own forward without cp is named as the model's."""
+    kinds = {failure.kind for failure in error.failures.values()}
+    if kinds <= set(REFUSALS):
         return str(error).split("\n", 1)[0]
+    if kinds == {"OneProcessFailed"}:
+        first, _, traceback = str(error).partition("\n")
+        return (
+            f"{first}\nthat is the model's own forward, in one process without cp: the model does not run as "
+            f"it is configured (its dtype, a config field), whatever cp does; where, below:\n{traceback}"
+        )
     return str(error)
 
 

@@ -16,6 +16,7 @@ from cpshard.comm.record import recording
 from cpshard.layouts.structure import text_config
 from cpshard.runtime.forward import params_of
 from cpshard.runtime.grad import value_and_grad
+from cpshard.runtime.probe import one_process
 
 #: fp32: a row passes when its largest difference is at most this times its reference's scale
 RTOL = 1e-5
@@ -124,9 +125,11 @@ def _cp_run(params: dict, batch: dict, mesh, cp_forward):
 
 
 def check_parity(model, batch: dict, mesh, cp_forward, params: dict | None = None) -> Parity:
-    """Run ``cp_forward`` and the plain model on ``batch``; compare loss, logits and every gradient."""
+    """Run ``cp_forward`` and the plain model on ``batch``; compare loss, logits and every gradient. What the
+    plain model raises is raised as :class:`~cpshard.runtime.probe.OneProcessFailed`: the model's own."""
     params = params if params is not None else params_of(model)
-    one = reference(model, params, batch)
+    with one_process():
+        one = reference(model, params, batch)
     with recording() as log:
         cp = _cp_run(params, batch, mesh, cp_forward)
     return Parity(*_row_differences(*cp, *one), log.total_bytes)
