@@ -1,6 +1,7 @@
 """Layouts derived from the model: the rows found in families off ``model.layers``, and the refusals."""
 
 import pytest
+import torch
 import torch.distributed as dist
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 from transformers.models.hrm_text.modeling_hrm_text import HrmTextModel
@@ -213,3 +214,12 @@ def test_a_list_of_attention_modules_is_exact_at_cp2(ranks2, implementation, rec
 def test_a_list_of_attention_modules_is_exact_at_cp4(ranks4, implementation):
     for result in ranks4.run(longcat_parity, implementation):
         assert result == _EXACT, result
+
+
+@pytest.mark.parametrize("model_type", ["bart", "mbart", "marian"])
+def test_a_bf16_model_reads_its_labels_as_its_fp32_twin_does(model_type):
+    """BART's causal LMs take labels as already shifted. In bf16 their loss (5.25) is the aligned
+    cross-entropy (5.2579) to bf16's rounding, which an fp32 tolerance took for 'not aligned': cp then shifted
+    the labels itself, and the probe refused the layout (the gradient of the embeddings differed)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert derive_layout(tiny_model(model_type, dtype=dtype)).labels_shifted, dtype

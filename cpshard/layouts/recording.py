@@ -141,8 +141,9 @@ def record_forward(model: nn.Module, decoder: nn.Module, layers: nn.ModuleList, 
         raise
     except Exception as error:  # noqa: BLE001 -- whatever the model raises, cp cannot run it either
         raise LayoutError(
-            f"{type(model).__name__} does not run on token ids and labels alone ({type(error).__name__}: "
-            f"{str(error)[:200]}); cpshard runs a causal LM on those"
+            f"{type(model).__name__} does not run on token ids and labels alone: its own forward, without "
+            f"cp, raised {type(error).__name__}: {str(error)[:200]} (it needs other inputs, or does not "
+            "support its dtype or a config field as set); cpshard runs a causal LM on those"
         ) from error
     finally:
         for handle in handles:
@@ -200,11 +201,14 @@ def restores_length(model: nn.Module, final: nn.Module, runs: int = 1) -> bool:
 
 def _reads_labels_shifted(output, ids: torch.Tensor) -> bool:
     """Whether the model's loss on ``labels=ids`` is the cross-entropy of each position's logits against
-    its own token (labels taken as already shifted) rather than against the next one."""
+    its own token (labels taken as already shifted) rather than against the next one. A loss in the
+    model's dtype is that cross-entropy to its rounding (BART's in bf16: 5.25 for 5.2579)."""
     logits, loss = getattr(output, "logits", None), getattr(output, "loss", None)
     if not isinstance(logits, torch.Tensor) or not isinstance(loss, torch.Tensor):
         return False
     flat = logits.float().flatten(0, 1)
     aligned = F.cross_entropy(flat, ids.flatten())
     shifted = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-    return bool((loss - aligned).abs() < (loss - shifted).abs() and torch.isclose(loss.float(), aligned))
+    rounding = max(1e-5, 2 * torch.finfo(loss.dtype).eps)
+    closer = (loss.float() - aligned).abs() < (loss.float() - shifted).abs()
+    return bool(closer and torch.isclose(loss.float(), aligned, rtol=rounding))

@@ -216,8 +216,13 @@ def _half(params: dict) -> bool:
 
 
 def _in_fp32(params: dict) -> dict:
-    """``params`` with their half-precision tensors as fp32 copies."""
-    return {name: value.float() if value.dtype in _HALF else value for name, value in params.items()}
+    """``params`` with their half-precision tensors as fp32 copies, one per tensor: tied weights (an LM
+    head that is the embedding) stay one tensor."""
+    copies: dict[int, torch.Tensor] = {}
+    for value in params.values():
+        if value.dtype in _HALF and id(value) not in copies:
+            copies[id(value)] = value.float()
+    return {name: copies.get(id(value), value) for name, value in params.items()}
 
 
 def on_every_rank(local, mesh):
