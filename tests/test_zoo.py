@@ -22,6 +22,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import cpshard
+from cpshard.runtime.probe import _failing_rank
 from cpshard.tools.parity import check_parity, failing_rows, float64_distances, in_float64
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
@@ -53,14 +54,6 @@ def _raised_by_cpshard(error: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_CPSHARD)
 
 
-def _on_any_rank(rows: list[str]) -> bool:
-    """Whether ``rows`` is non-empty on some rank (one all-reduce): every rank then takes the same branch, so
-    that a result that differs between ranks cannot leave them in different collectives."""
-    flag = torch.tensor([int(bool(rows))])
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def _outcome(model_type: str, mesh) -> tuple[str, str]:
     try:
         # the reference is a second model of the type that cpshard never prepared: its own code, as a user's
@@ -75,12 +68,14 @@ def _outcome(model_type: str, mesh) -> tuple[str, str]:
             vocab = model.config.get_text_config(decoder=True).vocab_size
             batch = tiny_batch(vocab, 2, ZOO_TOKENS, pad=pad)
             failing = failing_rows([check_parity(own, batch, mesh, cp_forward, params)])
-            if _on_any_rank(failing):  # fp32 rounding, or cp's own error? (cpshard.tools.parity.Rounding)
+            # every rank takes the same branch (one all-reduce), so that a result that differs between ranks
+            # cannot leave them in different collectives
+            if _failing_rank(bool(failing), mesh) is not None:  # rounding, or cp's error? (parity.Rounding)
                 twin, cp_twin = (tiny_model(model_type, attn_implementation="auto") for _ in range(2))
                 twin_forward = cpshard.make_cp_forward(in_float64(cp_twin))
                 rounding = float64_distances(twin, own, params, batch, mesh, cp_forward, twin_forward)
                 failing = rounding.beyond(failing)
-            if _on_any_rank(failing):
+            if _failing_rank(bool(failing), mesh) is not None:
                 return "wrong", f"pad={pad}: {', '.join(failing[:4]) or 'on another rank'}"
     except Exception as error:
         clear = isinstance(error, ValueError | NotImplementedError) and _raised_by_cpshard(error)
