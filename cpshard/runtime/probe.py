@@ -6,7 +6,9 @@ On its first call, cp_forward runs a short probe batch (two rows of three tokens
 halo a recurrent layer's convolution reads, and one more, the second row padded after its first token; the
 model's own weights) under cp and in one process, on every rank, and compares each decoder layer's output at
 the real positions the rank holds, then the logits, then every gradient of the next-token loss (a backward
-can differ where the forward agrees). A mismatch,
+can differ where the forward agrees). In a half type
+a row beyond the tolerance gets a second look against one process run on the weights cast to fp32: it
+passes where cp lies no farther from that than twice one process in the half type does. A mismatch,
 or an error in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that
 differs: cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a
 forward without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a
@@ -136,14 +138,42 @@ def _without_dropout(model):
 
 
 def first_difference(cp_forward, params: dict, mesh) -> str | None:
-    """What first differs between cp and one process on the probe batch (None: nothing)."""
+    """What first differs between cp and one process on the probe batch (None: nothing); in a half type, a
+    row beyond the tolerance gets a second look, against one process in fp32 (:func:`_beyond_half_rounding`).
+    """
     model, layout = cp_forward.model, cp_forward.layout
     layers = model.get_submodule(layout.decoder_layers)
     batch = _probe_batch(
         model, tokens_per_rank(layers, layout), cp_size(mesh), next(iter(params.values())).device
     )
-    inputs, real = {key: batch[key] for key in ("input_ids", "attention_mask")}, batch["attention_mask"] == 1
-    results: dict = {}
+    real, results = batch["attention_mask"] == 1, {}
+
+    def under_cp():  # with the labels: a forward made with token_logprobs or token_statistics needs them
+        results["cp"] = cp_forward(params, batch, mesh)
+
+    with torch.no_grad():
+        plain = on_every_rank(lambda: _one_process_outputs(model, params, batch, layout), mesh)
+        ours = _layer_outputs(layers, model.get_submodule(layout.final_norm), layout.hidden[0], under_cp)
+    plain_gradients = on_every_rank(lambda: _one_process_gradients(model, params, batch), mesh)
+    # every rank runs every collective of the probe, whatever it found: an early return would hang the others
+    _, gradients = value_and_grad(cp_forward)(params, batch, mesh)
+    logits = results["cp"].logits
+    cp = (ours, None if logits is None else logits.full_tensor(), gradients)
+    rows = _rows(layout, cp, (*plain, plain_gradients), real)
+    differing = [(i, "") for i, (_, got, want) in enumerate(rows) if not _close(got, want)]
+    if differing and rows[differing[0][0]][2].dtype not in (torch.float32, torch.float64):
+        differing = _beyond_half_rounding(model, params, batch, layout, cp, rows, [i for i, _ in differing])
+    return (
+        f"{rows[differing[0][0]][0]} differs between cp and one process{differing[0][1]}"
+        if differing
+        else None
+    )
+
+
+def _one_process_outputs(model, params: dict, batch: dict, layout) -> tuple[list, torch.Tensor]:
+    """One process's layer outputs (whole sequences) and logits on ``batch``, without gradients."""
+    results = {}
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
 
     def plain():
         with one_process():
@@ -151,49 +181,81 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
                 model, params, (), {**inputs, "use_cache": False}, strict=False, tie_weights=True
             )
 
-    def under_cp():  # with the labels: a forward made with token_logprobs or token_statistics needs them
-        results["cp"] = cp_forward(params, batch, mesh)
-
-    with torch.no_grad():
-        final = model.get_submodule(layout.final_norm)
-        stream = layout.hidden[0]
-        theirs = on_every_rank(lambda: _layer_outputs(layers, final, stream, plain), mesh)
-        ours = _layer_outputs(layers, final, stream, under_cp)
-    differing = [
-        i
-        for i, ((mine, held), (whole, _)) in enumerate(zip(ours, theirs, strict=True))
-        if not _close(_real(mine, real[:, held]), _real(whole[:, held], real[:, held]))
-    ]
-    logits = results["cp"].logits
-    logits_differ = logits is not None and not _close(
-        _real(logits.full_tensor(), real), _real(results["plain"].logits, real)
-    )
-    # every rank runs every collective of the probe, whatever it found: an early return would hang the others
-    gradient = _first_gradient_difference(cp_forward, params, batch, mesh)
-    if differing:
-        return f"the output of {layout.decoder_layers}.{differing[0]}"
-    if logits_differ:
-        return "the logits (every layer agrees: look at the final norm and the LM head)"
-    return gradient
+    layers, final = model.get_submodule(layout.decoder_layers), model.get_submodule(layout.final_norm)
+    outputs = _layer_outputs(layers, final, layout.hidden[0], plain)
+    return outputs, results["plain"].logits
 
 
-def _first_gradient_difference(cp_forward, params: dict, batch: dict, mesh) -> str | None:
-    """The first parameter whose gradient of the probe's loss differs (a backward the forward cannot show)."""
-    model = cp_forward.model
+def _one_process_gradients(model, params: dict, batch: dict) -> dict:
+    """One process's gradient of the probe's loss for every parameter (zeros where the loss reads none)."""
     leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
+    with one_process():
+        inputs = {**batch, "use_cache": False}
+        loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return {
+        name: torch.zeros_like(leaf) if grad is None else grad
+        for (name, leaf), grad in zip(leaves.items(), grads)
+    }
 
-    def reference():
-        with one_process():
-            inputs = {**batch, "use_cache": False}
-            loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
-            return torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
 
-    theirs = on_every_rank(reference, mesh)
-    _, ours = value_and_grad(cp_forward)(params, batch, mesh)
-    for (name, leaf), want in zip(leaves.items(), theirs):
-        if not _close(ours[name], torch.zeros_like(leaf) if want is None else want):
-            return f"the gradient of {name}"
-    return None
+def _rows(layout, cp, plain, real: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(what, cp's, one process's)`` for each layer's output at the real positions this rank holds, the
+    logits at the real positions, and each gradient, in the order the probe reports the first that differs.
+    ``cp`` and ``plain`` are each ``(layer outputs, logits, gradients)``, their logits whole (no collective
+    here: the half types' second look runs on the ranks that need it only)."""
+    (ours, cp_logits, cp_gradients), (theirs, logits, gradients) = cp, plain
+    rows = [
+        (
+            f"the output of {layout.decoder_layers}.{i}",
+            _real(mine, real[:, held]),
+            _real(whole[:, held], real[:, held]),
+        )
+        for i, ((mine, held), (whole, _)) in enumerate(zip(ours, theirs, strict=True))
+    ]
+    if cp_logits is not None:
+        what = "the logits (every layer agrees: look at the final norm and the LM head)"
+        rows.append((what, _real(cp_logits, real), _real(logits, real)))
+    return rows + [(f"the gradient of {name}", cp_gradients[name], want) for name, want in gradients.items()]
+
+
+#: in a half type, a row beyond the tolerance passes where cp lies no farther from one process in fp32 than
+#: this many times one process in the half type does (the check's and the zoo's rule against float64)
+HALF_ROUNDING = 2
+
+
+def _beyond_half_rounding(model, params: dict, batch: dict, layout, cp, rows: list, differing: list) -> list:
+    """Of the ``differing`` rows (indices into ``rows``), those where cp lies farther from one process in fp32
+    (the same weights, cast) than :data:`HALF_ROUNDING` times one process in the half type does, each as
+    ``(index, a note of the two distances)``: a cp error keeps its size in any type, a half type's rounding
+    does not (RWKV's WKV scan and MiniMax's lightning attention in bf16 lie 1.7e-2 and 1e-2 of scale apart
+    on the probe batch at cp 4, exact in fp32). No collective: each rank judges its rows, and verify_once
+    agrees. Where the fp32 run raises (memory, a model that casts to its config's dtype), every differing row
+    stands, unnoted."""
+    fp32 = {name: value.float() if value.is_floating_point() else value for name, value in params.items()}
+    try:
+        with torch.no_grad():
+            outputs = _one_process_outputs(model, fp32, batch, layout)
+        exact = _rows(
+            layout, cp, (*outputs, _one_process_gradients(model, fp32, batch)), batch["attention_mask"] == 1
+        )
+    except Exception:  # noqa: BLE001 -- the half type's verdict stands
+        return [(i, "") for i in differing]
+    beyond = []
+    for i in differing:
+        (_, got, want), (_, _, right) = rows[i], exact[i]
+        scale = right.abs().max().clamp(min=1.0)
+        ours, own = _distance(got, right) / scale, _distance(want, right) / scale
+        if ours > HALF_ROUNDING * own:
+            half = str(want.dtype).removeprefix("torch.")
+            note = f"cp lies {ours:.1e} of scale from one process in fp32, one process in {half} {own:.1e}"
+            beyond.append((i, f" (beyond {half}'s rounding: {note})"))
+    return beyond
+
+
+def _distance(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest absolute difference, in fp32 (infinite where the shapes differ)."""
+    return float((got.float() - want.float()).abs().max()) if got.shape == want.shape else float("inf")
 
 
 def on_every_rank(local, mesh):
@@ -273,11 +335,11 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None) -> s
             f"transformers {transformers.__version__}; cpshard's tested set is constraints.txt in its "
             "repository): write a layout file for this architecture or run it without cp"
         )
-    what = what or "another cp rank's part of the probe"
+    what = what or "another cp rank's part of the probe differs between cp and one process"
     return (
-        f"cpshard cannot vouch for {subject}: on a probe batch, {what} differs between cp and one "
-        "process. Some module mixes tokens along the sequence where cp cannot see it, or a per-position "
-        "input is not cut; write a layout file for this architecture or run it without cp"
+        f"cpshard cannot vouch for {subject}: on a probe batch, {what}. Some module mixes tokens along the "
+        "sequence where cp cannot see it, or a per-position input is not cut; write a layout file for this "
+        "architecture or run it without cp"
     )
 
 
