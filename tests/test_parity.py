@@ -2,14 +2,18 @@
 
 from dataclasses import replace
 
+import pytest
+import torch
+
 import cpshard
 from cpshard.tools.parity import (
+    WIDER,
     beyond_own_rounding,
     check_parity,
     failing_rows,
     float64_distances,
-    in_float64,
     tensor_group,
+    widened,
 )
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
@@ -45,18 +49,19 @@ def test_parity_catches_a_wrong_forward(ranks2):
         assert parity.diffs["logits"] <= 1e-5
 
 
-def rows_beyond_rounding_of_a_wrong_cp_run() -> dict:
+def rows_beyond_rounding_of_a_wrong_cp_run(dtype: torch.dtype, rtol: float) -> dict:
     """A cp run that loses the padding mask (its gradients wrong on the padded rows) against the rounding
-    allowance: its rows stay failing; the right run's rows pass at 1e-5 before the allowance is asked."""
-    model = tiny_model("llama", attn_implementation="auto")
+    allowance (in float64 for fp32, in fp32 for bf16): its rows stay failing; the right run's rows pass at
+    ``rtol`` before the allowance is asked."""
+    model = tiny_model("llama", attn_implementation="auto", dtype=dtype)
     batch, mesh = tiny_batch(model.config.vocab_size, 2, 11, pad="left"), cpshard.make_mesh(cp=2)
     right = cpshard.make_cp_forward(model)
-    rows = failing_rows([check_parity(model, batch, mesh, _unpadded(right, batch))])
-    twin = tiny_model("llama", attn_implementation="auto")
-    wrong_in_float64 = _unpadded(cpshard.make_cp_forward(in_float64(tiny_model("llama"))), batch)
+    rows = failing_rows([check_parity(model, batch, mesh, _unpadded(right, batch))], rtol)
+    twin = tiny_model("llama", attn_implementation="auto", dtype=dtype)
+    wrong_in_float64 = _unpadded(cpshard.make_cp_forward(widened(tiny_model("llama"), WIDER[dtype])), batch)
     params = cpshard.params_of(model)
     return {
-        "right": failing_rows([check_parity(model, batch, mesh, right)]),
+        "right": failing_rows([check_parity(model, batch, mesh, right)], rtol),
         "wrong": rows,
         "beyond rounding": beyond_own_rounding(
             twin, model, params, batch, mesh, _unpadded(right, batch), rows
@@ -75,8 +80,9 @@ def _unpadded(cp_forward, batch: dict):
     )()
 
 
-def test_the_rounding_allowance_keeps_a_wrong_cp_run_wrong(ranks2):
-    for result in ranks2.run(rows_beyond_rounding_of_a_wrong_cp_run):
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
+def test_the_rounding_allowance_keeps_a_wrong_cp_run_wrong(ranks2, dtype, rtol):
+    for result in ranks2.run(rows_beyond_rounding_of_a_wrong_cp_run, dtype, rtol):
         grads = [row for row in result["wrong"] if row.startswith("grad ")]
         assert result["right"] == [] and grads, result
         assert result["beyond rounding"] == result["wrong"], result

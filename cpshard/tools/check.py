@@ -9,9 +9,10 @@ bad invocation costs a second and says one line. Then ``cp`` local CPU ranks eac
 A row passes when its largest difference is at most ``rtol`` times the largest reference value
 in that row: fp32 ``1e-5`` (what the demo and tests hold cp to); bf16 ``5e-2``, about six bf16
 roundings (``2**-7`` each): the cp run sums in another order (gradients over ranks, ring attention
-over blocks; up to ``3.5e-2`` was seen), so bf16 catches gross errors and fp32 proves exactness. An fp32
-row beyond its tolerance gets a second look against float64 runs (:class:`cpshard.tools.parity.Rounding`):
-one process's rounding can be as large as the gap, and cp's float64 run shows whether cp computes what one
+over blocks; up to ``3.5e-2`` was seen), so bf16 catches gross errors and fp32 proves exactness. A row
+beyond its tolerance gets a second look against runs in a wider type (float64 for fp32, fp32 for bf16:
+:class:`cpshard.tools.parity.Rounding`): one process's rounding can be as large as the gap (PhiMoE's router
+in bf16 picks other experts than in fp32), and cp's run in the wider type shows whether cp computes what one
 process computes.
 """
 
@@ -34,13 +35,14 @@ from cpshard.parallel.processes import LocalRanks, RankError
 from cpshard.runtime.forward import make_cp_forward, params_of
 from cpshard.tools.parity import (
     RTOL,
+    WIDER,
     Parity,
     Rounding,
     check_parity,
     failing_rows,
     float64_distances,
     format_rows,
-    in_float64,
+    widened,
 )
 from cpshard.tools.tiny import causal_lm, tiny_batch, tiny_config, tiny_model
 from cpshard.tools.usage import UsageError, say
@@ -48,6 +50,8 @@ from cpshard.tools.usage import UsageError, say
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: per dtype, the largest difference a row may have, relative to the row's reference scale
 RTOLS = {"float32": RTOL, "bfloat16": 5e-2}
+#: per dtype, its short name and the name of the wider type its second look runs in
+ROUNDING_NAMES = {"float32": ("fp32", "float64"), "bfloat16": ("bf16", "fp32")}
 #: "auto": sdpa where the model supports it, else eager (GPT-Neo, MPT, XLM, DeepSeek-V4 have no sdpa)
 ATTNS = ("auto", "sdpa", "eager")
 PADS = ("left", "right")
@@ -279,12 +283,15 @@ def check_job(config: CheckConfig, layout: Layout | str = "auto") -> Parity:
 
 
 def rounding_job(config: CheckConfig, layout: Layout | str = "auto") -> Rounding:
-    """One rank's second look at an fp32 check that failed: cp and one process against a float64 run of the
-    same weights and batch, and cp run in float64 too."""
+    """One rank's second look at a check that failed: cp and one process against a run of the same weights
+    and batch in a wider type (float64; fp32 for bf16), and cp run in that type too."""
     model, batch, mesh, cp_forward = _setup(config, layout)
     source = resolve_source(config.model)
     twin, cp_twin = (build_model(source, config) for _ in range(2))
-    twin_forward = make_cp_forward(in_float64(cp_twin), layout=layout, implementation=config.implementation)
+    wide = WIDER[DTYPES[config.dtype]]
+    twin_forward = make_cp_forward(
+        widened(cp_twin, wide), layout=layout, implementation=config.implementation
+    )
     return float64_distances(twin, model, params_of(model), batch, mesh, cp_forward, twin_forward)
 
 
@@ -299,7 +306,7 @@ def _ready() -> bool:
 def beyond_rounding(
     config: CheckConfig, parities: list[Parity], roundings: list[Rounding] | None
 ) -> list[str]:
-    """The rows that fail on some rank and, where the float64 look ran (``roundings``), lie beyond fp32
+    """The rows that fail on some rank and, where the second look ran (``roundings``), lie beyond the dtype's
     rounding there (:meth:`cpshard.tools.parity.Rounding.beyond`)."""
     failing = failing_rows(parities, config.rtol)
     if roundings is None:
@@ -312,31 +319,33 @@ def format_report(
     config: CheckConfig, parities: list[Parity], roundings: list[Rounding] | None = None
 ) -> str:
     """The table (worst difference over the ranks per row) and the verdict naming failing rows; a row that
-    fails at the tolerance but lies within fp32 rounding of a float64 run (``roundings``) is marked so."""
+    fails at the tolerance but lies within the dtype's rounding of a wider run (``roundings``) is marked
+    so."""
     lines = [
         f"parity against one process ({config.dtype}; a row passes when max |diff| <= {config.rtol:g} "
         "x scale):"
     ]
     failing, beyond = failing_rows(parities, config.rtol), beyond_rounding(config, parities, roundings)
     rounding = tuple(row for row in failing if row not in beyond)
-    lines += format_rows(parities, config.rtol, rounding)
+    narrow, wide = ROUNDING_NAMES[config.dtype]
+    lines += format_rows(parities, config.rtol, rounding, narrow)
     rows = len(parities[0].diffs)
     if rounding:
         lines.append(
-            "against a float64 run of the same weights and batch (largest |diff| / scale, worst rank):"
+            f"against a run of the same weights and batch in {wide} (largest |diff| / scale, worst rank):"
         )
         for row in rounding:
             cp, own, *arithmetic = (max(sides) for sides in zip(*(r.relative(row) for r in roundings)))
             same = any(r.same_arithmetic(row) for r in roundings) and arithmetic
-            tail = f"; cp run in float64 {arithmetic[0]:.1e} (the same arithmetic)" if same else ""
+            tail = f"; cp run in {wide} {arithmetic[0]:.1e} (the same arithmetic)" if same else ""
             lines.append(f"  {row}: cp {cp:.1e}, one process {own:.1e}{tail}")
     if beyond:
         names = ", ".join(beyond)
         lines.append(f"FAIL: {len(beyond)} of {rows} rows differ beyond {config.rtol:g} x scale: {names}")
     elif rounding:
         lines.append(
-            f"PASS: {rows} rows on {len(parities)} ranks ({len(rounding)} within fp32 rounding, as the "
-            "float64 runs above show)"
+            f"PASS: {rows} rows on {len(parities)} ranks ({len(rounding)} within {narrow} rounding, as the "
+            f"{wide} runs above show)"
         )
     else:
         lines.append(f"PASS: {rows} rows on {len(parities)} ranks")
@@ -344,8 +353,8 @@ def format_report(
 
 
 def exit_status(config: CheckConfig, parities: list[Parity], roundings: list[Rounding] | None = None) -> int:
-    """0 when every row passes on every rank (or lies within fp32 rounding, where ``roundings`` says), 1
-    otherwise."""
+    """0 when every row passes on every rank (or lies within the dtype's rounding, where ``roundings``
+    says), 1 otherwise."""
     return 1 if beyond_rounding(config, parities, roundings) else 0
 
 
@@ -369,11 +378,12 @@ def _reported(error: RankError) -> str:
 
 
 def float64_look(ranks: LocalRanks, config: CheckConfig, layout, out) -> list[Rounding] | None:
-    """Every rank's :func:`rounding_job`, or None (said) where it cannot run: the fp32 verdict then stands."""
+    """Every rank's :func:`rounding_job`, or None (said) where it cannot run: the first verdict stands."""
     try:
         return ranks.run(rounding_job, config, layout)
     except RankError as error:
-        out(f"  the float64 run failed, so the fp32 verdict stands: {str(error).splitlines()[0]}")
+        narrow, wide = ROUNDING_NAMES[config.dtype]
+        out(f"  the {wide} run failed, so the {narrow} verdict stands: {str(error).splitlines()[0]}")
         return None
 
 
@@ -391,10 +401,10 @@ def run_check(config: CheckConfig, out=say, layout: Layout | str = "auto") -> in
             start = time.perf_counter()
             parities = ranks.run(check_job, config, layout)
             roundings = None
-            if config.dtype == "float32" and failing_rows(parities, config.rtol):
+            if failing_rows(parities, config.rtol):
                 out(
                     f"  ran in {time.perf_counter() - start:.1f} s; rows differ beyond {config.rtol:g} x "
-                    "scale: comparing cp and one process with a float64 run ..."
+                    f"scale: comparing cp and one process with a run in {ROUNDING_NAMES[config.dtype][1]} ..."
                 )
                 start = time.perf_counter()
                 roundings = float64_look(ranks, config, layout, out)

@@ -85,15 +85,18 @@ def failing_rows(parities: list[Parity], rtol: float = RTOL) -> list[str]:
     return [row for row in parities[0].diffs if not all(v[row] for v in verdicts)]
 
 
-def format_rows(parities: list[Parity], rtol: float = RTOL, rounding: tuple[str, ...] = ()) -> list[str]:
+def format_rows(
+    parities: list[Parity], rtol: float = RTOL, rounding: tuple[str, ...] = (), dtype: str = "fp32"
+) -> list[str]:
     """A header and one line per row: the worst difference over the ranks, the scale, pass/FAIL (``pass
-    (fp32 rounding)`` for the failing ``rounding`` rows, which a float64 run showed within fp32 rounding)."""
+    (fp32 rounding)`` for the failing ``rounding`` rows, which a float64 run showed within ``dtype``'s
+    rounding)."""
     rows, failing = parities[0].diffs, set(failing_rows(parities, rtol))
     width = max(map(len, rows))
     lines = [f"  {'row':<{width}}  {'max |diff|':>10}  {'scale':>9}"]
     for row in rows:
         diff, scale = max(p.diffs[row] for p in parities), parities[0].scales[row]
-        verdict = ("pass (fp32 rounding)" if row in rounding else "FAIL") if row in failing else "pass"
+        verdict = (f"pass ({dtype} rounding)" if row in rounding else "FAIL") if row in failing else "pass"
         lines.append(f"  {row:<{width}}  {diff:10.2e}  {scale:9.2e}  {verdict}")
     return lines
 
@@ -135,16 +138,23 @@ def check_parity(model, batch: dict, mesh, cp_forward, params: dict | None = Non
     return Parity(*_row_differences(*cp, *one), log.total_bytes)
 
 
-class Float64(TorchFunctionMode):
-    """Every float32 a model's code asks for given as float64 (Inkling2 and HY-V4 cast to fp32 in their
-    norms, gates and hyper-connections: ``.float()``, ``dtype=torch.float32``), so that a float64 run stays
-    float64 throughout."""
+class Widened(TorchFunctionMode):
+    """Every ``narrow`` type a model's code asks for given as ``wide`` (Inkling2 and HY-V4 cast to fp32 in
+    their norms, gates and hyper-connections: ``.float()``, ``dtype=torch.float32``), so that a run in the
+    wider type stays in it throughout."""
+
+    #: the Tensor methods that ask for a type by name
+    CASTS = {torch.float32: torch.Tensor.float, torch.bfloat16: torch.Tensor.bfloat16}
+
+    def __init__(self, narrow: torch.dtype = torch.float32, wide: torch.dtype = torch.float64):
+        super().__init__()
+        self.narrow, self.wide = narrow, wide
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.float:
-            return args[0].to(torch.float64)
-        args = tuple(torch.float64 if value is torch.float32 else value for value in args)
-        kwargs = {key: torch.float64 if v is torch.float32 else v for key, v in (kwargs or {}).items()}
+        if func is self.CASTS[self.narrow]:
+            return args[0].to(self.wide)
+        args = tuple(self.wide if value is self.narrow else value for value in args)
+        kwargs = {key: self.wide if v is self.narrow else v for key, v in (kwargs or {}).items()}
         return func(*args, **kwargs)
 
 
@@ -156,15 +166,16 @@ SAME_ARITHMETIC = 1e-2
 
 @dataclass(frozen=True)
 class Rounding:
-    """Per row, against a float64 run of the same weights and batch: how far cp lies from it, how far one
-    fp32 process lies from it, and the float64 row's scale; where cp ran in float64 too (``arithmetic``), how
-    far that run lies from it. fp32 rounding depends on the order of the additions, which cp changes; where
-    one process itself is far from the exact result (gemma4_unified_text's gradients: 2.7e-5 of scale, cp
-    1.1e-5; qwen3_next's logits at cp 4 off its kernel's chunk grid: 2.3e-5, cp 1.3e-5), a gap of that size
-    between the two says nothing about cp, while a cp error lies far outside. A row that cancels to a small
-    part of its terms can leave cp more than twice as far as one process by rounding alone (HY-V4's
-    hyper-connection head at cp 4: cp 5.8e-5 of scale, one process 2.3e-5); in float64 cp then lies within
-    1e-7 of the exact result, the same arithmetic (:data:`SAME_ARITHMETIC`)."""
+    """Per row, against a float64 run of the same weights and batch (an fp32 run for a bf16 model): how far
+    cp lies from it, how far one fp32 (bf16) process lies from it, and the float64 row's scale; where cp ran
+    in float64 too (``arithmetic``), how far that run lies from it. fp32 rounding depends on the order of
+    the additions, which cp changes; where one process itself is far from the exact result
+    (gemma4_unified_text's gradients: 2.7e-5 of scale, cp 1.1e-5; qwen3_next's logits at cp 4 off its
+    kernel's chunk grid: 2.3e-5, cp 1.3e-5), a gap of that size between the two says nothing about cp, while
+    a cp error lies far outside. A row that cancels to a small part of its terms can leave cp more than
+    twice as far as one process by rounding alone (HY-V4's hyper-connection head at cp 4: cp 5.8e-5 of
+    scale, one process 2.3e-5); in float64 cp then lies within 1e-7 of the exact result, the same
+    arithmetic (:data:`SAME_ARITHMETIC`)."""
 
     cp: dict[str, float]
     own: dict[str, float]
@@ -194,25 +205,37 @@ class Rounding:
         return tuple(distance[row] / scale for distance in distances)
 
 
-def in_float64(model):
-    """``model`` cast to float64 (its experts on the eager path: grouped_mm takes no float64)."""
-    model = model.double()
-    if hasattr(model, "set_experts_implementation"):
+def widened(model, dtype: torch.dtype):
+    """``model`` cast to ``dtype`` (in float64 its experts on the eager path: grouped_mm takes no float64)."""
+    model = model.to(dtype)
+    if dtype is torch.float64 and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
     return model
 
 
+def in_float64(model):
+    """``model`` cast to float64 (:func:`widened`)."""
+    return widened(model, torch.float64)
+
+
+#: the type a second look runs in, per type of the model it looks at
+WIDER = {torch.float32: torch.float64, torch.bfloat16: torch.float32}
+
+
 def float64_distances(twin, own, params: dict, batch: dict, mesh, cp_forward, twin_forward=None) -> Rounding:
-    """:class:`Rounding` of ``cp_forward`` and the plain model ``own`` (fp32) on ``params`` and ``batch``;
-    the float64 run is ``twin``'s (a fresh model of ``own``'s config, cast here, its own fp32 casts kept in
-    float64 by :class:`Float64`); ``twin_forward``, a cp forward over another fresh model cast by
-    :func:`in_float64`, runs cp in float64 too."""
+    """:class:`Rounding` of ``cp_forward`` and the plain model ``own`` (fp32, or bf16) on ``params`` and
+    ``batch``; the exact run is ``twin``'s (a fresh model of ``own``'s config, cast here to float64, or to
+    fp32 for a bf16 ``own`` (:data:`WIDER`), its own casts to ``own``'s type kept in the wider one by
+    :class:`Widened`); ``twin_forward``, a cp forward over another fresh model cast by :func:`widened`
+    to the same type, runs cp in that type too."""
     cp = _cp_run(params, batch, mesh, cp_forward)
     one = reference(own, params, batch)
-    doubled = {name: value.double() for name, value in params.items()}
-    with Float64():
-        exact = reference(in_float64(twin), doubled, batch)
-        cp64 = None if twin_forward is None else _cp_run(doubled, batch, mesh, twin_forward)
+    narrow = next(iter(params.values())).dtype
+    wide = WIDER[narrow]
+    wider_params = {name: value.to(wide) for name, value in params.items()}
+    with Widened(narrow, wide):
+        exact = reference(widened(twin, wide), wider_params, batch)
+        cp64 = None if twin_forward is None else _cp_run(wider_params, batch, mesh, twin_forward)
     cp_distances, scales = _row_differences(*cp, *exact)
     if cp[1] is None:  # the plain model's logits are not compared where cp's loss never held them
         one = (one[0], None, one[2])
