@@ -4,9 +4,10 @@ Each type is built tiny and random (no downloads), then run with ``layout="auto"
 length (11 tokens) and on a left-padded batch, against one process on the same weights (a second model of
 the type that cpshard never prepared: the model's own code): loss, logits and every gradient. A type is
 *exact* when every row passes on both ranks (or lies within fp32 rounding of a float64 run:
-:class:`cpshard.tools.parity.Rounding`), *refused* when cpshard raised its own error (the last frame of the
-traceback is in cpshard) on both ranks. Anything else (an error from deep inside the model, a wrong
-result) fails the test. One process group serves every type.
+:class:`cpshard.tools.parity.Rounding`; in bf16, ``CPSHARD_ZOO_DTYPE=bfloat16``, at 5e-2 and against fp32),
+*refused* when cpshard raised its own error (the last frame of the traceback is in cpshard) on both ranks.
+Anything else (an error from deep inside the model, a wrong result) fails the test. One process group
+serves every type.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import cpshard
 from cpshard.runtime.probe import _failing_rank
-from cpshard.tools.parity import check_parity, failing_rows, float64_distances, in_float64
+from cpshard.tools.check import DTYPES, RTOLS
+from cpshard.tools.parity import WIDER, check_parity, failing_rows, float64_distances, widened
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 ZOO = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -37,12 +39,17 @@ CLASSIC = (
 )
 #: multimodal causal LMs that must be exact driven with text alone (their sizes in the text part)
 MULTIMODAL = ("gemma3", "gemma4", "llama4", "mllama")
-#: the exact types today
-MIN_EXACT = 191
+#: the exact types today, per type of the zoo's models (in bf16 the model's own forward of inkling2_text and
+#: inkling2_loop_text fails: transformers 5.25 mixes fp32 and bf16 in its kernel, and cpshard refuses them)
+MIN_EXACTS = {"float32": 191, "bfloat16": 189}
 #: the zoo's cp size (2 or 4) and tokens per row: CI runs 2 and 11; ``CPSHARD_ZOO_CP=4 CPSHARD_ZOO_TOKENS=37``
 #: runs the same test at another shape (8 minutes here)
 ZOO_CP = int(os.environ.get("CPSHARD_ZOO_CP", "2"))
 ZOO_TOKENS = int(os.environ.get("CPSHARD_ZOO_TOKENS", "11"))
+#: the zoo's models' type (float32 or bfloat16: ``CPSHARD_ZOO_DTYPE=bfloat16``, each row at bf16's tolerance,
+#: its second look against fp32) and its tolerance
+ZOO_DTYPE = os.environ.get("CPSHARD_ZOO_DTYPE", "float32")
+ZOO_RTOL = RTOLS.get(ZOO_DTYPE)
 #: address space per rank beyond what it maps when the zoo starts (torch's CUDA build maps 3 GiB more than
 #: its CPU build before any tensor)
 _MEMORY_BUDGET = 5 << 30
@@ -54,12 +61,16 @@ def _raised_by_cpshard(error: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_CPSHARD)
 
 
+def _tiny(model_type: str):
+    return tiny_model(model_type, attn_implementation="auto", dtype=DTYPES[ZOO_DTYPE])
+
+
 def _outcome(model_type: str, mesh) -> tuple[str, str]:
     try:
         # the reference is a second model of the type that cpshard never prepared: its own code, as a user's
         # plain model runs it (a prepared model sees cpshard's attention implementation name, which some
         # models branch on)
-        model, own = (tiny_model(model_type, attn_implementation="auto") for _ in range(2))
+        model, own = (_tiny(model_type) for _ in range(2))
     except Exception as error:  # the zoo's own problem, reported apart
         return "unbuildable", f"{type(error).__name__}: {str(error)[:200]}"
     try:
@@ -67,14 +78,14 @@ def _outcome(model_type: str, mesh) -> tuple[str, str]:
         for pad in (None, "left"):
             vocab = model.config.get_text_config(decoder=True).vocab_size
             batch = tiny_batch(vocab, 2, ZOO_TOKENS, pad=pad)
-            failing = failing_rows([check_parity(own, batch, mesh, cp_forward, params)])
+            failing = failing_rows([check_parity(own, batch, mesh, cp_forward, params)], ZOO_RTOL)
             # every rank takes the same branch (one all-reduce), so that a result that differs between ranks
             # cannot leave them in different collectives
             if _failing_rank(bool(failing), mesh) is not None:  # rounding, or cp's error? (parity.Rounding)
-                twin, cp_twin = (tiny_model(model_type, attn_implementation="auto") for _ in range(2))
-                twin_forward = cpshard.make_cp_forward(in_float64(cp_twin))
+                twin, cp_twin = (_tiny(model_type) for _ in range(2))
+                twin_forward = cpshard.make_cp_forward(widened(cp_twin, WIDER[DTYPES[ZOO_DTYPE]]))
                 rounding = float64_distances(twin, own, params, batch, mesh, cp_forward, twin_forward)
-                failing = rounding.beyond(failing)
+                failing = rounding.beyond(failing, ZOO_RTOL)
             if _failing_rank(bool(failing), mesh) is not None:
                 return "wrong", f"pad={pad}: {', '.join(failing[:4]) or 'on another rank'}"
     except Exception as error:
@@ -113,8 +124,10 @@ def _merged(per_rank: list[dict]) -> dict[str, tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def zoo(ranks2, ranks4):
-    if ZOO_CP not in (2, 4):
-        pytest.fail(f"CPSHARD_ZOO_CP={ZOO_CP}: the zoo runs at cp 2 or 4")
+    if ZOO_CP not in (2, 4) or ZOO_RTOL is None:
+        pytest.fail(
+            f"CPSHARD_ZOO_CP={ZOO_CP}, CPSHARD_ZOO_DTYPE={ZOO_DTYPE}: the zoo runs at cp 2 or 4, in {DTYPES}"
+        )
     ranks = {2: ranks2, 4: ranks4}[ZOO_CP]
     types = [t for t in ZOO if t not in UNBUILDABLE]
     outcomes = {}
@@ -131,5 +144,5 @@ def test_every_type_is_exact_or_clearly_refused(zoo):
 
 def test_enough_of_the_zoo_is_exact(zoo):
     exact = sorted(t for t, (kind, _) in zoo.items() if kind == "exact")
-    assert len(exact) >= MIN_EXACT, (len(exact), exact)
+    assert len(exact) >= MIN_EXACTS[ZOO_DTYPE], (len(exact), exact)
     assert [t for t in CLASSIC + MULTIMODAL if t not in exact] == []
