@@ -195,10 +195,13 @@ def test_a_registered_layout_is_probed_on_a_transformers_it_was_not_tested_on(ra
     assert tested == [1, 1] and all(runs > 1 for runs in untested), (tested, untested)
 
 
-def probe_of_a_cp_run_that_drops_the_padding_mask(dtype=torch.float32) -> str:
+def probe_of_a_cp_run_that_drops_the_padding_mask(dtype=torch.float32, hook=None) -> str:
     """The probe's message for a cp run that loses the batch's padding mask (what a wrong mask path does):
-    an unpadded probe would pass it; the probe's left-padded row does not."""
+    an unpadded probe would pass it; the probe's left-padded row does not. ``hook``: a pre-hook on the
+    first layer."""
     model = tiny_model("llama", attn_implementation="auto", dtype=dtype)
+    if hook is not None:
+        model.get_submodule("model.layers.0").register_forward_pre_hook(hook)
     forward = cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed"))
     run = type(forward).__call__
     dropping = type("Dropping", (type(forward),), {})
@@ -225,6 +228,20 @@ def test_a_half_models_second_look_keeps_a_cp_error(ranks2):
         r"cp lies (\S+) of scale from one process in fp32, one process in bfloat16 (\S+)\)", messages[1]
     )
     assert said and float(said[1]) > 10 * float(said[2]), messages
+
+
+def failing_in_fp32(module, args):
+    if args[0].dtype == torch.float32:
+        raise RuntimeError("expected m1 and m2 to have the same dtype")
+
+
+def test_a_half_models_second_look_that_raises_leaves_the_verdict_and_says_so(ranks2):
+    messages = ranks2.run(probe_of_a_cp_run_that_drops_the_padding_mask, torch.bfloat16, failing_in_fp32)
+    assert all("differs between cp and one process" in message for message in messages), messages
+    said = (
+        "(a second look against one process in fp32 raised RuntimeError: expected m1 and m2 to have the same"
+    )
+    assert said in messages[1], messages
 
 
 def bf16_probe_of(model_type: str, tokens: int) -> float:

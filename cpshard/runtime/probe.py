@@ -22,6 +22,7 @@ import os
 import traceback
 import weakref
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -140,6 +141,16 @@ def _without_dropout(model):
             module.training = training
 
 
+class _Row(NamedTuple):
+    """One comparison of the probe: what it compares (as the error says it), cp's values and one process's,
+    and the parameter a gradient row is of."""
+
+    what: str
+    cp: torch.Tensor
+    plain: torch.Tensor
+    parameter: str | None = None
+
+
 def first_difference(cp_forward, params: dict, mesh) -> str | None:
     """What first differs between cp and one process on the probe batch (None: nothing); in a half type, a
     row beyond the tolerance gets a second look, against one process in fp32 (:func:`_beyond_half_rounding`).
@@ -162,15 +173,16 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
     _, gradients = value_and_grad(cp_forward)(params, batch, mesh)
     logits = results["cp"].logits
     cp = (ours, None if logits is None else logits.full_tensor(), gradients)
-    rows = _rows(layout, cp, (*plain, plain_gradients), real)
     rtol = _tolerance(params)
-    differing = [(i, "") for i, (_, got, want) in enumerate(rows) if not _close(got, want, rtol)]
+    differing = [
+        (row, "")
+        for row in _rows(layout, cp, (*plain, plain_gradients), real)
+        if not _close(row.cp, row.plain, rtol)
+    ]
     if differing and rtol == HALF_RTOL:
-        differing = _beyond_half_rounding(model, params, batch, layout, cp, rows, [i for i, _ in differing])
+        differing = _beyond_half_rounding(model, params, batch, layout, cp, [row for row, _ in differing])
     return (
-        f"{rows[differing[0][0]][0]} differs between cp and one process{differing[0][1]}"
-        if differing
-        else None
+        f"{differing[0][0].what} differs between cp and one process{differing[0][1]}" if differing else None
     )
 
 
@@ -190,27 +202,29 @@ def _one_process_outputs(model, params: dict, batch: dict, layout) -> tuple[list
     return outputs, results["plain"].logits
 
 
-def _one_process_gradients(model, params: dict, batch: dict) -> dict:
-    """One process's gradient of the probe's loss for every parameter (zeros where the loss reads none)."""
-    leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
+def _one_process_gradients(model, params: dict, batch: dict, names=None) -> dict:
+    """One process's gradient of the probe's loss for every parameter, or those ``names`` (zeros where the
+    loss reads none)."""
+    names = list(params) if names is None else names
+    wanted = set(names)
+    leaves = {name: value.detach().requires_grad_(name in wanted) for name, value in params.items()}
     with one_process():
         inputs = {**batch, "use_cache": False}
         loss = torch.func.functional_call(model, leaves, (), inputs, strict=False, tie_weights=True).loss
-        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        grads = torch.autograd.grad(loss, [leaves[name] for name in names], allow_unused=True)
     return {
-        name: torch.zeros_like(leaf) if grad is None else grad
-        for (name, leaf), grad in zip(leaves.items(), grads)
+        name: torch.zeros_like(leaves[name]) if grad is None else grad for name, grad in zip(names, grads)
     }
 
 
-def _rows(layout, cp, plain, real: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``(what, cp's, one process's)`` for each layer's output at the real positions this rank holds, the
-    logits at the real positions, and each gradient, in the order the probe reports the first that differs.
-    ``cp`` and ``plain`` are each ``(layer outputs, logits, gradients)``, their logits whole (no collective
-    here: the half types' second look runs on the ranks that need it only)."""
+def _rows(layout, cp, plain, real: torch.Tensor) -> list[_Row]:
+    """Each layer's output at the real positions this rank holds, the logits at the real positions, and each
+    gradient ``plain`` has, in the order the probe reports the first that differs. ``cp`` and ``plain`` are
+    each ``(layer outputs, logits, gradients)``, their logits whole (no collective here: the half types'
+    second look runs on the ranks that need it only)."""
     (ours, cp_logits, cp_gradients), (theirs, logits, gradients) = cp, plain
     rows = [
-        (
+        _Row(
             f"the output of {layout.decoder_layers}.{i}",
             _real(mine, real[:, held]),
             _real(whole[:, held], real[:, held]),
@@ -219,8 +233,10 @@ def _rows(layout, cp, plain, real: torch.Tensor) -> list[tuple[str, torch.Tensor
     ]
     if cp_logits is not None:
         what = "the logits (every layer agrees: look at the final norm and the LM head)"
-        rows.append((what, _real(cp_logits, real), _real(logits, real)))
-    return rows + [(f"the gradient of {name}", cp_gradients[name], want) for name, want in gradients.items()]
+        rows.append(_Row(what, _real(cp_logits, real), _real(logits, real)))
+    return rows + [
+        _Row(f"the gradient of {name}", cp_gradients[name], want, name) for name, want in gradients.items()
+    ]
 
 
 #: in a half type, a row beyond the tolerance passes where cp lies no farther from one process in fp32 than
@@ -228,33 +244,36 @@ def _rows(layout, cp, plain, real: torch.Tensor) -> list[tuple[str, torch.Tensor
 HALF_ROUNDING = 2
 
 
-def _beyond_half_rounding(model, params: dict, batch: dict, layout, cp, rows: list, differing: list) -> list:
-    """Of the ``differing`` rows (indices into ``rows``), those where cp lies farther from one process in fp32
-    (the same weights, cast) than :data:`HALF_ROUNDING` times one process in the half type does, each as
-    ``(index, a note of the two distances)``: a cp error keeps its size in any type, a half type's rounding
-    does not (RWKV's WKV scan and MiniMax's lightning attention in bf16 lie 1.7e-2 and 1e-2 of scale apart
-    on the probe batch at cp 4, exact in fp32). No collective: each rank judges its rows, and verify_once
-    agrees. Where the fp32 run raises (memory, a model that casts to its config's dtype), every differing row
+def _beyond_half_rounding(model, params: dict, batch: dict, layout, cp, differing: list[_Row]) -> list:
+    """Of the ``differing`` rows, those where cp lies farther from one process in fp32 (the same weights,
+    cast) than :data:`HALF_ROUNDING` times one process in the half type does, each as ``(row, a note of the
+    two distances)``: a cp error keeps its size in any type, a half type's rounding does not (RWKV's WKV scan
+    and MiniMax's lightning attention in bf16 lie 1.7e-2 and 1e-2 of scale apart on the probe batch at cp 4,
+    exact in fp32). The fp32 run takes the gradients of the differing rows' parameters alone (a copy of the
+    weights in fp32 is the look's memory). No collective: each rank judges its rows, and verify_once agrees.
+    Where the fp32 run raises (memory, a model that casts to its config's dtype), every differing row
     stands, noted so."""
     fp32 = {name: value.float() if value.is_floating_point() else value for name, value in params.items()}
+    names = [row.parameter for row in differing if row.parameter is not None]
     try:
         with torch.no_grad():
             outputs = _one_process_outputs(model, fp32, batch, layout)
-        exact = _rows(
-            layout, cp, (*outputs, _one_process_gradients(model, fp32, batch)), batch["attention_mask"] == 1
-        )
+        gradients = _one_process_gradients(model, fp32, batch, names) if names else {}
+        real = batch["attention_mask"] == 1
+        exact = {row.what: row.plain for row in _rows(layout, cp, (*outputs, gradients), real)}
     except Exception as error:  # noqa: BLE001 -- the half type's verdict stands
-        note = f" (a second look against one process in fp32 raised {type(error).__name__}: {error})"
-        return [(i, note) for i in differing]
+        cause = error.__cause__ if isinstance(error, OneProcessFailed) else error
+        note = f" (a second look against one process in fp32 raised {type(cause).__name__}: {cause})"
+        return [(row, note) for row in differing]
     half = str(next(v.dtype for v in params.values() if v.dtype in HALF_TYPES)).removeprefix("torch.")
     beyond = []
-    for i in differing:
-        (_, got, want), (_, _, right) = rows[i], exact[i]
+    for row in differing:
+        right = exact[row.what]
         scale = right.abs().max().clamp(min=1.0)
-        ours, own = _distance(got, right) / scale, _distance(want, right) / scale
+        ours, own = _distance(row.cp, right) / scale, _distance(row.plain, right) / scale
         if ours > HALF_ROUNDING * own:
             note = f"cp lies {ours:.1e} of scale from one process in fp32, one process in {half} {own:.1e}"
-            beyond.append((i, f" (beyond {half}'s rounding: {note})"))
+            beyond.append((row, f" (beyond {half}'s rounding: {note})"))
     return beyond
 
 
