@@ -436,7 +436,16 @@ def _refusals() -> list[str]:
     penalized = model_for(Case("llama"))
     penalized.generation_config.repetition_penalty = 1.3
     attempts["config"] = lambda: cpshard.generate(penalized, batch, mesh, max_new_tokens=4)
+    attempts["autocast prefill"] = lambda: _under_autocast(cpshard.make_cp_prefill(model), batch, mesh)
+    attempts["autocast decode"] = lambda: _under_autocast(
+        cpshard.make_cp_decode(model), torch.full((ROWS,), 3), cache, mesh
+    )
     return error_messages(attempts.values())
+
+
+def _under_autocast(call, *inputs):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return call(cpshard.params_of(call.model), *inputs)
 
 
 def test_what_is_not_served_is_refused_on_every_rank(ranks2):
@@ -453,6 +462,8 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2):
         "this mesh also has {'dp_replicate': 2}",
         "takes the plain parameters",
         "sets {'repetition_penalty': 1.3}",
+        "runs under torch.autocast('cpu', dtype=torch.bfloat16)",
+        "runs under torch.autocast('cpu', dtype=torch.bfloat16)",
     ]
     check_refused(ranks2.run(_refusals), expected)
 

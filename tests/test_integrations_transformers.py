@@ -137,20 +137,31 @@ def test_without_accelerate_the_import_names_the_extra(monkeypatch):
         importlib.import_module("cpshard.integrations.transformers")
 
 
-def run_unsupported(folder: str):
+def run_unsupported(folder: str, argument: str, value):
     from cpshard.integrations.transformers import CPTrainer
 
     arguments = _arguments(folder, MICRO)
-    arguments.label_smoothing_factor = 0.1
+    setattr(arguments, argument, value)
     CPTrainer(tiny_model("llama", vocab_size=VOCAB), arguments, mesh=cpshard.make_mesh(cp=2))
 
 
 @needs_accelerate
-def test_what_it_does_not_support_is_an_error(ranks2, tmp_path):
+@pytest.mark.parametrize(
+    "argument, value, says",
+    [
+        ("label_smoothing_factor", 0.1, "does not take label_smoothing_factor"),
+        (
+            "bf16",
+            True,
+            "does not train under mixed precision (bf16=True: accelerate runs the model's forward",
+        ),
+    ],
+)
+def test_what_it_does_not_support_is_an_error(ranks2, tmp_path, argument, value, says):
     with pytest.raises(cpshard.RankError) as caught:
-        ranks2.run(run_unsupported, str(tmp_path))
+        ranks2.run(run_unsupported, str(tmp_path), argument, value)
     assert sorted(caught.value.failures) == [0, 1]
-    assert "does not take label_smoothing_factor" in caught.value.failures[0].message
+    assert says in caught.value.failures[0].message, caught.value.failures[0].message
 
 
 def run_shuffled_orders():

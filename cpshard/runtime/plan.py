@@ -262,6 +262,24 @@ def check_modules_unchanged(model, module_names: Mapping[int, str]) -> None:
         )
 
 
+def check_no_autocast(params: dict, caller: str = "cp_forward") -> None:
+    """Raise under ``torch.autocast`` (a user's context, or accelerate's mixed precision around a model's
+    forward): cpshard's exchanges, ring, loss and their backwards are written for the weights' own dtype, and
+    autocast's casts inside them (a bf16 matmul into an fp32 gradient buffer) would not compute what one
+    process computes; every rank is under the same autocast, so every rank raises here, before any
+    collective."""
+    device = next(iter(params.values())).device.type
+    if torch.is_autocast_enabled(device):
+        dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+        raise ValueError(
+            f"{caller} runs under torch.autocast({device!r}, dtype=torch.{dtype}), which cpshard does not "
+            "serve: its attention exchange, loss and gradients run in the weights' own dtype. Cast the model "
+            f"instead (model.to(torch.{dtype}): cpshard then computes what one process computes, to "
+            f"{dtype}'s rounding), or call it outside autocast (with transformers' Trainer: bf16=False and "
+            "fp16=False, the model loaded in the dtype to train in)"
+        )
+
+
 def check_params(model, params: dict) -> None:
     """Raise unless every entry of ``params`` names a parameter or buffer of ``model`` of the same (global)
     shape: the forward runs the model's code on them, and another model's would run without a word (the
