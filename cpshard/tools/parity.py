@@ -89,8 +89,8 @@ def format_rows(
     parities: list[Parity], rtol: float = RTOL, rounding: tuple[str, ...] = (), dtype: str = "fp32"
 ) -> list[str]:
     """A header and one line per row: the worst difference over the ranks, the scale, pass/FAIL (``pass
-    (fp32 rounding)`` for the failing ``rounding`` rows, which a float64 run showed within ``dtype``'s
-    rounding)."""
+    (fp32 rounding)``, or another ``dtype``'s, for the failing ``rounding`` rows, which a run in a wider
+    type showed within that rounding)."""
     rows, failing = parities[0].diffs, set(failing_rows(parities, rtol))
     width = max(map(len, rows))
     lines = [f"  {'row':<{width}}  {'max |diff|':>10}  {'scale':>9}"]
