@@ -274,7 +274,7 @@ BAD_INPUTS = {
     "ulysses-order": ("ValueError", "sequence_order='head_tail' balances ring's causal work; Ulysses"),
     # its loss's backward matmul'd into an fp32 buffer in bf16 and raised deep inside (a derived layout's
     # probe blamed the layout)
-    "autocast": ("ValueError", "cp_forward runs under torch.autocast('cpu', dtype=torch.bfloat16), which"),
+    "autocast": ("ValueError", "runs under torch.autocast('cpu', dtype=torch.bfloat16), which cpshard does"),
 }
 
 

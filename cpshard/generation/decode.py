@@ -21,7 +21,7 @@ from cpshard.comm.collectives import all_gather_rows
 from cpshard.generation.prefill import check_mesh_and_params, check_servable, layers_of
 from cpshard.layouts.registry import resolve_layout
 from cpshard.runtime.install import attention_modules, ensure_installed, install
-from cpshard.runtime.plan import check_no_autocast, check_params
+from cpshard.runtime.plan import check_params
 
 
 def check_step(tokens, cache: ShardedKVCache, group) -> None:
@@ -65,7 +65,6 @@ class CPDecode:
     ) -> tuple[torch.Tensor, ShardedKVCache]:
         check_mesh_and_params(mesh, params)
         check_params(self.model, params)
-        check_no_autocast(params, "cp_decode")
         group = mesh.get_group("cp")
         check_step(tokens, cache, group)
         if len(cache.layers) < self.layers:

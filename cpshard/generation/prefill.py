@@ -26,7 +26,7 @@ from cpshard.parallel.mesh import cp_rank
 from cpshard.runtime.batch import BatchError, validate
 from cpshard.runtime.forward import CPForward, running_call
 from cpshard.runtime.install import attention_modules, ensure_installed
-from cpshard.runtime.plan import CPOptions, check_no_autocast, plan_call
+from cpshard.runtime.plan import CPOptions, plan_call
 from cpshard.runtime.probe import verify_once
 from cpshard.spec.sequence import chunk_positions, positions
 
@@ -210,7 +210,6 @@ class CPPrefill:
 
     def __call__(self, params: dict, batch: dict, mesh) -> tuple[torch.Tensor, ShardedKVCache]:
         check_mesh_and_params(mesh, params)
-        check_no_autocast(params, "cp_prefill")
         try:  # raised after the batch is checked the same on every rank, so that every rank raises
             (prompt, mask), error = prompt_inputs(batch), None
             if self.layout.recurrent:

@@ -112,12 +112,6 @@ class CPTrainer(Trainer):
 
     def __init__(self, model, args=None, *, mesh, forward: dict | None = None, **kwargs):
         _check_trl_mixin(type(self))
-        if args is not None and (args.bf16 or args.fp16):
-            raise ValueError(
-                f"CPTrainer does not train under mixed precision ({'bf16' if args.bf16 else 'fp16'}=True: "
-                "accelerate runs the model's forward under torch.autocast, which cpshard does not serve); "
-                "load the model in the dtype to train in (dtype=torch.bfloat16) and leave bf16 and fp16 False"
-            )
         self.mesh = mesh
         self.cp_forward = make_cp_forward(model, **self._forward_options(args, forward or {}))
         super().__init__(model, args=args, **kwargs)

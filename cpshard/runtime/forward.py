@@ -71,7 +71,7 @@ from cpshard.runtime.count import loss_normaliser
 from cpshard.runtime.cut import held_rows_only
 from cpshard.runtime.grad import summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
-from cpshard.runtime.plan import CPOptions, check_no_autocast, plan_call
+from cpshard.runtime.plan import CPOptions, plan_call
 from cpshard.runtime.probe import verify_once
 from cpshard.runtime.recompute import recompute_in
 from cpshard.runtime.tiled_mlp import check_mlp_tile
@@ -148,7 +148,6 @@ class CPForward:
         """The probe (once per model, for a layout that is not a tested file), the plan of this call, the
         model's install checked again, and the parameters as the run takes them: ``reduced``, their
         gradients summed over the ranks that hold other tokens and DTensors made whole."""
-        check_no_autocast(params)
         verify_once(self, params, mesh)
         plan_inputs = (self.model, self.layout, self.options, self.module_names)
         call, padded = plan_call(*plan_inputs, params, batch, mesh)

@@ -262,21 +262,20 @@ def check_modules_unchanged(model, module_names: Mapping[int, str]) -> None:
         )
 
 
-def check_no_autocast(params: dict, caller: str = "cp_forward") -> None:
-    """Raise under ``torch.autocast`` (a user's context, or accelerate's mixed precision around a model's
-    forward): cpshard's exchanges, ring, loss and their backwards are written for the weights' own dtype, and
-    autocast's casts inside them (a bf16 matmul into an fp32 gradient buffer) would not compute what one
-    process computes; every rank is under the same autocast, so every rank raises here, before any
-    collective."""
-    device = next(iter(params.values())).device.type
+def check_no_autocast(device: str) -> None:
+    """Raise where ``torch.autocast`` is on for ``device`` (a user's context, or accelerate's mixed precision
+    around a model's forward): cpshard's exchanges, ring, loss and their backwards are written for the
+    weights' own dtype, and autocast's casts inside them (a bf16 matmul into an fp32 gradient buffer) would
+    not compute what one process computes. Every rank is under the same autocast, so every rank raises."""
     if torch.is_autocast_enabled(device):
         dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
         raise ValueError(
-            f"{caller} runs under torch.autocast({device!r}, dtype=torch.{dtype}), which cpshard does not "
-            "serve: its attention exchange, loss and gradients run in the weights' own dtype. Cast the model "
-            f"instead (model.to(torch.{dtype}): cpshard then computes what one process computes, to "
-            f"{dtype}'s rounding), or call it outside autocast (with transformers' Trainer: bf16=False and "
-            "fp16=False, the model loaded in the dtype to train in)"
+            f"a cpshard call (cp_forward, cp_prefill or cp_decode) runs under torch.autocast({device!r}, "
+            f"dtype=torch.{dtype}), which cpshard does not serve: its attention exchange, loss and gradients "
+            f"run in the weights' own dtype. Cast the model instead (model.to(torch.{dtype}): cpshard then "
+            f"computes what one process computes, to {dtype}'s rounding), or call it outside autocast (with "
+            "transformers' Trainer or TRL's: bf16=False and fp16=False, the model loaded in the dtype to "
+            "train in)"
         )
 
 
