@@ -50,10 +50,10 @@ HALF_TYPES = (torch.bfloat16, torch.float16)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tolerance(params: dict) -> float:
-    """:data:`RTOL`, or :data:`HALF_RTOL` for a model with weights in a half type: whatever type a row comes
-    in (xLSTM's bf16 model gives fp32 logits), it was computed in the weights' type."""
-    return HALF_RTOL if any(value.dtype in HALF_TYPES for value in params.values()) else RTOL
+def _half_type(params: dict) -> torch.dtype | None:
+    """The half type of a model's weights (None: none is), which every row of its probe is held to
+    (:data:`HALF_RTOL`), whatever type the row comes in (xLSTM's bf16 model gives fp32 logits)."""
+    return next((value.dtype for value in params.values() if value.dtype in HALF_TYPES), None)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
@@ -173,14 +173,16 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
     _, gradients = value_and_grad(cp_forward)(params, batch, mesh)
     logits = results["cp"].logits
     cp = (ours, None if logits is None else logits.full_tensor(), gradients)
-    rtol = _tolerance(params)
+    half = _half_type(params)
     differing = [
         (row, "")
         for row in _rows(layout, cp, (*plain, plain_gradients), real)
-        if not _close(row.cp, row.plain, rtol)
+        if not _close(row.cp, row.plain, RTOL if half is None else HALF_RTOL)
     ]
-    if differing and rtol == HALF_RTOL:
-        differing = _beyond_half_rounding(model, params, batch, layout, cp, [row for row, _ in differing])
+    if differing and half is not None:
+        differing = _beyond_half_rounding(
+            model, params, batch, layout, cp, [row for row, _ in differing], half
+        )
     return (
         f"{differing[0][0].what} differs between cp and one process{differing[0][1]}" if differing else None
     )
@@ -244,7 +246,9 @@ def _rows(layout, cp, plain, real: torch.Tensor) -> list[_Row]:
 HALF_ROUNDING = 2
 
 
-def _beyond_half_rounding(model, params: dict, batch: dict, layout, cp, differing: list[_Row]) -> list:
+def _beyond_half_rounding(
+    model, params: dict, batch: dict, layout, cp, differing: list[_Row], half: torch.dtype
+) -> list:
     """Of the ``differing`` rows, those where cp lies farther from one process in fp32 (the same weights,
     cast) than :data:`HALF_ROUNDING` times one process in the half type does, each as ``(row, a note of the
     two distances)``: a cp error keeps its size in any type, a half type's rounding does not (RWKV's WKV scan
@@ -265,15 +269,15 @@ def _beyond_half_rounding(model, params: dict, batch: dict, layout, cp, differin
         cause = error.__cause__ if isinstance(error, OneProcessFailed) else error
         note = f" (a second look against one process in fp32 raised {type(cause).__name__}: {cause})"
         return [(row, note) for row in differing]
-    half = str(next(v.dtype for v in params.values() if v.dtype in HALF_TYPES)).removeprefix("torch.")
+    name = str(half).removeprefix("torch.")
     beyond = []
     for row in differing:
         right = exact[row.what]
         scale = right.abs().max().clamp(min=1.0)
         ours, own = _distance(row.cp, right) / scale, _distance(row.plain, right) / scale
         if ours > HALF_ROUNDING * own:
-            note = f"cp lies {ours:.1e} of scale from one process in fp32, one process in {half} {own:.1e}"
-            beyond.append((row, f" (beyond {half}'s rounding: {note})"))
+            note = f"cp lies {ours:.1e} of scale from one process in fp32, one process in {name} {own:.1e}"
+            beyond.append((row, f" (beyond {name}'s rounding: {note})"))
     return beyond
 
 
