@@ -50,8 +50,8 @@ from cpshard.tools.usage import UsageError, say
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: per dtype, the largest difference a row may have, relative to the row's reference scale
 RTOLS = {"float32": RTOL, "bfloat16": 5e-2}
-#: per dtype, its short name and the name of the wider type its second look runs in
-ROUNDING_NAMES = {"float32": ("fp32", "float64"), "bfloat16": ("bf16", "fp32")}
+#: the names the report gives a check's dtype and the wider one of its second look (:data:`WIDER`)
+SHORT_NAMES = {torch.float64: "float64", torch.float32: "fp32", torch.bfloat16: "bf16"}
 #: "auto": sdpa where the model supports it, else eager (GPT-Neo, MPT, XLM, DeepSeek-V4 have no sdpa)
 ATTNS = ("auto", "sdpa", "eager")
 PADS = ("left", "right")
@@ -303,6 +303,12 @@ def _ready() -> bool:
 # ---------------------------------------------------------------- what the parent prints
 
 
+def rounding_names(config: CheckConfig) -> tuple[str, str]:
+    """The check's dtype and the wider one its second look runs in, by their short names."""
+    dtype = DTYPES[config.dtype]
+    return SHORT_NAMES[dtype], SHORT_NAMES[WIDER[dtype]]
+
+
 def beyond_rounding(
     config: CheckConfig, parities: list[Parity], roundings: list[Rounding] | None
 ) -> list[str]:
@@ -327,7 +333,7 @@ def format_report(
     ]
     failing, beyond = failing_rows(parities, config.rtol), beyond_rounding(config, parities, roundings)
     rounding = tuple(row for row in failing if row not in beyond)
-    narrow, wide = ROUNDING_NAMES[config.dtype]
+    narrow, wide = rounding_names(config)
     lines += format_rows(parities, config.rtol, rounding, narrow)
     rows = len(parities[0].diffs)
     if rounding:
@@ -382,7 +388,7 @@ def float64_look(ranks: LocalRanks, config: CheckConfig, layout, out) -> list[Ro
     try:
         return ranks.run(rounding_job, config, layout)
     except RankError as error:
-        narrow, wide = ROUNDING_NAMES[config.dtype]
+        narrow, wide = rounding_names(config)
         out(f"  the {wide} run failed, so the {narrow} verdict stands: {str(error).splitlines()[0]}")
         return None
 
@@ -404,7 +410,7 @@ def run_check(config: CheckConfig, out=say, layout: Layout | str = "auto") -> in
             if failing_rows(parities, config.rtol):
                 out(
                     f"  ran in {time.perf_counter() - start:.1f} s; rows differ beyond {config.rtol:g} x "
-                    f"scale: comparing cp and one process with a run in {ROUNDING_NAMES[config.dtype][1]} ..."
+                    f"scale: comparing cp and one process with a run in {rounding_names(config)[1]} ..."
                 )
                 start = time.perf_counter()
                 roundings = float64_look(ranks, config, layout, out)
