@@ -23,7 +23,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import cpshard
-from cpshard.runtime.probe import _failing_rank
+from cpshard.runtime.difference import failing_rank
 from cpshard.tools.check import DTYPES, RTOLS
 from cpshard.tools.parity import WIDER, check_parity, failing_rows, float64_distances, widened
 from cpshard.tools.tiny import tiny_batch, tiny_model
@@ -81,12 +81,12 @@ def _outcome(model_type: str, mesh) -> tuple[str, str]:
             failing = failing_rows([check_parity(own, batch, mesh, cp_forward, params)], ZOO_RTOL)
             # every rank takes the same branch (one all-reduce), so that a result that differs between ranks
             # cannot leave them in different collectives
-            if _failing_rank(bool(failing), mesh) is not None:  # rounding, or cp's error? (parity.Rounding)
+            if failing_rank(bool(failing), mesh) is not None:  # rounding, or cp's error? (parity.Rounding)
                 twin, cp_twin = (_tiny(model_type) for _ in range(2))
                 twin_forward = cpshard.make_cp_forward(widened(cp_twin, WIDER[DTYPES[ZOO_DTYPE]]))
                 rounding = float64_distances(twin, own, params, batch, mesh, cp_forward, twin_forward)
                 failing = rounding.beyond(failing, ZOO_RTOL)
-            if _failing_rank(bool(failing), mesh) is not None:
+            if failing_rank(bool(failing), mesh) is not None:
                 return "wrong", f"pad={pad}: {', '.join(failing[:4]) or 'on another rank'}"
     except Exception as error:
         clear = isinstance(error, ValueError | NotImplementedError) and _raised_by_cpshard(error)

@@ -14,9 +14,9 @@ from torch.overrides import TorchFunctionMode
 
 from cpshard.comm.record import recording
 from cpshard.layouts.structure import text_config
+from cpshard.runtime.difference import one_process
 from cpshard.runtime.forward import params_of
 from cpshard.runtime.grad import value_and_grad
-from cpshard.runtime.probe import one_process
 
 #: fp32: a row passes when its largest difference is at most this times its reference's scale
 RTOL = 1e-5
