@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import cpshard
+from cpshard.tools.parity import reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 needs_accelerate = pytest.mark.skipif(
@@ -154,30 +155,38 @@ def test_what_it_does_not_support_is_an_error(ranks2, tmp_path):
     assert "does not take label_smoothing_factor" in caught.value.failures[0].message
 
 
-def run_under_accelerate_mixed_precision(model_type: str):
+def run_under_accelerate_mixed_precision(model_type: str) -> dict:
     """A model whose forward is wrapped as accelerate's ``prepare_model`` wraps it for bf16 mixed precision
     (Trainer's bf16=True on a GPU: autocast, outputs to fp32; written out here, since the process's
-    AcceleratorState is the other tests' Trainers'), trained through cp_forward."""
+    AcceleratorState is the other tests' Trainers'), trained through cp_forward: its loss and worst gradient
+    against one process's through the same wrapper, relative to their scales."""
     from accelerate.utils import convert_outputs_to_fp32
 
     model = tiny_model(model_type)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     model.forward = MethodType(convert_outputs_to_fp32(autocast(type(model).forward)), model)
     batch, mesh = tiny_batch(model.config.vocab_size, 2, LENGTH), cpshard.make_mesh(cp=2)
-    cpshard.value_and_grad(cpshard.make_cp_forward(model))(cpshard.params_of(model), batch, mesh)
+    params = cpshard.params_of(model)
+    output, grads = cpshard.value_and_grad(cpshard.make_cp_forward(model))(params, batch, mesh)
+    loss, logits, one_process = reference(model, params, batch)
+    with torch.no_grad():
+        unwrapped = type(model).forward(model, **batch, use_cache=False).logits
+    return {
+        "loss": float((output.loss - loss).abs() / loss.abs()),
+        "grads": max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in one_process.items()),
+        "autocast": float((logits - unwrapped).abs().max() / unwrapped.abs().max()),
+    }
 
 
 @needs_accelerate
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])  # a registered layout, and a probed one
-def test_accelerate_s_mixed_precision_is_refused_on_every_rank(ranks2, model_type):
-    """Under autocast cpshard's loss raised deep in its backward (and a probed layout was blamed); autocast
-    that accelerate puts around the model's forward is refused where the decoder runs, on every rank."""
-    with pytest.raises(cpshard.RankError) as caught:
-        ranks2.run(run_under_accelerate_mixed_precision, model_type)
-    assert sorted(caught.value.failures) == [0, 1]
-    for failure in caught.value.failures.values():
-        assert failure.kind == "ValueError", failure.message
-        assert "runs under torch.autocast('cpu', dtype=torch.bfloat16), which cpshard" in failure.message
+def test_accelerate_s_mixed_precision_is_one_process_s(ranks2, model_type):
+    """Under autocast cpshard's loss raised deep in its backward (and a probed layout was blamed), then it
+    was refused; autocast that accelerate puts around the model's forward is now served: the probe sees it
+    where the decoder runs and takes its second look in float64, which autocast leaves alone."""
+    for differences in ranks2.run(run_under_accelerate_mixed_precision, model_type):
+        assert differences["autocast"] > 1e-3, differences  # the wrapper's autocast acted
+        assert differences["loss"] < 1e-3 and differences["grads"] < 5e-2, differences
 
 
 def run_shuffled_orders():

@@ -17,6 +17,7 @@ LEVELS = {
     "layouts": 1,
     "comm": 2,
     "call": 3,
+    "precision": 3,
     "interfaces": 3,
     "attention": 4,
     "recurrent": 4,

@@ -230,6 +230,22 @@ def test_a_half_models_second_look_keeps_a_cp_error(ranks2):
     assert said and float(said[1]) > 10 * float(said[2]), messages
 
 
+def autocast_probe_of_a_cp_run_that_drops_the_padding_mask() -> str:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return probe_of_a_cp_run_that_drops_the_padding_mask()
+
+
+def test_under_autocast_the_second_look_keeps_a_cp_error(ranks2):
+    """Under autocast (fp32 weights) the probe holds rows to the half types' tolerance and looks again
+    against one process in float64, which autocast does not cast: a cp error keeps its size there."""
+    messages = ranks2.run(autocast_probe_of_a_cp_run_that_drops_the_padding_mask)
+    assert all("differs between cp and one process" in message for message in messages), messages
+    said = re.search(
+        r"cp lies (\S+) of scale from one process in float64, one process in bfloat16 (\S+)\)", messages[1]
+    )
+    assert said and float(said[1]) > 10 * float(said[2]), messages
+
+
 def failing_in_fp32(module, args):
     if args[0].dtype == torch.float32:
         raise RuntimeError("expected m1 and m2 to have the same dtype")

@@ -34,6 +34,7 @@ from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import FORWARDS
 from cpshard.layouts.family_eager import eager_for, hides_scores
 from cpshard.layouts.layout import PER_POSITION_ATTENTION
+from cpshard.precision import autocast_inputs
 
 PREFIX = "cpshard_"
 
@@ -93,6 +94,9 @@ def _ring_attention(inner: str, module, query, key, value, attention_mask, call,
             "another gradient; use implementation='ulysses'"
         )
     mesh, degree, path = call.split_mesh, call.ulysses, call.name_of(module)
+    # under autocast the ring computes in the type the attention function would cast q, k and v to (before
+    # hybrid's exchange, which then moves that type's bytes)
+    query, key, value = autocast_inputs(query, key, value)
     if degree > 1:
         module, query, key, value, kwargs = heads_for_sequences(
             module, query, key, value, kwargs, call.layout, mesh, "cp_ulysses", path

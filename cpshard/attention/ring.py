@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from cpshard.comm.arrival import arriving
 from cpshard.comm.record import active_recorder, record
+from cpshard.precision import own_precision
 from cpshard.spec.masks import additive_mask
 
 NEG_INF = float("-inf")
@@ -324,6 +325,7 @@ class RingAttention(torch.autograd.Function):
     """Exact attention of this rank's q over every rank's k and v, by a ring over ``group``."""
 
     @staticmethod
+    @own_precision
     def forward(ctx, q, k, v, ring: Ring):
         out, lse = ring_forward(q, k, v, ring)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -332,6 +334,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @own_precision
     def backward(ctx, grad_output):
         q, k, v, out, lse = ctx.saved_tensors
         return *ring_backward(q, k, v, out, lse, grad_output, ctx.ring), None

@@ -13,6 +13,7 @@ import torch
 from cpshard.attention.blocks import call_blocks
 from cpshard.attention.ring import Ring, ring_backward, ring_forward
 from cpshard.comm.channel import Channel, TracedGroup
+from cpshard.precision import autocast_off
 
 
 def _ring_of(mask, scale: float, softcap, uniform_rows: bool, channel: Channel, axis: str, name: str) -> Ring:
@@ -36,7 +37,8 @@ def _ring(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(output, out, lse)``: the output in q's shape and dtype, and the fp32 results the backward needs;
     contiguous, as the fake says (inductor checks the strides; ``out`` follows q's, a transposed view)."""
-    out, lse = ring_forward(q, k, v, _ring_of(mask, scale, softcap, uniform_rows, channel, axis, name))
+    with autocast_off():  # the op's body runs under the caller's autocast (as RingAttention's own_precision)
+        out, lse = ring_forward(q, k, v, _ring_of(mask, scale, softcap, uniform_rows, channel, axis, name))
     output = out.reshape(q.shape).to(q.dtype, memory_format=torch.contiguous_format, copy=True)
     return output, out.contiguous(), lse.contiguous()
 
@@ -69,7 +71,8 @@ def _ring_back(
     name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = _ring_of(mask, scale, softcap, uniform_rows, channel, axis, name)
-    grad_q, grad_k, grad_v = ring_backward(q, k, v, out, lse, grad, ring)
+    with autocast_off():
+        grad_q, grad_k, grad_v = ring_backward(q, k, v, out, lse, grad, ring)
     # contiguous, as the fake says; dk and dv may be views of one buffer, and an op's outputs may not alias
     return grad_q.contiguous(), *(
         grad.clone(memory_format=torch.contiguous_format) for grad in (grad_k, grad_v)

@@ -7,6 +7,7 @@ whole tensor on CPU process groups, which the hot path cannot afford.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -203,13 +204,16 @@ def gathered(
     in one all-gather (:func:`all_gather_shards`, named ``name``); the bytes declared for the module ``path``
     (:func:`cpshard.debug.trace_comms`), with ``gradient`` the reduce-scatter of their gradients too."""
     size = dist.get_world_size(group)
-    rows = [part.movedim(dim, 0).contiguous() for part in parts]
+    # parts of mixed types (under autocast: keys in fp32 after their rotary embedding, values in bf16) travel
+    # in the widest, a lossless cast, and each comes back in its own
+    wide = functools.reduce(torch.promote_types, [part.dtype for part in parts])
+    rows = [part.movedim(dim, 0).to(wide).contiguous() for part in parts]
     nbytes = sum(row.numel() * row.element_size() for row in rows)
     expect(path, "all_gather", "forward", 1, nbytes)
     if gradient:
         expect(path, "reduce_scatter", "backward", 1, nbytes * size)
     whole = all_gather_shards(rows, [row.shape[0] * size for row in rows], group, name)
-    return [x.movedim(0, dim) for x in whole]
+    return [x.movedim(0, dim).to(part.dtype) for x, part in zip(whole, parts)]
 
 
 class _ScatterSums(torch.autograd.Function):

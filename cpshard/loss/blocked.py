@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cpshard.loss.cross_entropy import cross_entropy_sum, log_probs_gradient, targets, token_log_probs
 from cpshard.loss.statistics import token_statistics
+from cpshard.precision import autocast_inputs, own_precision
 from cpshard.spec.sequence import row_blocks
 
 #: logits per block: 2^24 fp32 values (64 MiB) at most, whatever the vocabulary
@@ -44,6 +45,7 @@ def _block_loss(hidden, labels, weight, bias, transform):
 
 class _BlockedHeadLoss(torch.autograd.Function):
     @staticmethod
+    @own_precision
     def forward(ctx, hidden, weight, bias, labels, transform, parts: list[slice]):
         wanted = [need and x is not None for x, need in zip((hidden, weight, bias), ctx.needs_input_grad)]
         grads = [torch.zeros_like(x) if want else None for x, want in zip((hidden, weight, bias), wanted)]
@@ -70,6 +72,7 @@ class _BlockedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @own_precision
     def backward(ctx, grad):
         grads = [None if g is None else g * grad.to(g.dtype) for g in ctx.grads]
         ctx.grads = None
@@ -80,9 +83,10 @@ def blocked_loss_sum(
     hidden, labels, weight, bias, transform, block_elements: int | None = None
 ) -> torch.Tensor:
     """Summed cross-entropy of ``hidden`` ``[B, S, D]`` against ``labels`` ``[B, S]``, block by block;
-    ``transform`` is what the LM head does to its logits after the projection."""
+    ``transform`` is what the LM head does to its logits after the projection. Under autocast the head's
+    inputs are cast as its projection would cast them (:mod:`cpshard.precision`)."""
     parts = _blocks(hidden, weight, block_elements)
-    return _BlockedHeadLoss.apply(hidden, weight, bias, labels, transform, parts)
+    return _BlockedHeadLoss.apply(*autocast_inputs(hidden, weight, bias), labels, transform, parts)
 
 
 def _add_head_grads(grads: list, part: slice, logit_grad, hidden, weight) -> None:
@@ -103,6 +107,7 @@ def _add_head_grads(grads: list, part: slice, logit_grad, hidden, weight) -> Non
 
 class _HeadLogProbs(torch.autograd.Function):
     @staticmethod
+    @own_precision
     def forward(ctx, hidden, weight, bias, labels, transform, parts: list[slice]):
         ctx.set_materialize_grads(False)
         projected = F.linear(hidden, weight, bias)
@@ -114,6 +119,7 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @own_precision
     def backward(ctx, grad_logits, grad_picked):
         hidden, weight, bias, logits, labels = ctx.saved_tensors
         target, valid = targets(labels)
@@ -146,7 +152,7 @@ def logits_and_token_log_probs(
     size beside them (the backward runs a block of tokens at a time, as :func:`blocked_loss_sum` does,
     and computes each block's softmax again: one more log-softmax over the logits)."""
     parts = _blocks(hidden, weight, block_elements)
-    return _HeadLogProbs.apply(hidden, weight, bias, labels, transform, parts)
+    return _HeadLogProbs.apply(*autocast_inputs(hidden, weight, bias), labels, transform, parts)
 
 
 def _block_log_probs(hidden, weight, bias, labels, transform):

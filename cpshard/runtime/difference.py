@@ -1,12 +1,13 @@
-"""What differs between cp and one process on the layout probe's batch (:mod:`cpshard.runtime.probe` decides
-when to probe and how to refuse).
+"""What differs between cp and one process on the layout probe's batch (:mod:`cpshard.runtime.probe`
+decides when to probe and how to refuse).
 
 Each decoder layer's output at the real positions a rank holds, then the logits, then every gradient of the
 next-token loss (a backward can differ where the forward agrees), cp's against one process's on the same
-weights. In a half type a row beyond the tolerance gets a second look against one process run on the
-weights cast to fp32: it passes where cp lies no farther from that than twice one process in the half type
-does. The one-process references run on every rank, and a failure on any rank is made every rank's
-(:func:`on_every_rank`), so that no rank waits for another in the probe's collectives.
+weights. In a half type a row beyond the tolerance gets a second look against one process run on the weights
+cast to fp32: it passes where cp lies no farther from that than twice one process in the half type does. Under
+autocast (both runs in it) the rows are held as a half type's, and the second look runs on the weights cast to
+float64, which autocast does not cast. The one-process references run on every rank, and a failure on any rank
+is made every rank's (:func:`on_every_rank`), so that no rank waits for another in the probe's collectives.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cpshard.call import split_call
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.structure import recurrent_module, text_config
 from cpshard.parallel.mesh import cp_rank, cp_size
+from cpshard.precision import autocast_dtype, autocast_off
 from cpshard.runtime.grad import value_and_grad
 from cpshard.spec.sequence import chunk_positions, positions
 
@@ -132,27 +134,46 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
     def under_cp():  # with the labels: a forward made with token_logprobs or token_statistics needs them
         results["cp"] = cp_forward(params, batch, mesh)
 
-    with torch.no_grad():
+    seen = {}  # the autocast type the decoder runs under (the caller's autocast, or accelerate's wrapper's)
+    with torch.no_grad(), _autocast_seen(model.get_submodule(layout.decoder), seen):
         plain = on_every_rank(lambda: _one_process_outputs(model, params, batch, layout), mesh)
+    with torch.no_grad():
         ours = _layer_outputs(layers, model.get_submodule(layout.final_norm), layout.hidden[0], under_cp)
     plain_gradients = on_every_rank(lambda: _one_process_gradients(model, params, batch), mesh)
     # every rank runs every collective of the probe, whatever it found: an early return would hang the others
     _, gradients = value_and_grad(cp_forward)(params, batch, mesh)
     logits = results["cp"].logits
     cp = (ours, None if logits is None else logits.full_tensor(), gradients)
-    half = _half_type(params)
+    half, autocast = _half_type(params), seen.get("dtype")
     differing = [
         (row, "")
         for row in _rows(layout, cp, (*plain, plain_gradients), real)
-        if not _close(row.cp, row.plain, RTOL if half is None else HALF_RTOL)
+        if not _close(row.cp, row.plain, RTOL if half is None and autocast is None else HALF_RTOL)
     ]
-    if differing and half is not None:
+    if differing and (half is not None or autocast is not None):
+        wide = torch.float32 if autocast is None else torch.float64  # autocast leaves float64 as it is
         differing = _beyond_half_rounding(
-            model, params, batch, layout, cp, [row for row, _ in differing], half
+            model, params, batch, layout, cp, [row for row, _ in differing], half or autocast, wide
         )
     return (
         f"{differing[0][0].what} differs between cp and one process{differing[0][1]}" if differing else None
     )
+
+
+@contextmanager
+def _autocast_seen(decoder: nn.Module, seen: dict):
+    """Note in ``seen["dtype"]`` the autocast type where ``decoder`` runs (absent where autocast is off)."""
+
+    def note(module, args):
+        dtype = autocast_dtype(next(module.parameters()).device.type)
+        if dtype is not None:
+            seen["dtype"] = dtype
+
+    handle = decoder.register_forward_pre_hook(note)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _one_process_outputs(model, params: dict, batch: dict, layout) -> tuple[list, torch.Tensor]:
@@ -214,36 +235,40 @@ HALF_ROUNDING = 2
 
 
 def _beyond_half_rounding(
-    model, params: dict, batch: dict, layout, cp, differing: list[_Row], half: torch.dtype
+    model, params: dict, batch: dict, layout, cp, differing: list[_Row], half: torch.dtype, wide: torch.dtype
 ) -> list:
-    """Of the ``differing`` rows, those where cp lies farther from one process in fp32 (the same weights,
-    cast) than :data:`HALF_ROUNDING` times one process in the half type does, each as ``(row, a note of the
-    two distances)``: a cp error keeps its size in any type, a half type's rounding does not (RWKV's WKV scan
-    and MiniMax's lightning attention in bf16 lie 1.7e-2 and 1e-2 of scale apart on the probe batch at cp 4,
-    exact in fp32). The fp32 run takes the gradients of the differing rows' parameters alone (a copy of the
-    weights in fp32 is the look's memory). No collective: each rank judges its rows, and verify_once agrees.
-    Where the fp32 run raises (memory, a model that casts to its config's dtype), every differing row
-    stands, noted so."""
-    fp32 = {name: value.float() if value.is_floating_point() else value for name, value in params.items()}
+    """Of the ``differing`` rows, those where cp lies farther from one process in the ``wide`` type (the same
+    weights, cast; fp32, or float64 under autocast, which casts no float64 input) than
+    :data:`HALF_ROUNDING` times one process in the ``half`` type (the weights', or autocast's) does, each as
+    ``(row, a note of the two distances)``: a cp error keeps its size in any type, a half type's rounding
+    does not (RWKV's WKV scan and MiniMax's lightning attention in bf16 lie 1.7e-2 and 1e-2 of scale apart on
+    the probe batch at cp 4, exact in fp32). The wide run takes the gradients of the differing rows'
+    parameters alone (a copy of the weights in the wide type is the look's memory). No collective: each rank
+    judges its rows, and verify_once agrees. Where the wide run raises (memory, a model that casts to its
+    config's dtype), every differing row stands, noted so."""
+    widened = {name: value.to(wide) if value.is_floating_point() else value for name, value in params.items()}
     names = [row.parameter for row in differing if row.parameter is not None]
+    wide_name, name = (str(dtype).removeprefix("torch.") for dtype in (wide, half))
+    wide_name = "fp32" if wide == torch.float32 else wide_name
     try:
-        with torch.no_grad():
-            outputs = _one_process_outputs(model, fp32, batch, layout)
-        gradients = _one_process_gradients(model, fp32, batch, names) if names else {}
+        with torch.no_grad(), autocast_off():
+            outputs = _one_process_outputs(model, widened, batch, layout)
+        with autocast_off():
+            gradients = _one_process_gradients(model, widened, batch, names) if names else {}
         real = batch["attention_mask"] == 1
         exact = {row.what: row.plain for row in _rows(layout, cp, (*outputs, gradients), real)}
     except Exception as error:  # noqa: BLE001 -- the half type's verdict stands
         cause = error.__cause__ if isinstance(error, OneProcessFailed) else error
-        note = f" (a second look against one process in fp32 raised {type(cause).__name__}: {cause})"
+        note = f" (a second look against one process in {wide_name} raised {type(cause).__name__}: {cause})"
         return [(row, note) for row in differing]
-    name = str(half).removeprefix("torch.")
     beyond = []
     for row in differing:
         right = exact[row.what]
         scale = right.abs().max().clamp(min=1.0)
         ours, own = _distance(row.cp, right) / scale, _distance(row.plain, right) / scale
         if ours > HALF_ROUNDING * own:
-            note = f"cp lies {ours:.1e} of scale from one process in fp32, one process in {name} {own:.1e}"
+            note = f"cp lies {ours:.1e} of scale from one process in {wide_name}, one process in {name}"
+            note += f" {own:.1e}"
             beyond.append((row, f" (beyond {name}'s rounding: {note})"))
     return beyond
 

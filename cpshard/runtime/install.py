@@ -18,15 +18,13 @@ now uses, so attention never runs on a slice of the sequence alone.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from cpshard.attention.cp_attention import PREFIX as ATTENTION_PREFIX
 from cpshard.attention.cp_attention import cp_attention_name
 from cpshard.attention.sparse import sparse_attention_hooks, undifferentiated_modules
-from cpshard.call import active_decode, current_call
-from cpshard.interfaces import Hook, install_hooks
+from cpshard.interfaces import install_hooks
 from cpshard.layouts.family_attention import rewrite, rewritten
 from cpshard.layouts.layout import Layout, attention_at
 from cpshard.layouts.structure import attention_layers
@@ -35,7 +33,6 @@ from cpshard.parallel.experts import experts_modules, install_experts
 from cpshard.parallel.tensor import tensor_parallel_hooks
 from cpshard.recurrent.slots import entry_hooks, install_recurrent
 from cpshard.runtime.cut import cut_hooks
-from cpshard.runtime.plan import check_no_autocast
 from cpshard.runtime.recompute import RecomputedForward, UndifferentiatedForward, install_forward
 from cpshard.runtime.tiled_mlp import install_tiled_mlp
 
@@ -95,15 +92,6 @@ def _set_implementation(model: nn.Module, name: str, layout: Layout) -> None:
         )
 
 
-@torch._dynamo.disable
-def _refuse_autocast(decoder, args, kwargs):
-    """Inside a cpshard call (a training forward at any cp, a prefill, a decode step), refuse autocast where
-    the decoder runs: whatever put it on (the user's context, or accelerate's wrapper around the model's
-    forward, which no check at the call's entry sees), it is on there (:func:`check_no_autocast`)."""
-    if current_call() is not None or active_decode() is not None:
-        check_no_autocast(next(decoder.parameters()).device.type)
-
-
 def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recomputes_attention: bool = False):
     """Put cpshard's attention, cut, tensor- and expert-parallel pieces into ``model`` (idempotent), and the
     forwards of the memory modes a cp forward asks for."""
@@ -120,7 +108,7 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
     recurrent = install_recurrent(layers, layout.recurrent, layout.decoder_layers)
     decoder = model.get_submodule(layout.decoder)
     entry = entry_hooks(decoder, layers, layout)
-    install_hooks(cut + recurrent + entry + sparse + [Hook(decoder, _refuse_autocast, pre=True)])
+    install_hooks(cut + recurrent + entry + sparse)
     install_forward(undifferentiated_modules(layers, layout.sparse_attention), UndifferentiatedForward)
     if layout.experts:
         install_experts(model)

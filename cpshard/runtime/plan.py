@@ -263,19 +263,15 @@ def check_modules_unchanged(model, module_names: Mapping[int, str]) -> None:
 
 
 def check_no_autocast(device: str) -> None:
-    """Raise where ``torch.autocast`` is on for ``device`` (a user's context, or accelerate's mixed precision
-    around a model's forward): cpshard's exchanges, ring, loss and their backwards are written for the
-    weights' own dtype, and autocast's casts inside them (a bf16 matmul into an fp32 gradient buffer) would
-    not compute what one process computes. Every rank is under the same autocast, so every rank raises."""
+    """Raise where ``torch.autocast`` is on for ``device``: for a caller that wants its step in the weights'
+    own dtype. cpshard's calls no longer use it: since turn 20 they serve autocast themselves
+    (:mod:`cpshard.precision`)."""
     if torch.is_autocast_enabled(device):
         dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
         raise ValueError(
             f"a cpshard call (cp_forward, cp_prefill or cp_decode) runs under torch.autocast({device!r}, "
-            f"dtype=torch.{dtype}), which cpshard does not serve: its attention exchange, loss and gradients "
-            f"run in the weights' own dtype. Cast the model instead (model.to(torch.{dtype}): cpshard then "
-            f"computes what one process computes, to {dtype}'s rounding), or call it outside autocast (with "
-            "transformers' Trainer or TRL's: bf16=False and fp16=False, the model loaded in the dtype to "
-            "train in)"
+            f"dtype=torch.{dtype}), which this caller refuses: cast the model instead "
+            f"(model.to(torch.{dtype})) or call it outside autocast"
         )
 
 
