@@ -122,6 +122,7 @@ def check_distances(rows: dict) -> None:
 CASES = {
     "llama ulysses": ("llama", {}),
     "llama ring": ("llama", {"implementation": "ring"}),
+    "llama ring, compiled": ("llama", {"implementation": "ring", "compile": True}),
     "llama without logits": ("llama", {"logits": False}),
     "gpt2, a probed layout": ("gpt2", {}),
     "qwen3_next, gated delta rule": ("qwen3_next", {}),
@@ -151,3 +152,24 @@ def test_hybrid_under_autocast_at_cp4(ranks4):
     """Hybrid: q, k and v cast to bf16 before its Ulysses exchange, the ring over the groups in bf16."""
     for rows in ranks4.run(distances_under_autocast, "llama", {"implementation": "hybrid"}):
         check_distances(rows)
+
+
+def bytes_under_autocast() -> dict:
+    """A cp step's bytes on every collective: an fp32 llama under bf16 autocast, and the same llama cast to
+    bf16 (sdpa)."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    batch, mesh = tiny_batch(model.config.vocab_size, 2, 64), cpshard.make_mesh(cp=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = cpshard.debug.trace_comms(
+            cpshard.make_cp_forward(model), cpshard.params_of(model), batch, mesh
+        )
+    bf16 = tiny_model("llama", attn_implementation="sdpa", dtype=torch.bfloat16)
+    cast = cpshard.debug.trace_comms(cpshard.make_cp_forward(bf16), cpshard.params_of(bf16), batch, mesh)
+    return {"autocast": autocast.total_bytes, "bf16": cast.total_bytes}
+
+
+def test_under_autocast_ulysses_moves_bf16_s_bytes(ranks2):
+    """sdpa casts q, k and v to bf16 at its entry under autocast; cast before the exchange, q and k (fp32
+    after the rotary embedding) move as bf16, as a bf16 model's do: 74188 bytes were 49612."""
+    for sizes in ranks2.run(bytes_under_autocast):
+        assert sizes["autocast"] == sizes["bf16"], sizes

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from cpshard.comm.record import expect
 from cpshard.comm.redistribute import axis_size, redistribute
 from cpshard.interfaces import SeenAs
+from cpshard.precision import autocast_inputs
 from cpshard.spec.masks import additive_mask
 
 
@@ -217,6 +218,8 @@ def ulysses_attention(inner: str, function, module, query, key, value, attention
     or in checkpointed blocks of queries (:func:`attend_in_blocks`) where the call asks for them
     (``attention_block_bytes``) or sdpa's float mask would be large."""
     path = call.name_of(module)
+    if inner == "sdpa":  # under autocast sdpa casts q, k and v at its entry: the exchange then moves bf16
+        query, key, value = autocast_inputs(query, key, value)
     kwargs = bias_for_heads(query, kwargs, call.layout, call.mesh, path)
     module, query, key, value, kwargs = heads_for_sequences(
         module, query, key, value, kwargs, call.layout, call.mesh, "cp", path
