@@ -5,6 +5,7 @@ autocast, in fp32, than twice one process under autocast is: a cp error keeps it
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import cpshard
 from cpshard.precision import autocast_dtype, autocast_inputs, autocast_off, own_precision
@@ -48,10 +49,11 @@ def test_check_no_autocast_still_refuses_where_autocast_is_on():
 
 
 def _rows(loss, logits, grads: dict) -> dict:
-    return {"loss": loss, **({} if logits is None else {"logits": logits}), **grads}
+    rows = {"loss": loss, **({} if logits is None else {"logits": logits}), **grads}
+    return {row: value.full_tensor() if isinstance(value, DTensor) else value for row, value in rows.items()}
 
 
-def _cp_under_autocast(model, params: dict, batch: dict, mesh, cp_forward, backward: str) -> dict:
+def _cp_under_autocast(params: dict, batch: dict, mesh, cp_forward, backward: str) -> dict:
     """cp's loss, logits and gradients with the forward under autocast, the backward inside it
     (``value_and_grad``) or after it (``backward()`` outside, as a training loop writes it)."""
     if backward == "inside":
@@ -83,17 +85,20 @@ def _one_process(model, params: dict, batch: dict, backward: str, autocast: bool
     return _rows(output.loss.detach(), output.logits.detach(), grads)
 
 
-def distances_under_autocast(model_type: str, options: dict, backward: str = "inside") -> dict:
+def distances_under_autocast(model_type: str, options: dict, backward: str = "inside", sizes=None) -> dict:
     """Per row: cp under autocast against one process under autocast, and each of them against one process
-    in fp32 without autocast, relative to that row's scale."""
+    in fp32 without autocast, relative to that row's scale. ``sizes``: a mesh with more than cp, the model
+    parallelized over it (the references run a twin of the same weights)."""
     torch.manual_seed(0)
-    model = tiny_model(model_type)
-    batch = tiny_batch(model.config.vocab_size, 2, 14, pad="left")
-    mesh, params = cpshard.make_mesh(cp=torch.distributed.get_world_size()), cpshard.params_of(model)
+    model, twin = tiny_model(model_type), tiny_model(model_type)
+    batch, params = tiny_batch(model.config.vocab_size, 2, 14, pad="left"), cpshard.params_of(twin)
+    mesh = cpshard.make_mesh(**(sizes or {"cp": torch.distributed.get_world_size()}))
+    if sizes:
+        cpshard.parallelize(model, mesh)
     cp_forward = cpshard.make_cp_forward(model, **options)
-    cp = _cp_under_autocast(model, params, batch, mesh, cp_forward, backward)
-    one = _one_process(model, params, batch, backward, autocast=True)
-    exact = _one_process(model, params, batch, backward, autocast=False)
+    cp = _cp_under_autocast(cpshard.params_of(model), batch, mesh, cp_forward, backward)
+    one = _one_process(twin, params, batch, backward, autocast=True)
+    exact = _one_process(twin, params, batch, backward, autocast=False)
 
     def distance(a, b, scale):
         return float((a.float() - b.float()).abs().max() / scale)
@@ -148,9 +153,19 @@ def test_a_backward_outside_autocast_is_one_process_s(ranks2, implementation):
         check_distances(rows)
 
 
-def test_hybrid_under_autocast_at_cp4(ranks4):
-    """Hybrid: q, k and v cast to bf16 before its Ulysses exchange, the ring over the groups in bf16."""
-    for rows in ranks4.run(distances_under_autocast, "llama", {"implementation": "hybrid"}):
+FOUR_RANKS = {
+    # q, k and v cast to bf16 before hybrid's Ulysses exchange, the ring over the groups in bf16
+    "hybrid": ("llama", {"implementation": "hybrid"}, None),
+    "fsdp x cp": ("llama", {}, {"fsdp": 2, "cp": 2}),
+    "tp x cp": ("llama", {}, {"tp": 2, "cp": 2}),
+    "experts over fsdp x cp": ("qwen3_moe", {}, {"fsdp": 2, "cp": 2, "ep": 4}),
+}
+
+
+@pytest.mark.parametrize("case", FOUR_RANKS)
+def test_under_autocast_at_cp4_and_with_the_other_parallelisms(ranks4, case):
+    model_type, options, sizes = FOUR_RANKS[case]
+    for rows in ranks4.run(distances_under_autocast, model_type, options, "inside", sizes):
         check_distances(rows)
 
 
