@@ -19,7 +19,8 @@ from cpshard.bench.packed import packed_report
 from cpshard.bench.report import plot, write_json
 from cpshard.bench.variants import VARIANTS
 from cpshard.layouts.errors import LayoutError
-from cpshard.tools.check import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override, run_check
+from cpshard.tools.check import run_check
+from cpshard.tools.check_config import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
 from cpshard.tools.usage import UsageError

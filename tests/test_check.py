@@ -15,17 +15,16 @@ from cpshard.runtime.forward import make_cp_forward
 from cpshard.spec.notation import Spec
 from cpshard.tools.check import (
     CheckConfig,
-    _reported,
-    build_model,
     check_job,
     exit_status,
     float64_look,
     format_report,
-    parse_override,
     plan,
-    resolve_source,
     rounding_job,
 )
+from cpshard.tools.check_config import parse_override
+from cpshard.tools.check_report import reported
+from cpshard.tools.model_source import build_model, resolve_source
 from cpshard.tools.parity import Parity, Rounding, check_parity, failing_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
@@ -361,7 +360,7 @@ def test_a_model_whose_own_forward_fails_is_named_as_the_model_s(ranks2):
     with pytest.raises(RankError) as caught:
         ranks2.run(parity_of_a_model_that_fails_alone)
     assert {failure.kind for failure in caught.value.failures.values()} == {"OneProcessFailed"}
-    said = _reported(caught.value)
+    said = reported(caught.value)
     first, second = said.splitlines()[:2]
     assert "raised OneProcessFailed: RuntimeError: expected m1 and m2 to have the same dtype" in first, said
     assert second.startswith("that is the model's own forward, in one process without cp"), said

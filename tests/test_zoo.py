@@ -24,7 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import cpshard
 from cpshard.runtime.difference import failing_rank
-from cpshard.tools.check import DTYPES, RTOLS
+from cpshard.tools.check_config import DTYPES, RTOLS
 from cpshard.tools.parity import WIDER, check_parity, failing_rows, float64_distances, widened
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
