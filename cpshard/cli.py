@@ -20,7 +20,7 @@ from cpshard.bench.report import plot, write_json
 from cpshard.bench.variants import VARIANTS
 from cpshard.layouts.errors import LayoutError
 from cpshard.tools.check import run_check
-from cpshard.tools.check_config import ATTNS, DTYPES, PADS, RTOLS, CheckConfig, parse_override
+from cpshard.tools.check_config import ATTNS, AUTOCASTS, DTYPES, PADS, RTOLS, CheckConfig, parse_override
 from cpshard.tools.demo import DemoConfig, config_fields, flag, run_demo
 from cpshard.tools.layout_file import layout_for
 from cpshard.tools.usage import UsageError
@@ -84,6 +84,12 @@ def _add_check(commands) -> None:
             f"model dtype; a row passes when max |diff| <= rtol x its scale: {rtols} (default "
             f"{defaults.dtype})"
         ),
+    )
+    add(
+        "--autocast",
+        choices=AUTOCASTS,
+        help="run cp and one process under torch.autocast in this type (an fp32 model; mixed precision): "
+        "rows at its tolerance, the second look against float64",
     )
     add(
         "--rtol",

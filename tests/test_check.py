@@ -42,8 +42,9 @@ BROKEN = DECODER.with_rows(
         CheckConfig("llama", seq=16),
         CheckConfig("qwen3", implementation="ring", seq=15, batch=3, pad="left", packed=True),
         CheckConfig("llama", seq=16, dtype="bfloat16", attn="eager"),
+        CheckConfig("llama", seq=16, autocast="bfloat16", implementation="ring"),
     ],
-    ids=["llama-ulysses", "qwen3-ring-pad-packed", "llama-bf16-eager"],
+    ids=["llama-ulysses", "qwen3-ring-pad-packed", "llama-bf16-eager", "llama-ring-under-bf16-autocast"],
 )
 def test_check_passes_on_supported_models(ranks2, config):
     parities = ranks2.run(check_job, config)
@@ -119,6 +120,7 @@ def test_a_model_cpshard_refuses_exits_1_as_a_failed_check(capsys):
         (["t5"], "model type 't5' has no causal LM"),
         (["llama", "--dtype", "float16"], "invalid choice: 'float16'"),
         (["llama", "--set", "num_hidden_layers"], "write --set key=value"),
+        (["llama", "--dtype", "bfloat16", "--autocast", "bfloat16"], "use it with --dtype float32"),
         (["llama", "--set", "no_such_field=3"], "has no field 'no_such_field'"),
         (["mamba2", "--set", "num_heads=3"], "cannot build random mamba2 (small)"),  # its validator's error
         (["gpt_neo", "--attn", "sdpa"], "does not support --attn sdpa: use --attn eager"),
@@ -365,3 +367,18 @@ def test_a_model_whose_own_forward_fails_is_named_as_the_model_s(ranks2):
     assert "raised OneProcessFailed: RuntimeError: expected m1 and m2 to have the same dtype" in first, said
     assert second.startswith("that is the model's own forward, in one process without cp"), said
     assert "_unsupported" in said  # the frame that raised
+
+
+@pytest.mark.parametrize("autocast", [None, "bfloat16"])
+def test_a_ring_check_s_second_look_runs_in_float64(ranks2, autocast):
+    """The ring computed in fp32 whatever its inputs, so its float64 run (the second look's cp run) mixed
+    fp32 and float64 in its backward and raised, and a ring check's verdict stood on the first look alone; it
+    now computes float64 inputs in float64: cp run in float64 lies far nearer the exact result than cp in
+    fp32 (or under bf16 autocast) on every row (the logits within 1e-2 of that: the same arithmetic; the
+    gradients at the float64 runs' floor, about 5e-8 of scale)."""
+    config = CheckConfig("llama", seq=16, implementation="ring", autocast=autocast)
+    for rounding in ranks2.run(rounding_job, config):
+        assert rounding.same_arithmetic("logits"), rounding.relative("logits")
+        for row in rounding.cp:
+            cp, _, arithmetic = rounding.relative(row)
+            assert arithmetic <= 0.2 * cp or cp == 0, (row, rounding.relative(row))

@@ -1,12 +1,11 @@
 """Ring attention: q stays on its rank, k and v travel around the ring, results merge by log-sum-exp.
 
-The math lives in small pure functions over one block (a q slice against one k/v slice), in
-fp32: torch's fused CPU flash-attention kernel (it returns the log-sum-exp and takes fewer kv
-heads) where it applies, explicit softmax math where it cannot (softcapping, rows that must
-attend evenly); :class:`RingAttention` runs the schedule forward and backward (dk and dv travel with k
-and v, as in the standard ring backward). Every rank knows the whole mask, so every rank
-knows which blocks are needed at all: a hidden block is neither computed nor, where no later
-rank on the ring needs it, sent.
+The math lives in small pure functions over one block (a q slice against one k/v slice), in fp32 (float64 for
+float64 inputs): torch's fused CPU flash-attention kernel (it returns the log-sum-exp and takes fewer kv
+heads) where it applies, explicit softmax math where it cannot (softcapping, rows that must attend evenly);
+:class:`RingAttention` runs the schedule forward and backward (dk and dv travel with k and v, as in the
+standard ring backward). Every rank knows the whole mask, so every rank knows which blocks are needed at all:
+a hidden block is neither computed nor, where no later rank on the ring needs it, sent.
 
 Shapes: q ``[B, Hq, Sq, D]``, k and v ``[B, Hkv, Sk, D]`` (Hq a multiple of Hkv), block masks
 ``[B or 1, 1, Sq, Sk]`` booleans (True: may attend).
@@ -95,7 +94,7 @@ class Merged:
 def block_scores(block: Block):
     """Masked scores ``[B, Hkv, G, Sq, Sk]`` (-inf where hidden) and the softcap's tanh (or None)."""
     scoring = block.scoring
-    raw = torch.einsum("bhgqd,bhkd->bhgqk", block.qg, block.k.float()) * scoring.scale
+    raw = torch.einsum("bhgqd,bhkd->bhgqk", block.qg, block.k.to(block.qg.dtype)) * scoring.scale
     capped = None
     if scoring.softcap:
         capped = torch.tanh(raw / scoring.softcap)
@@ -125,11 +124,11 @@ def _flash_attention(block: Block):
     batch, kv_heads, groups, rows, dim = block.qg.shape
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         block.qg.reshape(batch, kv_heads * groups, rows, dim),
-        block.k.float(),
-        block.v.float(),
+        block.k.to(block.qg.dtype),
+        block.v.to(block.qg.dtype),
         0.0,
         False,
-        attn_mask=additive_mask(block.allowed, torch.float32),
+        attn_mask=additive_mask(block.allowed, block.qg.dtype),
         scale=block.scoring.scale,
     )
     lse = lse.reshape(batch, kv_heads, groups, rows).masked_fill(~block.allowed.any(-1).unsqueeze(2), NEG_INF)
@@ -142,13 +141,13 @@ def _flash_grads(block: Block, merged: Merged):
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         merged.grad_out.reshape(*ungrouped, dim),
         block.qg.reshape(*ungrouped, dim),
-        block.k.float(),
-        block.v.float(),
+        block.k.to(block.qg.dtype),
+        block.v.to(block.qg.dtype),
         merged.out.reshape(*ungrouped, dim),
         safe(merged.lse).reshape(ungrouped),
         0.0,
         False,
-        attn_mask=additive_mask(block.allowed, torch.float32),
+        attn_mask=additive_mask(block.allowed, block.qg.dtype),
         scale=block.scoring.scale,
     )
     return grad_q.reshape(block.qg.shape), grad_k, grad_v
@@ -161,7 +160,7 @@ def block_attention(block: Block):
     scores, _ = block_scores(block)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - safe(lse).unsqueeze(-1))
-    return torch.einsum("bhgqk,bhkd->bhgqd", probs, block.v.float()), lse
+    return torch.einsum("bhgqk,bhkd->bhgqd", probs, block.v.to(block.qg.dtype)), lse
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -179,12 +178,11 @@ def block_grads(block: Block, merged: Merged):
     scores, capped = block_scores(block)
     probs = torch.exp(scores - safe(merged.lse).unsqueeze(-1))
     grad_v = torch.einsum("bhgqk,bhgqd->bhkd", probs, merged.grad_out)
-    grad_scores = probs * (
-        torch.einsum("bhgqd,bhkd->bhgqk", merged.grad_out, block.v.float()) - merged.delta.unsqueeze(-1)
-    )
+    v = block.v.to(block.qg.dtype)
+    grad_scores = probs * (torch.einsum("bhgqd,bhkd->bhgqk", merged.grad_out, v) - merged.delta.unsqueeze(-1))
     if capped is not None:
         grad_scores = grad_scores * (1 - capped * capped)
-    grad_q = torch.einsum("bhgqk,bhkd->bhgqd", grad_scores, block.k.float()) * block.scoring.scale
+    grad_q = torch.einsum("bhgqk,bhkd->bhgqd", grad_scores, block.k.to(block.qg.dtype)) * block.scoring.scale
     grad_k = torch.einsum("bhgqk,bhgqd->bhkd", grad_scores, block.qg) * block.scoring.scale
     return grad_q, grad_k, grad_v
 
@@ -275,13 +273,18 @@ def _ring_steps(needed, rank: int, size: int):
         )
 
 
+def accumulation(dtype: torch.dtype) -> torch.dtype:
+    """The type the ring computes in: fp32, or its inputs' where wider (float64: the checks' second look)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def ring_forward(q, k, v, ring: Ring):
     """This rank's q over every rank's k and v: ``(out, lse)``, grouped ``[B, Hkv, G, Sq, D]`` and
-    ``[B, Hkv, G, Sq]``, in fp32."""
+    ``[B, Hkv, G, Sq]``, in fp32 (or wider: :func:`accumulation`)."""
     needed, rank = ring.blocks.needed, ring.rank
-    qg = grouped(q.float(), k.shape[1])
+    qg = grouped(q.to(accumulation(q.dtype)), k.shape[1])
     out = torch.zeros_like(qg)
-    lse = torch.full(qg.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
+    lse = torch.full(qg.shape[:-1], NEG_INF, dtype=qg.dtype, device=q.device)
     kv = template = torch.stack([k, v])
     for source, send_on, expect in _ring_steps(needed, rank, ring.size):
         requests, incoming = _exchange(ring, kv if send_on else None, template if expect else None, "forward")
@@ -295,12 +298,12 @@ def ring_forward(q, k, v, ring: Ring):
 def ring_backward(q, k, v, out, lse, grad_output, ring: Ring):
     """``(dq, dk, dv)`` given :func:`ring_forward`'s ``out`` and ``lse``: dk and dv travel with k and v."""
     needed, rank = ring.blocks.needed, ring.rank
-    qg = grouped(q.float(), k.shape[1])
-    grad_out = grouped(grad_output.float(), k.shape[1])
+    qg = grouped(q.to(accumulation(q.dtype)), k.shape[1])
+    grad_out = grouped(grad_output.to(qg.dtype), k.shape[1])
     merged = Merged(lse, out, grad_out, (grad_out * out).sum(-1))
     grad_q = torch.zeros_like(qg)
     kv = kv_template = torch.stack([k, v])
-    grad_kv = grad_template = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+    grad_kv = grad_template = torch.zeros((2, *k.shape), dtype=qg.dtype, device=k.device)
     parked: dict[int, torch.Tensor] = {}  # dk, dv of blocks whose travel ends here, by source
     for source, send_on, expect in _ring_steps(needed, rank, ring.size):
         requests, incoming = _exchange(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cpshard.attention.blocks import call_blocks
-from cpshard.attention.ring import Ring, ring_backward, ring_forward
+from cpshard.attention.ring import Ring, accumulation, ring_backward, ring_forward
 from cpshard.comm.channel import Channel, TracedGroup
 from cpshard.precision import autocast_off
 
@@ -49,8 +49,8 @@ def _(q, k, v, mask, scale, softcap, uniform_rows, channel, axis, name):
     grouped = (batch, k.shape[1], heads // k.shape[1], rows)
     return (
         q.new_empty(q.shape),
-        q.new_empty((*grouped, dim), dtype=torch.float32),
-        q.new_empty(grouped, dtype=torch.float32),
+        q.new_empty((*grouped, dim), dtype=accumulation(q.dtype)),
+        q.new_empty(grouped, dtype=accumulation(q.dtype)),
     )
 
 

@@ -89,7 +89,8 @@ def plan(config: CheckConfig, layout: Layout | str = "auto") -> str:
     how = implementation + (f", Ulysses degree {degree}" if implementation == "hybrid" else "")
     extras = [f"{config.pad} padding" if config.pad else "", "packed documents" if config.packed else ""]
     shape = ", ".join(filter(None, [f"batch {config.batch} x {config.seq} tokens", *extras]))
-    return f"{source.describe()}, {config.dtype}, {attn} attention, {shape}; cp={config.cp} ({how})"
+    dtype = config.dtype + (f" under {config.autocast} autocast" if config.autocast else "")
+    return f"{source.describe()}, {dtype}, {attn} attention, {shape}; cp={config.cp} ({how})"
 
 
 def _setup(config: CheckConfig, layout: Layout | str):
@@ -112,7 +113,8 @@ def check_job(config: CheckConfig, layout: Layout | str = "auto") -> Parity:
 
     ``layout`` is for tests and layout authors (a deliberately broken one must fail)."""
     model, batch, mesh, cp_forward = _setup(config, layout)
-    return check_parity(model, batch, mesh, cp_forward)
+    with config.under_autocast():
+        return check_parity(model, batch, mesh, cp_forward)
 
 
 def rounding_job(config: CheckConfig, layout: Layout | str = "auto") -> Rounding:
@@ -125,7 +127,8 @@ def rounding_job(config: CheckConfig, layout: Layout | str = "auto") -> Rounding
     twin_forward = make_cp_forward(
         widened(cp_twin, wide), layout=layout, implementation=config.implementation
     )
-    return float64_distances(twin, model, params_of(model), batch, mesh, cp_forward, twin_forward)
+    with config.under_autocast():  # autocast leaves the float64 runs as they are
+        return float64_distances(twin, model, params_of(model), batch, mesh, cp_forward, twin_forward)
 
 
 def _ready() -> bool:

@@ -19,6 +19,8 @@ RTOLS = {"float32": RTOL, "bfloat16": 5e-2}
 SHORT_NAMES = {torch.float64: "float64", torch.float32: "fp32", torch.bfloat16: "bf16"}
 #: "auto": sdpa where the model supports it, else eager (GPT-Neo, MPT, XLM, DeepSeek-V4 have no sdpa)
 ATTNS = ("auto", "sdpa", "eager")
+#: the types ``--autocast`` may run an fp32 model's matmuls in (cp and one process both under it)
+AUTOCASTS = ("bfloat16",)
 PADS = ("left", "right")
 
 
@@ -34,6 +36,8 @@ class CheckConfig:
     pad: str | None = None
     packed: bool = False
     dtype: str = "float32"
+    #: run cp and one process under ``torch.autocast`` in this type (None: no autocast)
+    autocast: str | None = None
     attn: str = "auto"
     seed: int = 0
     #: a row passes within this times its scale (None: the dtype's :data:`RTOLS`)
@@ -50,10 +54,16 @@ class CheckConfig:
             ("dtype", DTYPES),
             ("attn", ATTNS),
             ("pad", PADS),
+            ("autocast", AUTOCASTS),
         ):
             value = getattr(self, name)
-            if value not in allowed and not (name == "pad" and value is None):
+            if value not in allowed and not (name in ("pad", "autocast") and value is None):
                 raise UsageError(f"--{name}={value!r}: choose one of {', '.join(allowed)}")
+        if self.autocast and self.dtype != "float32":
+            raise UsageError(
+                f"--autocast {self.autocast} runs an fp32 model's matmuls in {self.autocast}: use it with "
+                f"--dtype float32 (a {self.dtype} model is checked in its own type without it)"
+            )
         if self.tolerance is not None and not self.tolerance > 0:
             raise UsageError(f"--rtol={self.tolerance}: a tolerance is a positive number")
         if self.pad and self.seq < 4:  # tiny_batch pads a row by up to half its length
@@ -67,7 +77,12 @@ class CheckConfig:
 
     @property
     def rtol(self) -> float:
-        return RTOLS[self.dtype] if self.tolerance is None else self.tolerance
+        return RTOLS[self.autocast or self.dtype] if self.tolerance is None else self.tolerance
+
+    def under_autocast(self):
+        """The context the check's runs take: ``torch.autocast`` on the ranks' CPUs in ``autocast``'s type,
+        or one that does nothing."""
+        return torch.autocast("cpu", dtype=DTYPES.get(self.autocast), enabled=self.autocast is not None)
 
 
 def parse_override(text: str) -> tuple[str, object]:

@@ -9,9 +9,10 @@ from cpshard.tools.parity import WIDER, Parity, Rounding, failing_rows, format_r
 
 
 def rounding_names(config: CheckConfig) -> tuple[str, str]:
-    """The check's dtype and the wider one its second look runs in, by their short names."""
+    """The type the check's rows are rounded in (its dtype, or its autocast's) and the wider one its second
+    look runs in, by their short names."""
     dtype = DTYPES[config.dtype]
-    return SHORT_NAMES[dtype], SHORT_NAMES[WIDER[dtype]]
+    return SHORT_NAMES[DTYPES[config.autocast] if config.autocast else dtype], SHORT_NAMES[WIDER[dtype]]
 
 
 def beyond_rounding(
@@ -32,9 +33,10 @@ def format_report(
     """The table (worst difference over the ranks per row) and the verdict naming failing rows; a row that
     fails at the tolerance but lies within the dtype's rounding of a wider run (``roundings``) is marked
     so."""
+    under = f" under {config.autocast} autocast, both" if config.autocast else ""
     lines = [
-        f"parity against one process ({config.dtype}; a row passes when max |diff| <= {config.rtol:g} "
-        "x scale):"
+        f"parity against one process ({config.dtype}{under}; a row passes when max |diff| <= "
+        f"{config.rtol:g} x scale):"
     ]
     failing, beyond = failing_rows(parities, config.rtol), beyond_rounding(config, parities, roundings)
     rounding = tuple(row for row in failing if row not in beyond)
