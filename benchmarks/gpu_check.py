@@ -307,11 +307,30 @@ def cp1_parity(device, dtype, sizes: Sizes, mesh) -> list[Row]:
     return agreement(f"cp=1 {label} step vs plain model", result, (loss, plain), exact, dtype)
 
 
+def autocast_parity(device, sizes: Sizes, mesh) -> list[Row]:
+    """One cp=1 step of an fp32 model under bf16 autocast (what Trainer's bf16=True runs on a GPU) against the
+    plain model's under the same autocast, the target from the same step without autocast. On a GPU the
+    backward runs in autograd's own threads: cpshard's pieces compute with autocast off there as here."""
+    model, batch = llama(device, torch.float32, sizes)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = model(**batch).loss
+        loss.backward()
+    plain = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    step = stepper(model, mesh)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        result = step(batch)
+    exact = step(batch)
+    return agreement("cp=1 step under bf16 autocast", result, (loss, plain), exact, torch.bfloat16)
+
+
 def cp1_steps(device, dtype, sizes: Sizes) -> list[Row]:
     """The compiled-layers and parity checks, in a process group of this process alone."""
     with one_process(device) as mesh:
-        return guarded("compiled layers", compiled_layers, device, dtype, sizes, mesh) + guarded(
-            "cp=1 parity", cp1_parity, device, dtype, sizes, mesh
+        return (
+            guarded("compiled layers", compiled_layers, device, dtype, sizes, mesh)
+            + guarded("cp=1 parity", cp1_parity, device, dtype, sizes, mesh)
+            + guarded("autocast parity", autocast_parity, device, sizes, mesh)
         )
 
 

@@ -60,6 +60,13 @@ def test_cp1_step_matches_the_plain_model(dtype):
     assert set(_verdicts(rows).values()) == {"PASS"}, gpu_check.report(rows)
 
 
+def test_a_cp1_step_under_bf16_autocast_matches_the_plain_model_s():
+    # the target: bf16's tolerance, or twice the plain model's own distance from the step without autocast
+    with gpu_check.one_process(CPU) as mesh:
+        rows = gpu_check.autocast_parity(CPU, QUICK, mesh)
+    assert set(_verdicts(rows).values()) == {"PASS"}, gpu_check.report(rows)
+
+
 def test_compiled_layers_match_eager():
     # aot_eager: the tracing cpshard's compiled layers go through, at a fraction of inductor's compile time
     with gpu_check.one_process(CPU) as mesh:
