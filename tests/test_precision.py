@@ -131,6 +131,8 @@ CASES = {
     "minimax, lightning attention, probed": ("minimax", {}),
     # its keys (fp32 after the rotary embedding) and values (bf16) gathered whole in one all-gather
     "doge, keys gathered": ("doge", {}),
+    # its probe's second look runs in float64, its experts eager there (grouped matmuls take no float64)
+    "deepseek_v4, experts in the probe's look": ("deepseek_v4", {}),
 }
 
 
@@ -184,3 +186,19 @@ def test_under_autocast_ulysses_moves_bf16_s_bytes(ranks2):
     after the rotary embedding) move as bf16, as a bf16 model's do: 74188 bytes were 49612."""
     for sizes in ranks2.run(bytes_under_autocast):
         assert sizes["autocast"] == sizes["bf16"], sizes
+
+
+def experts_around_the_probe() -> tuple[str, str]:
+    """DeepSeek-V4's experts implementation before and after a first cp call under autocast, whose probe
+    takes its float64 look with the experts eager."""
+    model = tiny_model("deepseek_v4")
+    before = model.config._experts_implementation
+    batch, mesh = tiny_batch(model.config.vocab_size, 2, 14, pad="left"), cpshard.make_mesh(cp=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpshard.make_cp_forward(model)(cpshard.params_of(model), batch, mesh)
+    return before, model.config._experts_implementation
+
+
+def test_the_probe_s_float64_look_gives_the_experts_implementation_back(ranks2):
+    for before, after in ranks2.run(experts_around_the_probe):
+        assert before == after != "eager", (before, after)

@@ -251,9 +251,9 @@ def _beyond_half_rounding(
     wide_name, name = (str(dtype).removeprefix("torch.") for dtype in (wide, half))
     wide_name = "fp32" if wide == torch.float32 else wide_name
     try:
-        with torch.no_grad(), autocast_off():
+        with torch.no_grad(), autocast_off(), _eager_experts(model, wide):
             outputs = _one_process_outputs(model, widened, batch, layout)
-        with autocast_off():
+        with autocast_off(), _eager_experts(model, wide):
             gradients = _one_process_gradients(model, widened, batch, names) if names else {}
         real = batch["attention_mask"] == 1
         exact = {row.what: row.plain for row in _rows(layout, cp, (*outputs, gradients), real)}
@@ -271,6 +271,22 @@ def _beyond_half_rounding(
             note += f" {own:.1e}"
             beyond.append((row, f" (beyond {name}'s rounding: {note})"))
     return beyond
+
+
+@contextmanager
+def _eager_experts(model, wide: torch.dtype):
+    """Inside, a float64 look runs the model's experts eagerly (grouped matmuls take no float64: DeepSeek-V4's
+    and Qwen4-Exp's looks raised); outside, they run as they did."""
+    current = getattr(model.config, "_experts_implementation", None)
+    settable = hasattr(model, "set_experts_implementation")
+    if wide != torch.float64 or current in (None, "eager") or not settable:
+        yield
+        return
+    model.set_experts_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(current)
 
 
 def _distance(got: torch.Tensor, want: torch.Tensor) -> float:
