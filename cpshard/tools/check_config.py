@@ -36,14 +36,15 @@ class CheckConfig:
     pad: str | None = None
     packed: bool = False
     dtype: str = "float32"
-    #: run cp and one process under ``torch.autocast`` in this type (None: no autocast)
-    autocast: str | None = None
     attn: str = "auto"
     seed: int = 0
     #: a row passes within this times its scale (None: the dtype's :data:`RTOLS`)
     tolerance: float | None = None
     #: config fields set over the model's (``--set key=value``): ``(key, value)`` pairs
     overrides: tuple[tuple[str, object], ...] = ()
+    #: run cp and one process under ``torch.autocast`` in this type (None: no autocast); last, so that the
+    #: fields before it keep their places
+    autocast: str | None = None
 
     def __post_init__(self):
         for name in ("cp", "seq", "batch"):
