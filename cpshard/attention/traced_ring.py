@@ -35,7 +35,8 @@ def _ring(
     axis: str,
     name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(output, out, lse)``: the output in q's shape and dtype, and the fp32 results the backward needs;
+    """``(output, out, lse)``: the output in q's shape and dtype, and the results the backward needs, in the
+    ring's :func:`accumulation` type;
     contiguous, as the fake says (inductor checks the strides; ``out`` follows q's, a transposed view)."""
     with autocast_off():  # the op's body runs under the caller's autocast (as RingAttention's own_precision)
         out, lse = ring_forward(q, k, v, _ring_of(mask, scale, softcap, uniform_rows, channel, axis, name))

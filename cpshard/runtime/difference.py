@@ -121,9 +121,9 @@ class _Row(NamedTuple):
 
 
 def first_difference(cp_forward, params: dict, mesh) -> str | None:
-    """What first differs between cp and one process on the probe batch (None: nothing); in a half type, a
-    row beyond the tolerance gets a second look, against one process in fp32 (:func:`_beyond_half_rounding`).
-    """
+    """What first differs between cp and one process on the probe batch (None: nothing); in a half type (the
+    weights', or autocast's), a row beyond the tolerance gets a second look, against one process in fp32 (in
+    float64 under autocast: :func:`_beyond_half_rounding`)."""
     model, layout = cp_forward.model, cp_forward.layout
     layers = model.get_submodule(layout.decoder_layers)
     batch = _probe_batch(
@@ -144,16 +144,16 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
     _, gradients = value_and_grad(cp_forward)(params, batch, mesh)
     logits = results["cp"].logits
     cp = (ours, None if logits is None else logits.full_tensor(), gradients)
-    half, autocast = _half_type(params), seen.get("dtype")
+    half = _half_type(params) or seen.get("dtype")  # the type the rows are rounded in, if a half type
     differing = [
         (row, "")
         for row in _rows(layout, cp, (*plain, plain_gradients), real)
-        if not _close(row.cp, row.plain, RTOL if half is None and autocast is None else HALF_RTOL)
+        if not _close(row.cp, row.plain, RTOL if half is None else HALF_RTOL)
     ]
-    if differing and (half is not None or autocast is not None):
-        wide = torch.float32 if autocast is None else torch.float64  # autocast leaves float64 as it is
+    if differing and half is not None:
+        wide = torch.float64 if "dtype" in seen else torch.float32  # autocast leaves float64 as it is
         differing = _beyond_half_rounding(
-            model, params, batch, layout, cp, [row for row, _ in differing], half or autocast, wide
+            model, params, batch, layout, cp, [row for row, _ in differing], half, wide
         )
     return (
         f"{differing[0][0].what} differs between cp and one process{differing[0][1]}" if differing else None
@@ -251,9 +251,9 @@ def _beyond_half_rounding(
     wide_name, name = (str(dtype).removeprefix("torch.") for dtype in (wide, half))
     wide_name = "fp32" if wide == torch.float32 else wide_name
     try:
-        with torch.no_grad(), autocast_off(), _eager_experts(model, wide):
-            outputs = _one_process_outputs(model, widened, batch, layout)
         with autocast_off(), _eager_experts(model, wide):
+            with torch.no_grad():
+                outputs = _one_process_outputs(model, widened, batch, layout)
             gradients = _one_process_gradients(model, widened, batch, names) if names else {}
         real = batch["attention_mask"] == 1
         exact = {row.what: row.plain for row in _rows(layout, cp, (*outputs, gradients), real)}

@@ -106,8 +106,7 @@ def install(model: nn.Module, layout: Layout, tiles_mlp: bool = False, recompute
     cut = cut_hooks(layers, final_norm, head, layout)
     sparse = sparse_attention_hooks(layers, layout.decoder_layers, layout.sparse_attention)
     recurrent = install_recurrent(layers, layout.recurrent, layout.decoder_layers)
-    decoder = model.get_submodule(layout.decoder)
-    entry = entry_hooks(decoder, layers, layout)
+    entry = entry_hooks(model.get_submodule(layout.decoder), layers, layout)
     install_hooks(cut + recurrent + entry + sparse)
     install_forward(undifferentiated_modules(layers, layout.sparse_attention), UndifferentiatedForward)
     if layout.experts:
