@@ -114,24 +114,32 @@ def test_the_probe_serves_a_forward_that_gives_token_outputs(ranks2):
     assert ranks2.run(probed_with_token_outputs) == [[], []]
 
 
-def parallelized_unverified():
+def parallelized_unverified(forward_first: bool):
     model = tiny_model("qwen2")
-    forward = cpshard.make_cp_forward(model)
+    forward = cpshard.make_cp_forward(model) if forward_first else None
     mesh = cpshard.make_mesh(fsdp=2, cp=2)
     params = cpshard.params_of(cpshard.parallelize(model, mesh))
+    forward = forward or cpshard.make_cp_forward(model)
     return forward(params, tiny_batch(model.config.vocab_size, 2, 9), mesh)
 
 
-def test_a_parallelized_model_with_an_unverified_layout_is_refused(ranks4):
+@pytest.mark.parametrize(
+    "forward_first, says",
+    [
+        (True, "verified on the plain model's parameters only"),
+        # the layout derived from a run on DTensor parameters: it failed inside the model, and the error
+        # blamed the model ("does not run on token ids and labels alone")
+        (False, "from a run of the model on its plain parameters, and they are DTensors now"),
+    ],
+)
+def test_a_parallelized_model_with_an_unverified_layout_is_refused(ranks4, forward_first, says):
     with pytest.raises(cpshard.RankError) as caught:
-        ranks4.run(parallelized_unverified)
+        ranks4.run(parallelized_unverified, forward_first)
     failures = caught.value.failures
     assert sorted(failures) == [0, 1, 2, 3]
     for failure in failures.values():
-        assert (
-            failure.kind == "LayoutError"
-            and "verified on the plain model's parameters only" in failure.message
-        )
+        assert failure.kind == "LayoutError" and says in failure.message, failure.message
+        assert "params_of(model)" in failure.message and "cpshard.make_mesh(cp=...)" in failure.message
 
 
 def parallelized_after_the_probe():

@@ -608,7 +608,7 @@ def test_tensor_parallelism_beside_a_derived_layout_s_linear_layers_is_refused(r
 def test_expert_parallelism_beside_linear_layers_is_refused(ranks4):
     """Qwen3-Next's layouts declare no experts (expert parallelism is not served beside linear layers yet)."""
     messages = ranks4.run(refusal_on, dict(cp=2, fsdp=2, ep=2))
-    assert len(set(messages)) == 1 and "declares no experts: there is nothing to split over ep" in messages[0]
+    assert len(set(messages)) == 1 and "declares no experts: the model's 4 experts run whole" in messages[0]
 
 
 def traced_linear_layers(name: str, recurrent: str) -> list[dict]:

@@ -69,6 +69,13 @@ def test_tiles_that_cannot_serve_are_refused():
     assert "mlp_tile=True is not a positive number of tokens" in refused("llama", True)
     assert "mlp_tile tiles dense MLPs; 'mlp' holds the experts ['mlp.experts']" in refused("qwen3_moe", 4)
     assert "layout 'xlm' names none (its decoder has no MLP module per layer)" in refused("xlm", 4)
+    # experts a layout does not name, found in the modules: a derived layout's, and Qwen3-Next's (whose table
+    # serves its dense and MoE variants); Qwen3-Next's ran tiled and crashed inside its MoE block at batch 2
+    blocks = {"mixtral": "MixtralSparseMoeBlock", "qwen3_next": "Qwen3NextSparseMoeBlock"}
+    for model_type, block in blocks.items():
+        error = refused(model_type, 4)
+        assert "mlp_tile tiles dense MLPs; 'mlp' routes tokens to experts in 2 of 2 layers" in error, error
+        assert f"(layer 0's {block} first)" in error, error
 
 
 def test_outside_a_call_the_mlp_is_its_own():

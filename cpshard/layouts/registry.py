@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from cpshard.layouts import (
     blt,
@@ -47,6 +48,15 @@ BY_NAME: dict[str, Layout] = {layout.name: layout for layout in (decoder.LAYOUT,
 
 
 def _derived(model: nn.Module, model_type: str) -> Layout:
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # the recording run below would fail inside
+        raise LayoutError(
+            f"cpshard derives the layout of model type {model_type!r} ({type(model).__name__}) from a run of "
+            "the model on its plain parameters, and they are DTensors now (cpshard.parallelize): make the cp "
+            "forward before parallelizing, make_cp_forward(model), and call it once with "
+            "cpshard.params_of(model) on a mesh without tp or ep (cpshard.make_mesh(cp=...)), which probes "
+            "the layout against one process; then cpshard.parallelize(model, mesh) and call it with the "
+            "parallel parameters"
+        )
     try:
         return derive_layout(model)
     except LayoutError as error:

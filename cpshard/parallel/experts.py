@@ -330,8 +330,14 @@ def check_expert_parallel(config, layout, ep: int, tp: int = 1) -> None:
                 f"tp divides or that divides tp (ep={tp}, for one)"
             )
     elif ep > 1:
+        experts = expert_counts(config)[0]
+        why = (
+            f"the model's {experts} experts run whole on every rank (cp serves expert parallelism where a "
+            "layout file names the experts, as qwen3_moe's does; a derived layout never does)"
+            if experts
+            else "there is nothing to split over ep"
+        )
         raise ValueError(
             f"ep={ep}, but the layout {layout.name!r} of model type "
-            f"{getattr(config, 'model_type', '?')!r} declares no experts: "
-            "there is nothing to split over ep; build the mesh with ep=1"
+            f"{getattr(config, 'model_type', '?')!r} declares no experts: {why}; build the mesh with ep=1"
         )

@@ -70,6 +70,22 @@ def check_mlp_tile(layers: nn.ModuleList, layout: Layout, tile: int | None) -> N
     experts = [path for path in layout.experts if path.startswith(f"{layout.mlp}.")]
     if experts:
         raise LayoutError(f"mlp_tile tiles dense MLPs; {layout.mlp!r} holds the experts {experts}")
+    # a layout need not name the experts it does not split (a derived one never does): read the modules
+    routing = [(index, mlp) for index, mlp in enumerate(mlp_modules(layers, layout)) if _routes_tokens(mlp)]
+    if routing:
+        index, mlp = routing[0]
+        raise LayoutError(
+            f"mlp_tile tiles dense MLPs; {layout.mlp!r} routes tokens to experts in {len(routing)} of "
+            f"{len(layers)} layers (layer {index}'s {type(mlp).__name__} first): make the cp forward without "
+            "mlp_tile"
+        )
+
+
+def _routes_tokens(mlp: nn.Module) -> bool:
+    """Whether an MLP module sends tokens to experts: it holds a weight with one slice per expert (3-D, as
+    transformers' fused experts do) or a list of expert modules. A dense MLP holds neither."""
+    expert_weights = any(p.dim() > 2 for p in mlp.parameters())
+    return expert_weights or any(isinstance(m, nn.ModuleList) for m in mlp.modules())
 
 
 def mlp_modules(layers: nn.ModuleList, layout: Layout) -> list[nn.Module]:
