@@ -243,7 +243,11 @@ def refusal(name: str, length: int, **options) -> str:
     "length, options, words",
     [
         (16, {"sequence_order": "head_tail"}, ["sequence_order='head_tail'", "contiguous"]),
-        (16, {"compile": "aot_eager"}, ["compile='aot_eager'", "linear_attn"]),
+        (
+            16,
+            {"compile": "aot_eager"},
+            ["compile='aot_eager'", "linear_attn", "the cp forward without compile"],
+        ),
         (4, {}, ["holds 2 positions", "fewer than the 3", "at least 3 tokens per cp rank"]),
         (16, {"packed": True}, ["packed documents", "(linear_attn) carry", "one document per row"]),
         (16, {"recurrent": "sideways"}, ["recurrent='sideways'", "auto, state_passing, head_split"]),
@@ -602,7 +606,8 @@ def test_tensor_parallelism_beside_a_derived_layout_s_linear_layers_is_refused(r
     assert messages[0].startswith(
         "tp > 1 with the derived layout 'derived:kimi_linear': cp does not serve"
     ), messages
-    assert "(tp beside them: the layout files granitemoehybrid, nemotron_h, qwen3_next)" in messages[0]
+    instead = "build the mesh with tp=1 (tp beside them: the layout files granitemoehybrid, nemotron_h, qwen3_next)"
+    assert instead in messages[0], messages
 
 
 def test_expert_parallelism_beside_linear_layers_is_refused(ranks4):

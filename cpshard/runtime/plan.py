@@ -136,17 +136,18 @@ def check_recurrent_parallelism(layout: Layout, options: CPOptions, tp: int, ep:
     recurrent layers run whole on every tp rank beside the plan's split layers, which a registered layout
     file's plan is tested for; a derived plan is the model's own, written for no such mix."""
     mixer = f"the recurrent layers ({', '.join(sorted({row.module for row in layout.recurrent}))})"
-    refused = {
-        f"tp > 1 with the derived layout {layout.name!r}": tp > 1 and layout.name.startswith("derived:"),
-        "ep > 1": ep > 1,
-        f"compile={options.compile!r}": bool(options.compile),
+    files = ", ".join(sorted(name for name, file in BY_NAME.items() if file.recurrent))
+    refused = {  # what is asked: (whether it is, what to do instead)
+        f"tp > 1 with the derived layout {layout.name!r}": (
+            tp > 1 and layout.name.startswith("derived:"),
+            f"build the mesh with tp=1 (tp beside them: the layout files {files})",
+        ),
+        "ep > 1": (ep > 1, "build the mesh with ep=1"),
+        f"compile={options.compile!r}": (bool(options.compile), "make the cp forward without compile"),
     }
-    for what, asked in refused.items():
+    for what, (asked, instead) in refused.items():
         if asked:
-            raise ValueError(
-                f"{what}: cp does not serve {mixer} under it yet; run them with cp alone (tp beside them: "
-                f"the layout files {', '.join(sorted(n for n, f in BY_NAME.items() if f.recurrent))})"
-            )
+            raise ValueError(f"{what}: cp does not serve {mixer} under it yet; {instead}")
     if options.recurrent == "head_split" and any(row.kernel == "lightning" for row in layout.recurrent):
         raise ValueError(
             "recurrent='head_split': lightning attention runs its block loop inside its module, which cp "
