@@ -29,8 +29,10 @@ def step_bytes(sizes: dict, options: dict, seq: int) -> dict:
     model = cpshard.tiny_model("qwen3_moe" if sizes.get("ep", 1) > 1 else "llama")
     batch = cpshard.tiny_batch(model.config.vocab_size, 2, seq, seed=mesh.get_local_rank("fsdp") + 1)
     params = cpshard.params_of(cpshard.parallelize(model, mesh))
+    step = cpshard.value_and_grad(cpshard.make_cp_forward(model, **options))
+    step(params, batch, mesh)  # the first step: the ranks also agree on the forward, once
     with cpshard.debug.recording() as log:
-        cpshard.value_and_grad(cpshard.make_cp_forward(model, **options))(params, batch, mesh)
+        step(params, batch, mesh)
     return log.bytes_by_parallelism()
 
 

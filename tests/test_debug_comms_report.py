@@ -40,6 +40,7 @@ def traced_step(rows: int, length: int):
         str(report),
         report.total_bytes,
         fingerprint(batch).numel() * 8,
+        (1 + 3 * len(cpshard.params_of(model))) * 8,  # a first call: the ranks agree on the forward, once
         output.loss.item(),
         sorted(grads) == sorted(cpshard.params_of(model)),
     )
@@ -52,9 +53,12 @@ def test_llama_cp2_bytes_by_hand(ranks2):
     k = v = local * KV * HD * F32  # cp=2 divides the 2 kv heads: none repeated
     per_module = q + k + v + out
     grads = llama_param_count() * F32
-    for as_dict, text, total, fingerprint_bytes, loss, all_grads in ranks2.run(traced_step, rows, length):
+    for as_dict, text, total, fingerprint_bytes, agreement, loss, all_grads in ranks2.run(
+        traced_step, rows, length
+    ):
         assert all_grads and loss > 0
-        assert total == as_dict["total_bytes"] == LAYERS * 2 * per_module + grads + F32 + fingerprint_bytes
+        checks = fingerprint_bytes + agreement  # the options' code and three integers per parameter
+        assert total == as_dict["total_bytes"] == LAYERS * 2 * per_module + grads + F32 + checks
         assert as_dict["by_op"]["all_to_all"] == {"count": LAYERS * 2 * 4, "bytes": LAYERS * 2 * per_module}
         # value_and_grad: the loss rides with the gradients, one all-reduce after the backward
         assert as_dict["by_module"]["gradients"] == {"count": 1, "bytes": grads + F32}
@@ -84,7 +88,8 @@ def test_llama_cp2_bytes_by_hand(ranks2):
             f"{per_module:,}",
             "ok",
         ]
-        assert lines[-1].split() == ["total", str(LAYERS * 8 + 2), f"{total:,}"]  # + fingerprint, gradients
+        # + the agreement, the batch fingerprint, the gradients
+        assert lines[-1].split() == ["total", str(LAYERS * 8 + 3), f"{total:,}"]
 
 
 def traced_forward_with_extra():

@@ -236,6 +236,10 @@ def bad_call(kind: str):
         params = cpshard.params_of(tiny_model("llama", vocab_size=200))
     elif kind == "unknown-params":
         params = {**params, "lm_head.scale": torch.ones(1)}
+    elif kind == "missing-params":  # the model's own norm weight ran in its place, changed in place or not
+        params = {name: value for name, value in params.items() if name != "model.norm.weight"}
+    elif kind == "params-generator":
+        params = model.named_parameters()
     cp_forward(params, batch, mesh)
 
 
@@ -270,6 +274,11 @@ BAD_INPUTS = {
         "ValueError",
         "model.layers.0.self_attn, model.layers.0.self_attn.q_proj, model.layers",
     ),
+    "missing-params": (
+        "ValueError",
+        "params lacks 1 of LlamaForCausalLM's parameters (e.g. ['model.norm.weight'])",
+    ),
+    "params-generator": ("TypeError", "params must be a dict of the model's tensors by name"),
     "ulysses-order": ("ValueError", "sequence_order='head_tail' balances ring's causal work; Ulysses"),
 }
 

@@ -183,7 +183,12 @@ def run_loss_rides_with_gradients():
 
 def test_value_and_grad_sums_loss_and_gradients_in_one_all_reduce(ranks2):
     for folded, apart, same in ranks2.run(run_loss_rides_with_gradients):
-        assert folded == [("all_gather", "batch fingerprint"), ("all_reduce", "gradients")]
+        # the first call: the ranks agree on the forward first, once
+        assert folded == [
+            ("all_gather", "cp forward agreement"),
+            ("all_gather", "batch fingerprint"),
+            ("all_reduce", "gradients"),
+        ]
         assert apart == [
             ("all_gather", "batch fingerprint"),
             ("all_reduce", "loss"),

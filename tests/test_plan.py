@@ -14,6 +14,17 @@ from cpshard.runtime.plan import CPOptions, choose_order
         (dict(implementation="flash"), "implementation='flash'; choose one of"),
         (dict(sequence_order="zigzag"), "zigzag"),
         (dict(expert_plan="scatter"), "scatter"),
+        # strings from a config file read as True: logits and log-probabilities computed, unasked
+        (dict(logits="no"), "logits='no' is not a bool; give True or False"),
+        (dict(token_logprobs="False"), "token_logprobs='False' is not a bool"),
+        (dict(attention_recompute=1), "attention_recompute=1 is not a bool"),
+        (dict(strict=None), "strict=None is not a bool"),
+        # ignored by every implementation but hybrid
+        (
+            dict(ulysses_degree=2),
+            "ulysses_degree=2 sets hybrid's Ulysses group size, and implementation='auto'",
+        ),
+        (dict(implementation="ring", ulysses_degree=2), "implementation='ring' would ignore it"),
     ],
 )
 def test_bad_options_are_refused_when_made(options, says):

@@ -278,8 +278,8 @@ def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None, order: str = "c
     return PaddedBatch(inputs, labels, length, length + extra, batch.get(COUNT_KEY))
 
 
-def _differing(rows: torch.Tensor, ranks: list[int]) -> list[int]:
-    """The ranks whose row is not bit for bit the first one's (so that a NaN in the batch equals itself)."""
+def differing_ranks(rows: torch.Tensor, ranks: list[int]) -> list[int]:
+    """The ranks whose row is not bit for bit the first one's (so that a NaN equals itself)."""
     every = rows.view(torch.int64)
     return [ranks[i] for i in range(every.shape[0]) if not torch.equal(every[i], every[0])]
 
@@ -338,7 +338,9 @@ def check_batch(
         every = all_gather_rows(row, group, name="batch fingerprint")
     ranks = dist.get_process_group_ranks(group)
     index = {rank: i for i, rank in enumerate(ranks)}
-    differing = {tuple(m): d for m in _dp_groups(mesh) if (d := _differing(every[[index[r] for r in m]], m))}
+    differing = {
+        tuple(m): d for m in _dp_groups(mesh) if (d := differing_ranks(every[[index[r] for r in m]], m))
+    }
     if differing:  # this rank's own dp group first, else the first one
         members = next((m for m in differing if dist.get_rank() in m), next(iter(differing)))
         message = _differs_message(differing[members], members[0])

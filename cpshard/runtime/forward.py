@@ -62,6 +62,7 @@ from cpshard.parallel.mesh import (
     mesh_size,
     summed_over,
 )
+from cpshard.runtime.agreement import check_agreement
 from cpshard.runtime.batch import (
     PaddedBatch,
     local_token_mask,
@@ -71,7 +72,13 @@ from cpshard.runtime.count import loss_normaliser
 from cpshard.runtime.cut import held_rows_only
 from cpshard.runtime.grad import summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
-from cpshard.runtime.plan import CPOptions, plan_call
+from cpshard.runtime.plan import (
+    CPOptions,
+    check_modules_unchanged,
+    check_params,
+    parameter_aliases,
+    plan_call,
+)
 from cpshard.runtime.probe import verify_once
 from cpshard.runtime.recompute import recompute_in
 from cpshard.runtime.tiled_mlp import check_mlp_tile
@@ -126,6 +133,8 @@ class CPForward:
             compile_layers(model.get_submodule(layout.decoder_layers), compile_options(options.compile))
         #: the model's modules as set up (each call checks that none was replaced since)
         self.module_names = {id(module): name for name, module in model.named_modules()}
+        #: whether the ranks agreed on this cp forward and its first weights (its first call checks)
+        self.agreed = False
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         return self._run(params, batch, mesh, reduced=True)
@@ -148,6 +157,7 @@ class CPForward:
         """The probe (once per model, for a layout that is not a tested file), the plan of this call, the
         model's install checked again, and the parameters as the run takes them: ``reduced``, their
         gradients summed over the ranks that hold other tokens and DTensors made whole."""
+        self.agree_once(params, mesh)
         verify_once(self, params, mesh)
         plan_inputs = (self.model, self.layout, self.options, self.module_names)
         call, padded = plan_call(*plan_inputs, params, batch, mesh)
@@ -155,6 +165,17 @@ class CPForward:
         if reduced:
             params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
         return call, padded, params
+
+    def agree_once(self, params: dict, mesh) -> None:
+        """On the first call, every rank made this cp forward alike and holds the same plain weights
+        (:mod:`cpshard.runtime.agreement`); the model and the params are checked on this rank first (what
+        differs there says more than that the weights differ)."""
+        if not self.agreed:
+            check_modules_unchanged(self.model, self.module_names)
+            check_params(self.model, params)
+            description = repr((self.layout.name, self.options))
+            check_agreement(description, parameter_aliases(self.model), params, mesh)
+            self.agreed = True
 
     def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
         call, padded, params = self._prepare(params, batch, mesh, reduced)

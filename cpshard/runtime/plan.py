@@ -66,6 +66,15 @@ class CPOptions:
             raise ValueError(
                 f"implementation={self.implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}"
             )
+        for name in ("logits", "strict", "token_logprobs", "attention_recompute"):
+            if not isinstance(getattr(self, name), bool):  # "no" from a config file would read as True
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a bool; give True or False")
+        if self.ulysses_degree is not None and self.implementation != "hybrid":
+            raise ValueError(
+                f"ulysses_degree={self.ulysses_degree!r} sets hybrid's Ulysses group size, and "
+                f"implementation={self.implementation!r} would ignore it: give implementation='hybrid', or "
+                "leave ulysses_degree out"
+            )
         if self.sequence_order != "auto":
             check_order(self.sequence_order)
         check_expert_plan(self.expert_plan)
@@ -276,16 +285,38 @@ def check_no_autocast(device: str) -> None:
         )
 
 
+def parameter_aliases(model) -> list[tuple[str, ...]]:
+    """Each parameter's names in ``model``, in order: a tied weight has several, and params may give it
+    under any one of them."""
+    names = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [tuple(aliases) for aliases in names.values()]
+
+
 def check_params(model, params: dict) -> None:
     """Raise unless every entry of ``params`` names a parameter or buffer of ``model`` of the same (global)
     shape: the forward runs the model's code on them, and another model's would run without a word (the
     same on every rank: every rank holds the same model)."""
-    own = {name: tensor.shape for name, tensor in (*model.named_parameters(), *model.named_buffers())}
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params must be a dict of the model's tensors by name (cpshard.params_of(model)), got "
+            f"{type(params).__name__}"
+        )
+    everything = (*model.named_parameters(remove_duplicate=False), *model.named_buffers())
+    own = {name: tensor.shape for name, tensor in everything}
     unknown = [name for name in params if name not in own]
     if unknown:
         raise ValueError(
             f"params holds {len(unknown)} entries that are not {type(model).__name__}'s parameters (e.g. "
             f"{unknown[:3]}); pass cpshard.params_of(model) of the model cp_forward was made for"
+        )
+    missing = [names[0] for names in parameter_aliases(model) if not any(name in params for name in names)]
+    if missing:
+        raise ValueError(
+            f"params lacks {len(missing)} of {type(model).__name__}'s parameters (e.g. {missing[:3]}): "
+            "cp_forward runs on params alone, not on what the model holds beside them; pass every parameter "
+            "(cpshard.params_of(model), frozen ones too: their requires_grad does not matter)"
         )
     differing = [
         f"{name} {tuple(params[name].shape)} (the model's: {tuple(own[name])})"

@@ -1,0 +1,77 @@
+"""Every rank runs the same cp forward on the same weights: checked on a cp forward's first call.
+
+cp computes each rank's tokens with that rank's weights and sums the gradients, and every rank runs the
+collectives its own options choose. Weights that differ across ranks (a model built without one seed on
+every rank) would give a loss and gradients of no one model, without a word; options that differ (Ulysses
+on one rank, ring on another) would have the ranks wait in different collectives. The batch is checked on
+every call (:func:`cpshard.runtime.batch.check_batch`); what a cp forward was made with and the weights it
+first runs on are checked once, by one all-gather of a few numbers per parameter over the whole mesh,
+before any other collective of the call (bit patterns summed as integers: a digest that no order of
+summation or thread count changes). Later calls run on what an update made of these weights, the same
+on every rank.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from cpshard.comm.collectives import all_gather_rows
+from cpshard.comm.record import serving
+from cpshard.parallel.mesh import group_over
+from cpshard.runtime.batch import differing_ranks
+
+#: elements summed at a time: a sum widens its input into a copy first, so the copy stays small
+_CHUNK = 1 << 22
+#: the integer type of each element width, whose bit patterns the digest sums
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MODULUS = (1 << 63) - 1
+
+
+def parameter_digest(tensor) -> list[int]:
+    """Three integers that differ when a plain tensor's values differ: the sums of its elements' bit
+    patterns over all of it, over its first half and over every 7th element (integer sums, so exact in any
+    order, on any device and thread count); zeros for a DTensor, whose local shards differ across ranks by
+    design."""
+    if isinstance(tensor, DTensor):
+        return [0, 0, 0]
+    bits = tensor.detach().reshape(-1).view(_BITS[tensor.element_size()])
+    parts = (bits, bits[: bits.numel() // 2], bits[::7])
+    return [
+        sum(int(block.sum(dtype=torch.int64)) for block in part.split(_CHUNK)) % _MODULUS for part in parts
+    ]
+
+
+def check_agreement(description: str, aliases: list[tuple[str, ...]], params: dict, mesh) -> None:
+    """Raise on every rank unless every rank of ``mesh`` made its cp forward as ``description`` says (its
+    layout and options) and holds the same values of the model's plain parameters in ``params`` (each
+    under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`)."""
+    group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))
+    if group is None:
+        return
+    names = [next(name for name in names if name in params) for names in aliases]
+    digests = [value for name in names for value in parameter_digest(params[name])]
+    row = torch.tensor([zlib.crc32(description.encode()), *digests], dtype=torch.int64)
+    with serving("other"):
+        every = all_gather_rows(row, group, name="cp forward agreement")
+    ranks = dist.get_process_group_ranks(group)
+    made_otherwise = differing_ranks(every[:, :1], ranks)
+    if made_otherwise:
+        raise ValueError(
+            f"the cp forward differs across the mesh: ranks {made_otherwise} made it with another layout or "
+            f"other options than rank {ranks[0]} (rank {dist.get_rank()}: {description}); every rank makes "
+            "the same cp forward (each rank's options choose the collectives it waits in)"
+        )
+    weights = every[:, 1:].reshape(len(ranks), len(names), -1)
+    holders = {i: found for i in range(len(names)) if (found := differing_ranks(weights[:, i], ranks))}
+    if holders:
+        raise ValueError(
+            f"the parameters differ across the mesh: ranks {sorted(set().union(*holders.values()))} hold "
+            f"other values than rank {ranks[0]} for {len(holders)} of them (e.g. "
+            f"{[names[i] for i in list(holders)[:3]]}). cp computes each rank's tokens with its own weights "
+            "and sums the gradients, so every rank holds the same ones: build the model after "
+            "torch.manual_seed with one seed on every rank, load the same checkpoint, or broadcast rank 0's"
+        )

@@ -1,0 +1,75 @@
+"""Every rank runs the same cp forward on the same weights (cpshard.runtime.agreement): ranks that made it
+otherwise or hold other weights are refused on every rank, on the first call, by one small all-gather."""
+
+import pytest
+import torch.distributed as dist
+
+import cpshard
+from cpshard.comm.record import recording
+from cpshard.tools.tiny import tiny_batch, tiny_model
+
+
+def first_call(seeds: tuple[int, int], forwards: tuple[dict, dict], generate: bool = False) -> str:
+    """One call of a cp forward made on each rank with that rank's seed and options; what it raised."""
+    rank = dist.get_rank()
+    model = tiny_model("llama", seed=seeds[rank])
+    batch = tiny_batch(model.config.vocab_size, 2, 16)
+    mesh = cpshard.make_mesh(cp=2)
+    try:
+        if generate:
+            cpshard.generate(model, {"input_ids": batch["input_ids"]}, mesh, max_new_tokens=2)
+        else:
+            cpshard.value_and_grad(cpshard.make_cp_forward(model, **forwards[rank]))(
+                cpshard.params_of(model), batch, mesh
+            )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_weights_that_differ_across_the_ranks_are_refused_on_every_rank(ranks2):
+    """A model built with another seed on each rank (its norms alike, all ones): each rank's tokens ran with
+    its own weights, the loss and gradients of no one model (the batch was checked, the weights were not)."""
+    for generate in (False, True):
+        messages = ranks2.run(first_call, (0, 1), ({}, {}), generate)
+        assert messages[0] == messages[1], messages
+        assert messages[0].startswith(
+            "the parameters differ across the mesh: ranks [1] hold other values than rank 0 for 16 of them "
+            "(e.g. ['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight'"
+        ), messages[0]
+        assert "build the model after torch.manual_seed with one seed on every rank" in messages[0]
+
+
+@pytest.mark.parametrize(
+    "forwards, rank_1_s",
+    [
+        # rank 1 waited in the ring's receive for ever while rank 0 timed out in its all-to-all
+        (({"implementation": "ulysses"}, {"implementation": "ring"}), "implementation='ring'"),
+        (({}, {"logits": False}), "logits=False"),
+    ],
+)
+def test_a_cp_forward_made_otherwise_on_a_rank_is_refused_on_every_rank(ranks2, forwards, rank_1_s):
+    messages = ranks2.run(first_call, (0, 0), forwards)
+    for rank, message in enumerate(messages):
+        assert message.startswith(
+            "the cp forward differs across the mesh: ranks [1] made it with another layout or other options "
+            f"than rank 0 (rank {rank}: ('llama', CPOptions("
+        ), message
+    assert rank_1_s in messages[1] and rank_1_s not in messages[0], messages
+
+
+def agreement_gathers() -> list[int]:
+    """The agreement's all-gathers in a cp forward's first call and in its second."""
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, 2, 16)
+    mesh, forward = cpshard.make_mesh(cp=2), cpshard.make_cp_forward(model)
+    counts = []
+    for _ in range(2):
+        with recording() as log:
+            forward(cpshard.params_of(model), batch, mesh)
+        counts.append(sum(1 for event in log.events if event.name == "cp forward agreement"))
+    return counts
+
+
+def test_the_ranks_agree_once_per_cp_forward(ranks2):
+    assert ranks2.run(agreement_gathers) == [[1, 0], [1, 0]]
