@@ -134,6 +134,24 @@ def test_tp_and_ep_saves_load_anywhere_and_with_from_pretrained(
         assert alike and _bitwise(again, values)
 
 
+def test_a_model_in_place_of_its_params_is_a_type_error(saved, tmp_path):
+    """A model, or its named_parameters(), where a params dict goes: before, an AttributeError or a TypeError
+    from deep inside ("'LlamaForCausalLM' object has no attribute 'items'")."""
+    path, model = saved[0], tiny_model("llama")
+    for call, taker, given in [
+        (
+            lambda: cpshard.save_checkpoint(model, tmp_path / "not-written"),
+            "save_checkpoint",
+            "LlamaForCausalLM",
+        ),
+        (lambda: cpshard.load_checkpoint(path, model), "load_checkpoint", "LlamaForCausalLM"),
+        (lambda: cpshard.load_checkpoint(path, model.named_parameters()), "load_checkpoint", "generator"),
+    ]:
+        with pytest.raises(TypeError, match=f"{taker}: params must be a dict .* got {given}"):
+            call()
+    assert not (tmp_path / "not-written").exists()
+
+
 def test_load_names_what_does_not_fit(saved):
     path, _, values = saved
     with pytest.raises(cpshard.CheckpointError, match=f"no model.extra; it holds {len(values)} tensors the"):

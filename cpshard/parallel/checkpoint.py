@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cpshard.parallel.fsdp import block_shape, full_tensors
+from cpshard.parallel.params import check_params_mapping
 
 MANIFEST = "cpshard.json"
 _FORMAT = "cpshard checkpoint 1"
@@ -119,6 +120,7 @@ def _publish(partial: Path, path: Path, manifest: dict) -> None:
 def save_checkpoint(params: dict, path: str | os.PathLike, *, model=None) -> None:
     """Write ``params`` (plain tensors and DTensors) to the folder ``path``; every rank of the default group
     calls it. ``model`` (optional) records its type, which ``load_checkpoint`` then checks."""
+    check_params_mapping(params, "save_checkpoint")
     path = Path(path)
     partial = _partial(path)
     _on_rank_0(
@@ -253,6 +255,7 @@ def load_checkpoint(path: str | os.PathLike, params: dict, *, model=None, strict
     The checkpoint's files are verified against their checksums first. ``params`` itself is left as it
     was. ``strict=False`` allows the checkpoint to hold keys ``params`` does not ask for; ``model``
     (optional) must be of the type the checkpoint was saved from."""
+    check_params_mapping(params, "load_checkpoint")
     path = Path(path)
     manifest = _verified(path)
     _check_against(path, manifest, params, model, strict)

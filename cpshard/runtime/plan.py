@@ -24,6 +24,7 @@ from cpshard.layouts.structure import text_config
 from cpshard.loss.statistics import check_statistics
 from cpshard.parallel.experts import check_expert_parallel, check_expert_plan, choose_expert_plan
 from cpshard.parallel.mesh import cp_mesh, cp_size, expert_degree, mesh_size, split_cp
+from cpshard.parallel.params import check_params_mapping
 from cpshard.parallel.placement import expert_mesh
 from cpshard.parallel.tensor import check_tensor_parallel
 from cpshard.recurrent.slots import RECURRENT_SCHEMES
@@ -298,11 +299,7 @@ def check_params(model, params: dict) -> None:
     """Raise unless every entry of ``params`` names a parameter or buffer of ``model`` of the same (global)
     shape: the forward runs the model's code on them, and another model's would run without a word (the
     same on every rank: every rank holds the same model)."""
-    if not isinstance(params, Mapping):
-        raise TypeError(
-            f"params must be a dict of the model's tensors by name (cpshard.params_of(model)), got "
-            f"{type(params).__name__}"
-        )
+    check_params_mapping(params, "cp_forward")
     everything = (*model.named_parameters(remove_duplicate=False), *model.named_buffers())
     own = {name: tensor.shape for name, tensor in everything}
     unknown = [name for name in params if name not in own]
