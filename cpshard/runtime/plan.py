@@ -296,9 +296,9 @@ def parameter_aliases(model) -> list[tuple[str, ...]]:
 
 
 def check_params(model, params: dict) -> None:
-    """Raise unless every entry of ``params`` names a parameter or buffer of ``model`` of the same (global)
-    shape: the forward runs the model's code on them, and another model's would run without a word (the
-    same on every rank: every rank holds the same model)."""
+    """Raise unless ``params`` is a dict whose every entry names a parameter or buffer of ``model`` of the
+    same (global) shape, and that gives every parameter: the forward runs the model's code on them alone,
+    and another model's would run without a word, as would the model's own tensor for one left out."""
     check_params_mapping(params, "cp_forward")
     everything = (*model.named_parameters(remove_duplicate=False), *model.named_buffers())
     own = {name: tensor.shape for name, tensor in everything}
