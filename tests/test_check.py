@@ -114,7 +114,9 @@ def test_a_model_cpshard_refuses_exits_1_as_a_failed_check(capsys):
         (["{missing}"], "no folder '{missing}'"),
         (["{tmp}"], "has no config.json"),
         (["llama", "--cp", "0"], "--cp=0 must be at least 1"),
-        (["llama", "--pad", "left", "--seq", "1"], "--pad left needs --seq of at least 4"),
+        (["llama", "--pad", "left", "--seq", "3"], "--pad left needs --seq of at least 4"),
+        # the loss was NaN in one process (0 / 0) and 0 under cp, and the NaN row passed as rounding
+        (["llama", "--seq", "1"], "--seq=1 leaves no token to predict"),
         (["llama", "--implementation", "hybrid"], "hybrid needs a Ulysses degree"),
         (["llama", "--cp", "3", "--implementation", "ulysses"], "not divisible by cp=3"),
         (["t5"], "model type 't5' has no causal LM"),
@@ -265,6 +267,20 @@ def test_a_row_beyond_twice_one_process_passes_where_cp_in_float64_is_the_same_a
         )
     else:
         assert report.splitlines()[-1] == "FAIL: 1 of 3 rows differ beyond 1e-05 x scale: grad lm_head"
+
+
+def test_a_row_whose_distances_are_not_numbers_fails():
+    """A NaN distance compares False with every bound, and Rounding.beyond let such a row pass as rounding
+    (``cpshard check llama --seq 1``: "loss nan nan pass (fp32 rounding)", exit 0)."""
+    config = CheckConfig("llama")
+    nan = float("nan")
+    parity = Parity(_rows(loss=nan), _rows(loss=nan, logits=1.0, grad=1.0), comm_bytes=0)
+    for where in ("cp", "own", "scales"):
+        distances = {"cp": _rows(), "own": _rows(), "scales": _rows(loss=1.0, logits=1.0, grad=1.0)}
+        distances[where] = {**distances[where], "loss": nan}
+        rounding = Rounding(**distances)
+        assert rounding.beyond(["loss"]) == ["loss"], where
+        assert exit_status(config, [parity], [rounding]) == 1, where
 
 
 def test_hy_v4_s_hyper_connection_head_at_cp4_is_the_same_arithmetic_in_float64(ranks4):

@@ -20,9 +20,19 @@ def test_cli_prints_or_refuses(capsys):
     assert "decoder_layers='gpt_neox.layers'," in capsys.readouterr().out
     assert main(["layout", "xlnet"]) == 1  # cpshard refuses it: 1, as cpshard check
     assert "two-stream relative attention" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_:  # bad usage: 2, as cpshard check
-        main(["layout", "no_such_type"])
-    assert exit_.value.code == 2 and "cannot build a tiny no_such_type" in capsys.readouterr().err
+    for bad, says in [("no_such_type", "unknown model type 'no_such_type'"), ("./no/folder", "no folder")]:
+        with pytest.raises(SystemExit) as exit_:  # bad usage: 2, as cpshard check, in its words
+            main(["layout", bad])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_folder_s_config_gives_its_layout(tmp_path, capsys):
+    """A saved model's folder: its config's fields made tiny (they named model_type twice, and every folder
+    was a usage error: "tiny_model() got multiple values for argument 'model_type'")."""
+    tiny_model("mistral", sliding_window=5).config.save_pretrained(tmp_path)
+    assert main(["layout", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "model_types=('mistral',)," in printed and "decoder_layers='model.layers'," in printed
 
 
 def test_a_rewritten_attention_is_named_in_the_file():

@@ -50,6 +50,11 @@ class CheckConfig:
         for name in ("cp", "seq", "batch"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name}={getattr(self, name)} must be at least 1")
+        if self.seq < 2:  # the loss would be one process's 0 / 0 (NaN) and cp's 0: nothing to compare
+            raise UsageError(
+                "--seq=1 leaves no token to predict (a causal LM's loss reads each token's next): give 2 or "
+                "more"
+            )
         for name, allowed in (
             ("implementation", IMPLEMENTATIONS),
             ("dtype", DTYPES),
@@ -69,8 +74,6 @@ class CheckConfig:
             raise UsageError(f"--rtol={self.tolerance}: a tolerance is a positive number")
         if self.pad and self.seq < 4:  # tiny_batch pads a row by up to half its length
             raise UsageError(f"--pad {self.pad} needs --seq of at least 4: shorter rows get no padding")
-        if self.packed and self.seq < 2:
-            raise UsageError("--packed needs --seq of at least 2: one token cannot hold several documents")
 
     @property
     def settings(self) -> dict:

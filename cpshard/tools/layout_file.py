@@ -7,7 +7,6 @@ paths, never sizes), so nothing is downloaded and no weights are needed.
 
 from __future__ import annotations
 
-import os
 from dataclasses import fields
 
 from transformers import AutoConfig
@@ -17,6 +16,7 @@ from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.layouts.structure import attention_layers
 from cpshard.spec.notation import Spec
+from cpshard.tools.model_source import ModelSource, resolve_source
 from cpshard.tools.tiny import tiny_model
 from cpshard.tools.tiny_sizes import SMALL
 from cpshard.tools.usage import UsageError
@@ -51,23 +51,25 @@ def layout_source(layout: Layout, origin: str, rewritten: tuple[str, ...] = ()) 
     )
 
 
-def _model_for(source: str):
-    """A tiny model of a model type, or of the config in a local folder."""
-    if not os.path.isdir(source):
-        return tiny_model(source, attn_implementation="auto")
-    config = AutoConfig.from_pretrained(source)
+def _model_for(source: ModelSource):
+    """A tiny model of a model type, or of the config in a local folder (its fields, the sizes shrunk)."""
+    if source.folder is None:
+        return tiny_model(source.model_type, attn_implementation="auto")
+    config = AutoConfig.from_pretrained(source.folder)
     sizes = {key: value for key, value in SMALL.items() if hasattr(config, key)}
-    return tiny_model(config.model_type, attn_implementation="auto", **{**config.to_dict(), **sizes})
+    fields = {key: value for key, value in config.to_dict().items() if key != "model_type"}
+    return tiny_model(config.model_type, attn_implementation="auto", **{**fields, **sizes})
 
 
-def layout_for(source: str) -> str:
-    """The layout file for ``source`` (a model type or a config folder): registered or derived; a
-    :class:`UsageError` naming the problem when no model can be built from it, a ``LayoutError`` when
-    cpshard cannot serve the model."""
+def layout_for(name: str) -> str:
+    """The layout file for ``name`` (a model type or a config folder): registered or derived; a
+    :class:`UsageError` naming the problem when no model can be built from it (no such folder or type
+    among them), a ``LayoutError`` when cpshard cannot serve the model."""
+    source = resolve_source(name)
     try:
         model = _model_for(source)
     except Exception as error:  # noqa: BLE001 -- transformers' validators raise many types
-        raise UsageError(f"cannot build a tiny {source}: {type(error).__name__}: {error}") from None
+        raise UsageError(f"cannot build a tiny {name}: {type(error).__name__}: {error}") from None
     layout = resolve_layout(model)
     kind = "the registered file" if layout in REGISTERED.values() else "derived"
     layers = model.get_submodule(layout.decoder_layers)

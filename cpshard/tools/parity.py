@@ -6,6 +6,7 @@ on this rank alone (no collectives); the cp run is ``value_and_grad(cp_forward)`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -185,13 +186,17 @@ class Rounding:
     def beyond(self, rows: list[str], rtol: float = RTOL) -> list[str]:
         """Of ``rows``, those where cp lies farther from float64 than twice one process's own distance from
         it and than ``rtol`` of the row's scale, and, where cp ran in float64, is not the same arithmetic
-        there: cp's own error, not rounding."""
-        return [
-            row
-            for row in rows
-            if self.cp[row] > max(2 * self.own[row], rtol * self.scales[row])
-            and not self.same_arithmetic(row)
-        ]
+        there: cp's own error, not rounding. A row whose distances are not numbers (NaN) is beyond: nothing
+        vouches for it."""
+        return [row for row in rows if not self.within_rounding(row, rtol) and not self.same_arithmetic(row)]
+
+    def within_rounding(self, row: str, rtol: float = RTOL) -> bool:
+        """Whether cp lies no farther from float64 than twice one process and ``rtol`` of the scale, every
+        distance a number."""
+        distances = (self.cp[row], self.own[row], self.scales[row])
+        return not any(math.isnan(d) for d in distances) and self.cp[row] <= max(
+            2 * self.own[row], rtol * self.scales[row]
+        )
 
     def same_arithmetic(self, row: str) -> bool:
         """Whether cp's float64 run lies within :data:`SAME_ARITHMETIC` of its fp32 distance from float64."""
