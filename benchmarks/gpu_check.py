@@ -10,6 +10,8 @@
   steady-state ratio;
 - bf16 parity: one cp=1 step of ``value_and_grad(make_cp_forward(model))`` against the plain model's
   ``loss.backward()`` on the same weights and batch: the largest relative difference of loss and gradients;
+- cp=2 on the device: two local ranks sharing it (over gloo), one fp32 Ulysses step against the plain model's:
+  what cpshard builds for a step (positions, masks, counts, its checks' rows) meets the model's tensors there;
 - the recurrent kernels: fla's ``chunk_gated_delta_rule`` (when fla imports) against transformers' torch
   reference, as the model calls it (in the dtype) and as cpshard's state passing calls it
   (:func:`cpshard.recurrent.affine.delta_rule_summary`: fp32, the values widened by the identity).
@@ -334,6 +336,55 @@ def cp1_steps(device, dtype, sizes: Sizes) -> list[Row]:
         )
 
 
+# ----------------------------------------------------------------------------- cp=2 on one device
+
+
+#: the tokens cp=2's check generates per row (prefill, then decode steps over the sharded cache)
+GENERATED = 8
+
+
+def left_padded_llama(device: torch.device, sizes: Sizes) -> tuple:
+    """The fp32 small Llama on ``device`` and a left-padded batch of two rows for it (the masks run too)."""
+    model = tiny_model("llama", **sizes.model).to(device)
+    batch = tiny_batch(model.config.vocab_size, 2, sizes.length, pad="left")
+    return model, {key: value.to(device) for key, value in batch.items()}
+
+
+def cp2_rank(device_type: str, sizes: Sizes) -> tuple[float, dict]:
+    """On each of two ranks sharing one device (gloo carries its tensors: NCCL takes one rank a device):
+    one fp32 Ulysses step of cpshard at cp=2, its loss and gradients back on the CPU."""
+    if device_type == "cuda":
+        torch.cuda.init()
+        torch.cuda.set_device(0)  # before the mesh, which would pick the device LOCAL_RANK names
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    mesh = cpshard.make_mesh(cp=2, device_type=device_type)
+    model, batch = left_padded_llama(device, sizes)
+    loss, grads = stepper(model, mesh)(batch)
+    prompts = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    tokens = cpshard.generate(model, prompts, mesh, max_new_tokens=GENERATED, eos_token_id=None)
+    return loss.item(), {name: grad.cpu() for name, grad in grads.items()}, tokens.cpu()
+
+
+def cp2_parity(device, sizes: Sizes) -> list[Row]:
+    """cp=2 over two ranks on ``device``, fp32, against the plain model's ``loss.backward()`` there: every
+    tensor cpshard makes for a step (positions, masks, label counts, the checks' rows) must meet the model's
+    on its device, which no CPU run shows."""
+    (loss, grads, tokens), _ = cpshard.launch(cp2_rank, device.type, sizes, nprocs=2)
+    model, batch = left_padded_llama(device, sizes)
+    plain_loss = model(**batch).loss
+    plain_loss.backward()
+    plain = {name: p.grad.cpu() for name, p in model.named_parameters()}
+    name = "cp=2 fp32 step on one device vs plain model"
+    rows = agreement(
+        name, (torch.tensor(loss), grads), (plain_loss.detach().cpu(), plain), None, torch.float32
+    )
+    prompts = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    expected = model.generate(**prompts, max_new_tokens=GENERATED, do_sample=False, eos_token_id=None).cpu()
+    differing = int((tokens != expected).sum()) if tokens.shape == expected.shape else expected.numel()
+    note = f"{GENERATED} new tokens a row, greedy, left-padded prompts"
+    return rows + [Row("cp=2 generate on one device: tokens other than model.generate's", differing, 0, note)]
+
+
 # ----------------------------------------------------------------------------- recurrent kernels
 
 
@@ -437,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}, {dtype}, torch {torch.__version__}, {'quick' if args.quick else 'full'} sizes; {load()}")
     rows = guarded("ring block", ring_block, device, dtype, sizes)
     rows += guarded("cp=1 process group", cp1_steps, device, dtype, sizes)
+    rows += guarded("cp=2 on one device", cp2_parity, device, sizes)
     rows += guarded("delta rule", fla_delta_rule, device, dtype, sizes)
     print(report(rows))
     print(load())

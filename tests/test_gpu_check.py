@@ -5,6 +5,7 @@ where they should not; without a CUDA device the script refuses ``--device cuda`
 numbers (its kernels, inductor on CUDA, fla) come only from a run on one."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,13 @@ def test_refuses_cuda_without_a_device(capsys):
         gpu_check.main(["--device", "cuda"])
     assert exit.value.code == 2
     assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_a_cp2_step_on_one_device_matches_the_plain_model(monkeypatch):
+    # on the CPU, two gloo ranks: the check's own arithmetic (a GPU run shows the device's tensors meeting);
+    # the ranks import the script by its name, as they do when it runs as __main__ from its folder
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)
+    rows = gpu_check.cp2_parity(CPU, QUICK)
+    assert [row.verdict for row in rows] == ["PASS", "PASS", "PASS"], gpu_check.report(rows)
+    assert rows[1].value < 1e-5

@@ -16,15 +16,16 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from cpshard.comm.arrival import arriving
+from cpshard.comm.carrier import carried
 from cpshard.comm.record import active_recorder, expect, record
 
 
 def _summed(x: torch.Tensor, group, recorder, name: str, phase: str) -> torch.Tensor:
-    out = x.detach().clone().contiguous()
+    out = carried(x.detach(), group).clone().contiguous()
     record(recorder, "all_reduce", name, phase, out, dist.get_world_size(group))
     with arriving("all_reduce", name, group):
         dist.all_reduce(out, group=group)
-    return out
+    return out.to(x.device)
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -113,9 +114,11 @@ def sum_now_over_group(tensors: list[torch.Tensor], group, name: str = "") -> li
 
 
 def all_gather_rows(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
-    """Every rank's ``x`` stacked along a new dim 0 (not differentiable; for checks)."""
+    """Every rank's ``x`` stacked along a new dim 0, on ``x``'s device (not differentiable; for checks: a
+    CPU row crosses an NCCL-only group on the accelerator, :mod:`cpshard.comm.carrier`)."""
     size = dist.get_world_size(group)
-    return _all_gathered(x, group, active_recorder(), name, "forward").view(size, *x.shape)
+    every = _all_gathered(carried(x, group), group, active_recorder(), name, "forward")
+    return every.view(size, *x.shape).to(x.device)
 
 
 def _all_gathered(x: torch.Tensor, group, recorder, name: str, phase: str) -> torch.Tensor:

@@ -141,10 +141,12 @@ def stop_and_pad_ids(model, eos_token_id) -> tuple[torch.Tensor | None, int | No
     return eos, pad
 
 
-def shared_generator(group) -> torch.Generator:
-    """A generator seeded alike on every rank of ``group`` (rank 0's seed, one all-gather)."""
+def shared_generator(group, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` (the logits') seeded alike on every rank of ``group`` (rank 0's seed, one
+    all-gather)."""
     seed = torch.randint(0, 1 << 62, (1,))
-    return torch.Generator().manual_seed(int(all_gather_rows(seed, group, name="sampling seed")[0, 0]))
+    seed = int(all_gather_rows(seed, group, name="sampling seed")[0, 0])
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def check_same_everywhere(tokens: torch.Tensor, group) -> None:
@@ -188,8 +190,9 @@ def generate(
     params, group = params_of(model), mesh.get_group("cp")
     logits, cache = cp_prefill(params, batch, mesh)
     if sampling.do_sample and generator is None:
-        generator = shared_generator(group)
-    unfinished = torch.ones(logits.shape[0], dtype=torch.bool)
+        generator = shared_generator(group, logits.device)
+    unfinished = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    eos = None if eos is None else eos.to(logits.device)
     new = []
     for step in range(max_new_tokens):
         tokens = next_tokens(logits, sampling, generator)

@@ -33,7 +33,7 @@ def count_label_tokens(micro_batches, mesh) -> torch.Tensor:
             labels = shifted_labels(batch["labels"])
         if labels is None:
             raise BatchError("count_label_tokens: a micro-batch has neither labels nor shift_labels")
-        total += label_count(labels)
+        total = total + label_count(labels)  # on the labels' device
     group = group_over(mesh, DATA_AXES)
     if group is None:
         return total
@@ -48,7 +48,7 @@ def loss_normaliser(shift_labels: torch.Tensor, num_items, mesh) -> tuple[torch.
     counts = label_count(shift_labels).reshape(1)
     if num_items is not None:
         items = int(num_items)
-        counts = torch.tensor([int(counts), items, items * items], dtype=torch.int64)
+        counts = torch.tensor([int(counts), items, items * items], dtype=torch.int64, device=counts.device)
     group = group_over(mesh, DATA_AXES)
     if group is not None:
         with serving("other"):

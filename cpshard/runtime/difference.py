@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import split_call
+from cpshard.comm.carrier import carried
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.structure import recurrent_module, text_config
 from cpshard.parallel.mesh import cp_rank, cp_size
@@ -318,8 +319,9 @@ def on_every_rank(local, mesh):
 def failing_rank(failed: bool, mesh) -> int | None:
     """On every rank, the last cp rank on which ``failed`` holds, None where it holds on none (one
     all-reduce): what lets every rank leave the probe together."""
-    flag = torch.tensor([cp_rank(mesh) + 1 if failed else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group("cp"))
+    group = mesh.get_group("cp")
+    flag = carried(torch.tensor([cp_rank(mesh) + 1 if failed else 0], dtype=torch.int64), group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item()) - 1 if flag.item() else None
 
 

@@ -1,0 +1,40 @@
+"""Where a process group can carry a tensor.
+
+cpshard's checks (the batch's fingerprint, the cp forward's agreement, the probe's verdict, a sampling
+seed) build small rows on the CPU. A gloo group, or one made as ``"cpu:gloo,cuda:nccl"``, carries them
+there; an NCCL-only group (``init_process_group("nccl")``, as torchrun scripts and accelerate make it)
+has no backend for a CPU tensor and would raise inside the collective. Such a row travels on the
+current accelerator instead, and comes back to where it was.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def served_device_types(backend: str) -> tuple[str, ...]:
+    """The device types a backend string serves: its ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``),
+    else what torch registers for the backend (``"nccl"`` -> cuda); ``()`` for one torch does not know."""
+    if ":" in backend:
+        return tuple(pair.split(":")[0].strip() for pair in backend.split(","))
+    return tuple(dist.Backend.backend_capability.get(backend.lower(), ()))
+
+
+def carrying_device_type(served: tuple[str, ...], device_type: str) -> str:
+    """The device type a tensor on ``device_type`` travels on through a group serving ``served``: its own
+    where served (or where the backend's devices are unknown), else the CPU where served, else the first
+    served one."""
+    if not served or device_type in served:
+        return device_type
+    return "cpu" if "cpu" in served else served[0]
+
+
+def carried(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` on a device ``group`` carries (itself where it already is on one)."""
+    device_type = carrying_device_type(served_device_types(dist.get_backend(group)), x.device.type)
+    if device_type == x.device.type:
+        return x
+    if device_type == "cpu":
+        return x.cpu()
+    return x.to(torch.device(device_type, torch.accelerator.current_device_index()))
