@@ -82,6 +82,7 @@ def ring_blocks(
     def block(q_pos, k_pos):
         ok = allowed(mask, q_pos, k_pos)
         if empty is not None:
+            q_pos, k_pos = q_pos.to(empty.device), k_pos.to(empty.device)
             rows = empty.index_select(-1, q_pos)[..., None]
             ok = torch.where(rows, (k_pos < length)[None, None, None, :], ok)
         return ok
@@ -89,7 +90,7 @@ def ring_blocks(
     size = len(q_positions)
     needed = [[bool(block(q_positions[a], q_positions[b]).any()) for b in range(size)] for a in range(size)]
     masks = [block(q_positions[rank], q_positions[b]) for b in range(size)]
-    uniform = None if empty is None else empty.index_select(-1, q_positions[rank])
+    uniform = None if empty is None else empty.index_select(-1, q_positions[rank].to(empty.device))
     needed_tiles = [tiles(m, tile) if need else [] for m, need in zip(masks, needed[rank])]
     return RingBlocks(masks, needed, sum(not flag for row in needed for flag in row), uniform, needed_tiles)
 

@@ -18,6 +18,7 @@ from cpshard.spec.sequence import chunk_positions, exchange_plan, positions
 def _move(x, dim, send, receive, out_len: int, group, recorder, name, phase):
     """Send ``x``'s entries ``send[p]`` (along ``dim``) to peer p; place what p sends at ``receive[p]``
     of an ``out_len`` result (entries nobody sends stay 0: padding has no gradient)."""
+    send, receive = [idx.to(x.device) for idx in send], [idx.to(x.device) for idx in receive]
     outgoing = torch.cat([x.index_select(dim, idx) for idx in send], dim=dim).movedim(dim, 0).contiguous()
     record(recorder, "all_to_all", name, phase, outgoing, dist.get_world_size(group))
     incoming = funcol.wait_tensor(

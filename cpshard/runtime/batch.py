@@ -367,5 +367,7 @@ def local_token_mask(padded: PaddedBatch, order: str, cp: int, rank: int) -> tor
     first = next(iter(padded.model_inputs.values()))
     mask = padded.model_inputs.get("attention_mask")
     if mask is None:
-        mask = (torch.arange(padded.padded_length) < padded.length).expand(first.shape[0], -1)
-    return mask.index_select(1, positions(order, padded.padded_length, cp, rank)).to(torch.float32)
+        real = torch.arange(padded.padded_length, device=first.device) < padded.length
+        mask = real.expand(first.shape[0], -1)
+    held = positions(order, padded.padded_length, cp, rank).to(mask.device)
+    return mask.index_select(1, held).to(torch.float32)

@@ -304,7 +304,7 @@ class CPForward:
                 if getattr(self.options, option):
                     raise ValueError(f"{option} needs labels: give the batch labels or shift_labels")
             return None, torch.zeros((), dtype=torch.int64), None, None, local
-        local_labels = padded.shift_labels.index_select(1, held)
+        local_labels = padded.shift_labels.index_select(1, held.to(padded.shift_labels.device))
         num_tokens, divisor = loss_normaliser(padded.shift_labels, padded.num_items, mesh)
         if head_with_loss:
             local, picked = logits_and_token_log_probs(local, local_labels, *self._head(params))
