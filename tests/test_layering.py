@@ -14,6 +14,7 @@ PACKAGE = Path(cpshard.__file__).parent
 #: each folder's (or top-level module's) level; a module may import from its own unit and lower levels
 LEVELS = {
     "spec": 0,
+    "streams": 0,
     "layouts": 1,
     "comm": 2,
     "call": 3,

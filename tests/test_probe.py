@@ -289,3 +289,20 @@ def test_a_bf16_model_s_derived_layout_passes_its_probe_at_cp4(ranks4, model_typ
     held to its weights' type's. Now each passes, and the loss is one process's to bf16's tolerance."""
     for difference in ranks4.run(bf16_probe_of, model_type, tokens):
         assert difference < 5e-2
+
+
+def first_call_without_gradients(mode: str) -> float:
+    """A derived layout's first call (its probe's) under ``torch.no_grad`` or ``torch.inference_mode``: the
+    largest distance of its logits from one process's."""
+    model = tiny_model("gpt2").eval()
+    forward, mesh = cpshard.make_cp_forward(model), cpshard.make_mesh(cp=2)
+    batch = {"input_ids": tiny_batch(model.config.vocab_size, 2, 16)["input_ids"]}
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        logits = forward(cpshard.params_of(model), batch, mesh).logits.full_tensor()
+    return (logits - model(**batch).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_inference_first_call_is_probed_with_gradients(ranks2, mode):
+    # the probe compares gradients: under the caller's no_grad its backward raised, blamed on the model
+    assert max(ranks2.run(first_call_without_gradients, mode)) < 1e-5

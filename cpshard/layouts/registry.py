@@ -25,6 +25,7 @@ from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import check_unchanged
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.structure import structure_problems
+from cpshard.streams import forked_streams
 
 _FILES = (
     llama,
@@ -58,7 +59,8 @@ def _derived(model: nn.Module, model_type: str) -> Layout:
             "parallel parameters"
         )
     try:
-        return derive_layout(model)
+        with forked_streams(model):  # the recording runs draw nothing from the caller's streams
+            return derive_layout(model)
     except LayoutError as error:
         raise LayoutError(
             f"cpshard cannot serve model type {model_type!r} ({type(model).__name__}): {error}. "

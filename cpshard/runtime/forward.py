@@ -84,6 +84,7 @@ from cpshard.runtime.recompute import recompute_in
 from cpshard.runtime.tiled_mlp import check_mlp_tile
 from cpshard.runtime.tokens import sequence_sharded
 from cpshard.spec.sequence import chunk_positions
+from cpshard.streams import rank_stream
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,10 @@ class CPForward:
     def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
         call, padded, params = self._prepare(params, batch, mesh, reduced)
         cp, head_with_loss = call.cp_size, self._head_with_loss(params, padded)
-        with running_call(self.model, call, padded.model_inputs, self.options.strict):
+        with (
+            rank_stream(self.model, cp_rank(mesh), cp),
+            running_call(self.model, call, padded.model_inputs, self.options.strict),
+        ):
             local, router_logits, streams = self._local_outputs(params, padded.model_inputs, head_with_loss)
         held = chunk_positions(padded.length, cp, cp_rank(mesh))
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end

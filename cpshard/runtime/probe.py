@@ -23,6 +23,7 @@ import traceback
 import weakref
 from contextlib import contextmanager
 
+import torch
 import transformers
 from torch.distributed.tensor import DTensor
 
@@ -31,6 +32,7 @@ from cpshard.layouts.fingerprint import WRITTEN_FOR
 from cpshard.layouts.registry import REGISTERED
 from cpshard.parallel.mesh import cp_size
 from cpshard.runtime.difference import OneProcessFailed, failing_rank, first_difference
+from cpshard.streams import forked_streams
 
 #: the (layout name, implementation) pairs verified per model; a pair is marked before its probe runs
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -115,8 +117,8 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
             "only), then call it with the parallel ones"
         )
     verified.add(key)  # the probe's own cp call must not probe again
-    try:
-        with _without_dropout(model):
+    try:  # the probe compares gradients too, whatever the caller's grad mode (an inference first call)
+        with _without_dropout(model), forked_streams(model), torch.inference_mode(False), torch.enable_grad():
             what, error = first_difference(cp_forward, params, mesh), None
     except Exception as raised:  # noqa: BLE001 -- reported on every rank below
         what, error = "the probe's cp run", raised
