@@ -225,6 +225,13 @@ def bad_parallel(kind: str):
     elif kind == "tp-unknown-style":
         typo = replace(resolve_layout(model), tensor_parallel=(("self_attn.q_proj", "colwsie"),))
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=typo)
+    elif kind in ("tp-no-entries", "tp-norm-per-head"):  # a user's edits, which the cp-only probe never sees
+        layout = resolve_layout(model)
+        edited = {
+            "tp-no-entries": replace(layout, tensor_parallel_inputs=()),
+            "tp-norm-per-head": layout.with_rows(tensor_parallel={"input_layernorm": "per_head"}),
+        }[kind]
+        cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=edited)
     elif kind in ("tp-derived-olmo2", "tp-derived-stablelm"):
         cpshard.parallelize(tiny_model(kind.rsplit("-", 1)[1]), cpshard.make_mesh(cp=2, tp=2))
     elif kind == "moe-tp-without-ep":
@@ -264,6 +271,16 @@ BAD = {
         "ep=2, but the layout 'llama' of model type 'llama' declares no experts",
     ),
     "tp-unknown-style": ("ValueError", "unknown tensor-parallel styles (self_attn.q_proj: 'colwsie')"),
+    # the input gradients unsummed over tp, a replicated norm's gradient summed over it: wrong gradients
+    "tp-no-entries": (
+        "ValueError",
+        "the tensor-parallel rows self_attn.q_proj (colwise), self_attn.k_proj (colwise), self_attn.v_proj "
+        "(colwise), mlp.gate_proj (colwise), mlp.up_proj (colwise) sit in no block of tensor_parallel_inputs",
+    ),
+    "tp-norm-per-head": (
+        "ValueError",
+        "the tensor-parallel rows input_layernorm (per_head) sit in no block of tensor_parallel_inputs",
+    ),
     # a norm over every head's width (not per head) and a forward that reshapes by the whole head count
     "tp-derived-olmo2": (
         "ValueError",

@@ -306,3 +306,41 @@ def first_call_without_gradients(mode: str) -> float:
 def test_an_inference_first_call_is_probed_with_gradients(ranks2, mode):
     # the probe compares gradients: under the caller's no_grad its backward raised, blamed on the model
     assert max(ranks2.run(first_call_without_gradients, mode)) < 1e-5
+
+
+def another_types_file_or_an_edit(case: str) -> str:
+    """The first call of a layout that is not the model's own tested file: another type's registered file,
+    or the model's layout edited after a call that probed it (the same name). What it raised, else 'ran'."""
+    from dataclasses import replace
+
+    from cpshard.layouts.registry import resolve_layout
+
+    mesh = cpshard.make_mesh(cp=2)
+    if case == "edited":
+        model = tiny_model("qwen2")
+        batch = tiny_batch(model.config.vocab_size, 2, 16)
+        cpshard.value_and_grad(cpshard.make_cp_forward(model))(cpshard.params_of(model), batch, mesh)
+        forward = cpshard.make_cp_forward(model, layout=replace(resolve_layout(model), labels_shifted=True))
+    else:  # gpt_oss's attention sinks, which llama's file does not name; mistral's layers, which it fits
+        model = tiny_model("gpt_oss" if case == "unfit" else "mistral")
+        batch = tiny_batch(model.config.vocab_size, 2, 16)
+        forward = cpshard.make_cp_forward(model, layout="llama", implementation="ring")
+    try:
+        cpshard.value_and_grad(forward)(cpshard.params_of(model), batch, mesh)
+    except cpshard.LayoutError as error:
+        return str(error)
+    return "ran"
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        # both trusted untested before: the ring on gpt_oss gave wrong gradients, the edit a wrong loss
+        ("unfit", "cpshard cannot vouch for layout 'llama' on GptOssForCausalLM"),
+        ("edited", "cpshard cannot vouch for layout 'derived:qwen2' on Qwen2ForCausalLM"),
+        ("fit", "ran"),
+    ],
+)
+def test_another_types_file_and_an_edited_layout_are_probed(ranks2, case, says):
+    for message in ranks2.run(another_types_file_or_an_edit, case):
+        assert message.startswith(says), message

@@ -38,6 +38,7 @@ def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
         )
     if tp == 1:
         return
+    _check_entries(layout)
     fields = (layout.heads, layout.kv_heads, layout.mlp_width)
     counts = {name: config_field(config, name) for name in fields if name is not None}
     bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
@@ -59,6 +60,27 @@ def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
             f"cannot serve it at tp={tp}, and would give wrong results or fail inside the model: run this "
             "model with tp=1 (cp, fsdp and the rest serve it), or give the module a style in a layout file "
             "('per_head' for a weight each head applies alike)"
+        )
+
+
+def _check_entries(layout: Layout) -> None:
+    """Every column-wise and per-head row sits in a block of ``tensor_parallel_inputs``: where the replicated
+    stream enters the split, its gradient is summed over tp there (a column-wise layer outside one would
+    pass each rank its own heads' share of it), and a per-head weight's gradient sums each rank's heads
+    (outside a split block every tp rank sees the whole stream, and the sum would count it tp times)."""
+    outside = [
+        f"{path} ({style})"
+        for path, style in layout.tensor_parallel.items()
+        if style in ("colwise", "per_head")
+        and not any(path.startswith(f"{entry}.") for entry in layout.tensor_parallel_inputs)
+    ]
+    if outside:
+        raise ValueError(
+            f"layout {layout.name!r}: the tensor-parallel rows {', '.join(outside)} sit in no block of "
+            f"tensor_parallel_inputs {layout.tensor_parallel_inputs}, where the replicated residual stream "
+            "enters the split and its gradient is summed over tp; without one the gradients are wrong. Name "
+            "the block that holds them (e.g. 'self_attn', 'mlp') in tensor_parallel_inputs, or drop the rows "
+            "(a norm on the residual stream is replicated: it takes no row)"
         )
 
 

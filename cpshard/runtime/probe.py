@@ -91,20 +91,23 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None) -> s
     )
 
 
-def _tested_file(layout) -> bool:
-    """A registered layout file on the transformers release its tests passed on: trusted as it is."""
-    registered = any(layout is file for file in REGISTERED.values())
-    return registered and transformers.__version__ == WRITTEN_FOR
+def _tested_file(layout, model) -> bool:
+    """The layout file registered for the model's own type, on the transformers release its tests passed on:
+    trusted as it is. Another type's file (``layout="llama"`` on a model of another type) is probed as any
+    layout: its tests ran on the types it names."""
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    return REGISTERED.get(model_type) is layout and transformers.__version__ == WRITTEN_FOR
 
 
 def verify_once(cp_forward, params: dict, mesh) -> None:
     """Probe a layout that is not a registered file, once per model; a LayoutError on every rank if cp
     differs from one process, or if the probe's cp run fails."""
     model, layout = cp_forward.model, cp_forward.layout
-    if _tested_file(layout) or cp_size(mesh) == 1:
+    if _tested_file(layout, model) or cp_size(mesh) == 1:
         return
     verified = _VERIFIED.setdefault(model, set())
-    key = (layout.name, cp_forward.options.implementation)  # ring may differ where Ulysses agrees
+    # the whole layout (an edited one keeps its name), the implementation (ring may differ from Ulysses)
+    key = (repr(layout), cp_forward.options.implementation)
     if key in verified:
         return
     if any(isinstance(value, DTensor) for value in params.values()):
