@@ -2,9 +2,11 @@
 each followed by a sparse MoE with a shared expert.
 
 The Mamba2 layers are served as in Nemotron-H's table (:mod:`cpshard.layouts.nemotron_h`): state passing
-of the SSD scan's state, a halo for its convolution. The attention layers are Llama's, with no rotary
-embedding (Granite 4.0 uses none), and Granite divides its logits by ``logits_scaling``. Tensor
-parallelism splits the attention layers' heads; the Mamba2 layers and the MoE run whole on every tp rank.
+of the SSD scan's state, a halo for its convolution. The attention layers are Llama's: Granite 4.0 uses no
+rotary embedding, and a config with ``position_embedding_type="rope"`` hands every layer a rotary pair,
+cut as Llama's (an input a layer does not get is not cut). Granite divides its logits by
+``logits_scaling``. Tensor parallelism splits the attention layers' heads; the Mamba2 layers and the MoE run
+whole on every tp rank.
 """
 
 from dataclasses import replace
@@ -16,7 +18,6 @@ LAYOUT = replace(
     LLAMA,
     name="granitemoehybrid",
     model_types=("granitemoehybrid",),
-    layer_inputs=(),
     head_transforms=("logits_scaling",),
     tensor_parallel={
         path: style for path, style in LLAMA.tensor_parallel.items() if path.startswith("self_attn.")
