@@ -344,3 +344,28 @@ def another_types_file_or_an_edit(case: str) -> str:
 def test_another_types_file_and_an_edited_layout_are_probed(ranks2, case, says):
     for message in ranks2.run(another_types_file_or_an_edit, case):
         assert message.startswith(says), message
+
+
+def without_the_halo() -> str:
+    """Qwen3-Next's layout with its recurrent row's convolution dropped (no halo): only the second rank's
+    slice needs one, so only its layers differ; the first rank's logits differ through the attention."""
+    from dataclasses import replace
+
+    from cpshard.layouts.qwen3_next import LAYOUT
+
+    model = tiny_model("qwen3_next")
+    layout = replace(LAYOUT, recurrent=(replace(LAYOUT.recurrent[0], conv=None),))
+    forward = cpshard.make_cp_forward(model, layout=layout)
+    batch = tiny_batch(model.config.vocab_size, 2, 24)
+    try:
+        cpshard.value_and_grad(forward)(cpshard.params_of(model), batch, cpshard.make_mesh(cp=2))
+    except cpshard.LayoutError as error:
+        return str(error)
+    return "ran"
+
+
+def test_every_rank_names_the_earliest_difference_of_any_rank(ranks2):
+    # the first rank named the logits ("every layer agrees: look at the final norm and the LM head")
+    first, second = ranks2.run(without_the_halo)
+    assert first == second
+    assert "on a probe batch, the output of model.layers.0 differs between cp and one process" in first

@@ -146,19 +146,30 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
     logits = results["cp"].logits
     cp = (ours, None if logits is None else logits.full_tensor(), gradients)
     half = _half_type(params) or seen.get("dtype")  # the type the rows are rounded in, if a half type
+    rows = _rows(layout, cp, (*plain, plain_gradients), real)
     differing = [
-        (row, "")
-        for row in _rows(layout, cp, (*plain, plain_gradients), real)
-        if not _close(row.cp, row.plain, RTOL if half is None else HALF_RTOL)
+        (row, "") for row in rows if not _close(row.cp, row.plain, RTOL if half is None else HALF_RTOL)
     ]
     if differing and half is not None:
         wide = torch.float64 if "dtype" in seen else torch.float32  # autocast leaves float64 as it is
         differing = _beyond_half_rounding(
             model, params, batch, layout, cp, [row for row, _ in differing], half, wide
         )
-    return (
-        f"{differing[0][0].what} differs between cp and one process{differing[0][1]}" if differing else None
-    )
+    return _earliest(rows, differing, mesh)
+
+
+def _earliest(rows: list[_Row], differing: list, mesh) -> str | None:
+    """The first of ``rows`` that differs on any cp rank, named alike on every rank (one all-reduce): a rank
+    whose own layers agree would name the logits, where a layer is at fault on another rank."""
+    mine = next((i for i, row in enumerate(rows) if differing and row is differing[0][0]), len(rows))
+    group = mesh.get_group("cp")
+    index = carried(torch.tensor([mine], dtype=torch.int64), group)
+    dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
+    first = int(index.item())
+    if first == len(rows):
+        return None
+    note = differing[0][1] if mine == first else ""  # the half types' note, where this rank measured it
+    return f"{rows[first].what} differs between cp and one process{note}"
 
 
 @contextmanager

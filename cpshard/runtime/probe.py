@@ -12,7 +12,7 @@ passes where cp lies no farther from that than twice one process in the half typ
 or an error in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that
 differs: cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a
 forward without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a
-copy of the gradients), once per model, layout and implementation, and three all-reduces of a number
+copy of the gradients), once per model, layout and implementation, and four all-reduces of a number
 (one after each one-process reference, so that a rank whose reference fails cannot leave the others hung).
 """
 
