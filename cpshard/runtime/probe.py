@@ -13,7 +13,8 @@ or an error in the probe's cp run, is a :class:`LayoutError` on every rank namin
 differs: cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a
 forward without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a
 copy of the gradients), once per model, layout and implementation, and four all-reduces of a number
-(one after each one-process reference, so that a rank whose reference fails cannot leave the others hung).
+(one after each one-process reference, so that a rank whose reference fails cannot leave the others hung;
+one naming the earliest difference on any rank; one on the verdict).
 """
 
 from __future__ import annotations
