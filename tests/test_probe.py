@@ -369,3 +369,28 @@ def test_every_rank_names_the_earliest_difference_of_any_rank(ranks2):
     first, second = ranks2.run(without_the_halo)
     assert first == second
     assert "on a probe batch, the output of model.layers.0 differs between cp and one process" in first
+
+
+def an_edit_that_fails_in_the_cp_run() -> str:
+    """Llama's layout without its rotary pair among the layer inputs: each rank's layers get the whole pair
+    and the model's rotary product raises in the probe's cp run."""
+    from dataclasses import replace
+
+    from cpshard.layouts.llama import LAYOUT
+
+    model = tiny_model("llama")
+    layout = replace(LAYOUT, layer_inputs=LAYOUT.layer_inputs[1:])
+    forward = cpshard.make_cp_forward(model, layout=layout)
+    batch = tiny_batch(model.config.vocab_size, 2, 16)
+    try:
+        forward(cpshard.params_of(model), batch, cpshard.make_mesh(cp=2))
+    except cpshard.LayoutError as error:
+        return str(error)
+    return "ran"
+
+
+def test_a_given_layout_that_fails_is_blamed_not_the_transformers_release(ranks2):
+    for message in ranks2.run(an_edit_that_fails_in_the_cp_run):
+        assert "as the layout given describes it (installed transformers" in message, message
+        assert "check its rows against the model (`cpshard layout MODEL` prints" in message, message
+        assert "constraints.txt" not in message

@@ -61,7 +61,27 @@ def _refused_by_cpshard(error: BaseException | None) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
-def _unvouched(subject: str, what: str | None, error: BaseException | None) -> str:
+def _expectation(layout) -> str:
+    """Whose expectation a cp run that raised failed: a registered file's (perhaps written for another
+    transformers release), a derived layout's, or the layout the caller gave (perhaps an edit)."""
+    installed = f"installed transformers {transformers.__version__}"
+    if any(layout is file for file in REGISTERED.values()):
+        return (
+            f"as this layout expects ({installed}; cpshard's tested set is constraints.txt in its "
+            "repository): write a layout file for this architecture or run it without cp"
+        )
+    if layout.name.startswith("derived:"):
+        return (
+            f"as its derived layout expects ({installed}): write a layout file for this architecture or run "
+            "it without cp"
+        )
+    return (
+        f"as the layout given describes it ({installed}): check its rows against the model (`cpshard layout "
+        "MODEL` prints the one cpshard would use), or run it without cp"
+    )
+
+
+def _unvouched(subject: str, what: str | None, error: BaseException | None, layout) -> str:
     """Why cpshard cannot vouch for ``subject``: ``what`` differed between cp and one process, or the probe
     raised ``error`` (named with the frame that raised it: a model's code that does not run on a cp slice,
     often another transformers release, is not a module that mixes tokens)."""
@@ -80,9 +100,7 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None) -> s
         return (
             f"cpshard cannot vouch for {subject}: on a probe batch its cp run raised "
             f"{type(error).__name__}: {error} (in {os.path.basename(frame.filename)}:{frame.lineno}, "
-            f"{frame.name}). The model's code does not run on a cp slice as this layout expects (installed "
-            f"transformers {transformers.__version__}; cpshard's tested set is constraints.txt in its "
-            "repository): write a layout file for this architecture or run it without cp"
+            f"{frame.name}). The model's code does not run on a cp slice {_expectation(layout)}"
         )
     what = what or "another cp rank's part of the probe differs between cp and one process"
     return (
@@ -131,5 +149,5 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
         if _refused_by_cpshard(error):  # a clear refusal (ring and ALiBi, a hybrid degree): as it is
             raise error
         raise LayoutError(
-            _unvouched(f"layout {layout.name!r} on {type(model).__name__}", what, error)
+            _unvouched(f"layout {layout.name!r} on {type(model).__name__}", what, error, layout)
         ) from error
