@@ -24,20 +24,26 @@ import torch
 from torch import nn
 
 
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters(), torch.empty(0)).device
+def _accelerator(model: nn.Module) -> torch.device | None:
+    """The accelerator ``model``'s parameters are on, with its index; None on the CPU (or the meta device,
+    where cpshard check plans: neither has a stream of its own)."""
+    device = next(model.parameters(), torch.empty(0)).device
+    current = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if current is None or device.type != current.type:
+        return None
+    return (
+        device
+        if device.index is not None
+        else torch.device(device.type, torch.accelerator.current_device_index())
+    )
 
 
 @contextmanager
 def forked_streams(model: nn.Module):
     """The CPU's random stream and that of ``model``'s accelerator as they were, once the block is left."""
-    device = _device(model)
-    if device.type == "cpu":
-        with torch.random.fork_rng(devices=[]):
-            yield
-        return
-    index = device.index if device.index is not None else torch.accelerator.current_device_index()
-    with torch.random.fork_rng(devices=[index], device_type=device.type):
+    device = _accelerator(model)
+    devices, device_type = ([], "cuda") if device is None else ([device.index], device.type)
+    with torch.random.fork_rng(devices=devices, device_type=device_type):
         yield
 
 
@@ -49,9 +55,9 @@ def rank_stream(model: nn.Module, rank: int, ranks: int):
         yield
         return
     seed = int(torch.randint(0, 1 << 62, (1,))) + rank
-    device = _device(model)
+    device = _accelerator(model)
     with forked_streams(model):
         torch.default_generator.manual_seed(seed)
-        if device.type != "cpu":
+        if device is not None:
             torch.get_device_module(device.type).manual_seed(seed)
         yield
