@@ -10,8 +10,10 @@
   steady-state ratio;
 - bf16 parity: one cp=1 step of ``value_and_grad(make_cp_forward(model))`` against the plain model's
   ``loss.backward()`` on the same weights and batch: the largest relative difference of loss and gradients;
-- cp=2 on the device: two local ranks sharing it (over gloo), one fp32 Ulysses step against the plain model's:
-  what cpshard builds for a step (positions, masks, counts, its checks' rows) meets the model's tensors there;
+- cp=2 on the device: two local ranks sharing it (over gloo), one fp32 Ulysses step on a left-padded batch
+  against the plain model's, and greedy tokens of ``cpshard.generate`` against ``model.generate``: what
+  cpshard builds for a step and a prefill (positions, masks, counts, its checks' rows) meets the model's
+  tensors there;
 - the recurrent kernels: fla's ``chunk_gated_delta_rule`` (when fla imports) against transformers' torch
   reference, as the model calls it (in the dtype) and as cpshard's state passing calls it
   (:func:`cpshard.recurrent.affine.delta_rule_summary`: fp32, the values widened by the identity).
@@ -350,9 +352,10 @@ def left_padded_llama(device: torch.device, sizes: Sizes) -> tuple:
     return model, {key: value.to(device) for key, value in batch.items()}
 
 
-def cp2_rank(device_type: str, sizes: Sizes) -> tuple[float, dict]:
+def cp2_rank(device_type: str, sizes: Sizes) -> tuple[float, dict, torch.Tensor]:
     """On each of two ranks sharing one device (gloo carries its tensors: NCCL takes one rank a device):
-    one fp32 Ulysses step of cpshard at cp=2, its loss and gradients back on the CPU."""
+    one fp32 Ulysses step of cpshard at cp=2 and greedy tokens of ``cpshard.generate``; the loss, the
+    gradients and the tokens back on the CPU."""
     if device_type == "cuda":
         torch.cuda.init()
         torch.cuda.set_device(0)  # before the mesh, which would pick the device LOCAL_RANK names

@@ -58,6 +58,7 @@ def rank_stream(model: nn.Module, rank: int, ranks: int):
     device = _accelerator(model)
     with forked_streams(model):
         torch.default_generator.manual_seed(seed)
-        if device is not None:
-            torch.get_device_module(device.type).manual_seed(seed)
+        if device is not None:  # the model's device, which need not be the current one
+            with torch.accelerator.device_index(device.index):
+                torch.get_device_module(device.type).manual_seed(seed)
         yield

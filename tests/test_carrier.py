@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard.comm.carrier import carried, carrying_device_type, served_device_types
+from cpshard.comm.carrier import backend_device_types, carried, carrying_device_type, served_device_types
 
 
 @pytest.mark.parametrize(
@@ -19,10 +19,11 @@ from cpshard.comm.carrier import carried, carrying_device_type, served_device_ty
         ("cuda:nccl", ("cuda",)),
         ("xccl", ("xpu",)),
         ("someone_elses", ()),
+        ("undefined", ()),  # init_process_group() without a name: the group itself says what it carries
     ],
 )
 def test_the_device_types_a_backend_serves(backend, served):
-    assert served_device_types(backend) == served
+    assert backend_device_types(backend) == served
 
 
 @pytest.mark.parametrize(
@@ -40,9 +41,12 @@ def test_a_row_travels_on_a_device_the_group_serves(served, device_type, carrier
     assert carrying_device_type(served, device_type) == carrier
 
 
-def test_on_a_gloo_group_a_cpu_row_is_not_copied(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+@pytest.mark.parametrize("backend", ["gloo", None])
+def test_a_group_says_what_it_carries_and_a_cpu_row_stays(tmp_path, backend):
+    # without a name torch makes the accelerator's backend alone (the CPU's here): its string is "undefined"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
+        assert "cpu" in served_device_types(dist.group.WORLD)
         row = torch.arange(3)
         assert carried(row, dist.group.WORLD) is row
     finally:

@@ -94,9 +94,10 @@ def visible(mask, positions, query_positions, window: int | None, indices: torch
 
 
 def still_needed(mask, positions, next_positions, window: int | None) -> torch.Tensor:
-    """``[T]``: the indices a query of some row at ``next_positions`` or later may still see."""
+    """``[T]``, on the CPU beside the cache's owners: the indices a query of some row at ``next_positions`` or
+    later may still see."""
     every = torch.arange(mask.shape[1])
-    return visible(mask, positions, next_positions, window, every).any(0)
+    return visible(mask, positions, next_positions, window, every).any(0).cpu()
 
 
 def appended(layer: LayerShard, key: torch.Tensor, value: torch.Tensor, rank: int, size: int) -> LayerShard:

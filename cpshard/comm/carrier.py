@@ -13,12 +13,23 @@ import torch
 import torch.distributed as dist
 
 
-def served_device_types(backend: str) -> tuple[str, ...]:
+def backend_device_types(backend: str) -> tuple[str, ...]:
     """The device types a backend string serves: its ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``),
-    else what torch registers for the backend (``"nccl"`` -> cuda); ``()`` for one torch does not know."""
+    else what torch registers for the backend (``"nccl"`` -> cuda); ``()`` for one torch does not know (and
+    for ``"undefined"``, what a group made without a backend name reports)."""
     if ":" in backend:
         return tuple(pair.split(":")[0].strip() for pair in backend.split(","))
     return tuple(dist.Backend.backend_capability.get(backend.lower(), ()))
+
+
+def served_device_types(group) -> tuple[str, ...]:
+    """The device types ``group`` carries: as the group reports them (what torch's own object collectives
+    ask; ``init_process_group()`` without a backend name makes one that carries the accelerator's alone and
+    whose backend string is "undefined"), else as its backend string says."""
+    reported = getattr(group, "_device_types", None)
+    if reported:
+        return tuple(dict.fromkeys(device.type for device in reported))
+    return backend_device_types(dist.get_backend(group))
 
 
 def carrying_device_type(served: tuple[str, ...], device_type: str) -> str:
@@ -32,7 +43,7 @@ def carrying_device_type(served: tuple[str, ...], device_type: str) -> str:
 
 def carried(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` on a device ``group`` carries (itself where it already is on one)."""
-    device_type = carrying_device_type(served_device_types(dist.get_backend(group)), x.device.type)
+    device_type = carrying_device_type(served_device_types(group), x.device.type)
     if device_type == x.device.type:
         return x
     if device_type == "cpu":

@@ -179,7 +179,7 @@ def generate(
     generates exactly ``max_new_tokens``. ``do_sample``, ``temperature``, ``top_k``, ``top_p`` not given are
     the model's generation config's, else transformers' defaults, as ``model.generate`` takes them (greedy;
     when sampling, top-k 50; ``top_k=None``: no top-k). Sampling draws from ``generator``, which must be
-    seeded alike on every rank (``None``: one seeded from rank 0's)."""
+    seeded alike on every rank and be on the model's device (``None``: one seeded from rank 0's)."""
     refuse_unsupported(unsupported, model.generation_config)
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: a positive integer")

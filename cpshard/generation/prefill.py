@@ -187,7 +187,7 @@ def rows_at(logits: torch.Tensor, kept: torch.Tensor, last: torch.Tensor) -> tor
     if not kept.numel():
         return logits.new_zeros(logits.shape[0], logits.shape[2])
     picked = logits[torch.arange(logits.shape[0]), match.long().argmax(1)]
-    return torch.where(match.any(1, keepdim=True), picked, 0.0)
+    return torch.where(match.any(1, keepdim=True).to(logits.device), picked, 0.0)
 
 
 class CPPrefill:
@@ -232,7 +232,7 @@ class CPPrefill:
         call = replace(call, kv_sink={}, state_sink={})
         cp, group = call.cp_size, mesh.get_group("cp")
         rank = cp_rank(mesh)
-        held, last = chunk_positions(padded.length, cp, rank), last_real(mask)
+        held, last = chunk_positions(padded.length, cp, rank), last_real(mask).cpu()  # positions: CPU
         keep = (held[:, None] == last[None, :]).any(1).nonzero().flatten()
         inputs = {**padded.model_inputs, "use_cache": False}
         if self.head_keeps_rows:

@@ -69,11 +69,16 @@ def _derived(model: nn.Module, model_type: str) -> Layout:
         ) from None
 
 
+def model_type_of(model: nn.Module) -> str:
+    """The type the registry knows ``model`` by: its config's ``model_type``, else its class name."""
+    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+
+
 def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
     """The layout for ``model``: the one given, the one registered for its type, else one derived from it
     (a model whose code cpshard rewrites is checked first: it must be the code its rewrite was made for)."""
     check_unchanged(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    model_type = model_type_of(model)
     if isinstance(layout, Layout):
         chosen = layout
     elif layout == "auto":

@@ -121,10 +121,40 @@ class _Row(NamedTuple):
     parameter: str | None = None
 
 
-def first_difference(cp_forward, params: dict, mesh) -> str | None:
-    """What first differs between cp and one process on the probe batch (None: nothing); in a half type (the
+class Difference(NamedTuple):
+    """What the probe found on this rank: the names of its rows, in the order it reports them (the same on
+    every rank), the index of the first that differs here (``len(rows)``: none), and a note on it."""
+
+    rows: tuple[str, ...]
+    first: int
+    note: str = ""
+
+    def named(self, index: int) -> str:
+        """Row ``index`` as the error names it (with this rank's note where it is this rank's first)."""
+        note = self.note if index == self.first else ""
+        return f"{self.rows[index]} differs between cp and one process{note}"
+
+
+#: the index no row has: nothing differed (an error in the probe's cp run is -1, before every row)
+NOTHING = 1 << 62
+
+
+def earliest_difference(found: Difference | None, mesh) -> int | None:
+    """On every rank, the earliest row that differs on any cp rank (-1 where the probe's cp run raised on
+    one: ``found`` None), None where nothing differs anywhere: one all-reduce, which every rank enters
+    whatever its probe did, so that every rank leaves the probe together and names the same row."""
+    mine = -1 if found is None else (NOTHING if found.first == len(found.rows) else found.first)
+    group = mesh.get_group("cp")
+    index = carried(torch.tensor([mine], dtype=torch.int64), group)
+    dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
+    earliest = int(index.item())
+    return None if earliest == NOTHING else earliest
+
+
+def first_difference(cp_forward, params: dict, mesh) -> Difference:
+    """What differs first between cp and one process on the probe batch, on this rank; in a half type (the
     weights', or autocast's), a row beyond the tolerance gets a second look, against one process in fp32 (in
-    float64 under autocast: :func:`_beyond_half_rounding`)."""
+    float64 under autocast: :func:`_beyond_half_rounding`). :func:`earliest_difference` agrees on it."""
     model, layout = cp_forward.model, cp_forward.layout
     layers = model.get_submodule(layout.decoder_layers)
     batch = _probe_batch(
@@ -155,21 +185,11 @@ def first_difference(cp_forward, params: dict, mesh) -> str | None:
         differing = _beyond_half_rounding(
             model, params, batch, layout, cp, [row for row, _ in differing], half, wide
         )
-    return _earliest(rows, differing, mesh)
-
-
-def _earliest(rows: list[_Row], differing: list, mesh) -> str | None:
-    """The first of ``rows`` that differs on any cp rank, named alike on every rank (one all-reduce): a rank
-    whose own layers agree would name the logits, where a layer is at fault on another rank."""
-    mine = next((i for i, row in enumerate(rows) if differing and row is differing[0][0]), len(rows))
-    group = mesh.get_group("cp")
-    index = carried(torch.tensor([mine], dtype=torch.int64), group)
-    dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
-    first = int(index.item())
-    if first == len(rows):
-        return None
-    note = differing[0][1] if mine == first else ""  # the half types' note, where this rank measured it
-    return f"{rows[first].what} differs between cp and one process{note}"
+    names = tuple(row.what for row in rows)
+    if not differing:
+        return Difference(names, len(rows))
+    (row, note), *_ = differing
+    return Difference(names, next(i for i, each in enumerate(rows) if each is row), note)
 
 
 @contextmanager
@@ -256,8 +276,8 @@ def _beyond_half_rounding(
     does not (RWKV's WKV scan and MiniMax's lightning attention in bf16 lie 1.7e-2 and 1e-2 of scale apart on
     the probe batch at cp 4, exact in fp32). The wide run takes the gradients of the differing rows'
     parameters alone (a copy of the weights in the wide type is the look's memory). No collective: each rank
-    judges its rows, and verify_once agrees. Where the wide run raises (memory, a model that casts to its
-    config's dtype), every differing row stands, noted so."""
+    judges its rows, and :func:`earliest_difference` agrees. Where the wide run raises (memory, a model that
+    casts to its config's dtype), every differing row stands, noted so."""
     widened = {name: value.to(wide) if value.is_floating_point() else value for name, value in params.items()}
     names = [row.parameter for row in differing if row.parameter is not None]
     wide_name, name = (str(dtype).removeprefix("torch.") for dtype in (wide, half))

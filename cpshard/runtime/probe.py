@@ -12,9 +12,9 @@ passes where cp lies no farther from that than twice one process in the half typ
 or an error in the probe's cp run, is a :class:`LayoutError` on every rank naming the first layer that
 differs: cp would give wrong results for this model. The probe runs in eval mode (dropout off). Cost: a
 forward without gradients and a forward and backward, plain and under cp, on ``3 * cp + 1`` tokens (and a
-copy of the gradients), once per model, layout and implementation, and four all-reduces of a number
+copy of the gradients), once per model, layout and implementation, and three all-reduces of a number
 (one after each one-process reference, so that a rank whose reference fails cannot leave the others hung;
-one naming the earliest difference on any rank; one on the verdict).
+one on the verdict, which names the earliest difference on any rank).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from torch.distributed.tensor import DTensor
 
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.fingerprint import WRITTEN_FOR
-from cpshard.layouts.registry import REGISTERED
+from cpshard.layouts.registry import REGISTERED, model_type_of
 from cpshard.parallel.mesh import cp_size
-from cpshard.runtime.difference import OneProcessFailed, failing_rank, first_difference
+from cpshard.runtime.difference import OneProcessFailed, earliest_difference, first_difference
 from cpshard.streams import forked_streams
 
-#: the (layout name, implementation) pairs verified per model; a pair is marked before its probe runs
+#: the (layout repr, implementation) pairs verified per model; a pair is marked before its probe runs
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: cpshard's own source folder: an error raised there is one of its refusals
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,11 +61,12 @@ def _refused_by_cpshard(error: BaseException | None) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
-def _expectation(layout) -> str:
-    """Whose expectation a cp run that raised failed: a registered file's (perhaps written for another
-    transformers release), a derived layout's, or the layout the caller gave (perhaps an edit)."""
+def _expectation(layout, model) -> str:
+    """Whose expectation a cp run that raised failed: the model's own registered file's (perhaps written for
+    another transformers release), a derived layout's, or the layout the caller gave (an edit, another type's
+    file)."""
     installed = f"installed transformers {transformers.__version__}"
-    if any(layout is file for file in REGISTERED.values()):
+    if _own_file(layout, model):
         return (
             f"as this layout expects ({installed}; cpshard's tested set is constraints.txt in its "
             "repository): write a layout file for this architecture or run it without cp"
@@ -81,7 +82,7 @@ def _expectation(layout) -> str:
     )
 
 
-def _unvouched(subject: str, what: str | None, error: BaseException | None, layout) -> str:
+def _unvouched(subject: str, what: str | None, error: BaseException | None, layout, model) -> str:
     """Why cpshard cannot vouch for ``subject``: ``what`` differed between cp and one process, or the probe
     raised ``error`` (named with the frame that raised it: a model's code that does not run on a cp slice,
     often another transformers release, is not a module that mixes tokens)."""
@@ -100,9 +101,13 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None, layo
         return (
             f"cpshard cannot vouch for {subject}: on a probe batch its cp run raised "
             f"{type(error).__name__}: {error} (in {os.path.basename(frame.filename)}:{frame.lineno}, "
-            f"{frame.name}). The model's code does not run on a cp slice {_expectation(layout)}"
+            f"{frame.name}). The model's code does not run on a cp slice {_expectation(layout, model)}"
         )
-    what = what or "another cp rank's part of the probe differs between cp and one process"
+    if what is None:  # the cp run raised on another rank, which says what
+        return (
+            f"cpshard cannot vouch for {subject}: on a probe batch its cp run raised on another cp rank (the "
+            "error raised there says what)"
+        )
     return (
         f"cpshard cannot vouch for {subject}: on a probe batch, {what}. Some module mixes tokens along the "
         "sequence where cp cannot see it, or a per-position input is not cut; write a layout file for this "
@@ -110,12 +115,15 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None, layo
     )
 
 
+def _own_file(layout, model) -> bool:
+    """Whether ``layout`` is the file registered for the model's own type (another type's file, as
+    ``layout="llama"`` on a model of another type, was tested on the types it names only)."""
+    return REGISTERED.get(model_type_of(model)) is layout
+
+
 def _tested_file(layout, model) -> bool:
-    """The layout file registered for the model's own type, on the transformers release its tests passed on:
-    trusted as it is. Another type's file (``layout="llama"`` on a model of another type) is probed as any
-    layout: its tests ran on the types it names."""
-    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    return REGISTERED.get(model_type) is layout and transformers.__version__ == WRITTEN_FOR
+    """The model's own registered file on the transformers release its tests passed on: trusted as it is."""
+    return _own_file(layout, model) and transformers.__version__ == WRITTEN_FOR
 
 
 def verify_once(cp_forward, params: dict, mesh) -> None:
@@ -141,13 +149,15 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
     verified.add(key)  # the probe's own cp call must not probe again
     try:  # the probe compares gradients too, whatever the caller's grad mode (an inference first call)
         with _without_dropout(model), forked_streams(model), torch.inference_mode(False), torch.enable_grad():
-            what, error = first_difference(cp_forward, params, mesh), None
+            found, error = first_difference(cp_forward, params, mesh), None
     except Exception as raised:  # noqa: BLE001 -- reported on every rank below
-        what, error = "the probe's cp run", raised
-    if failing_rank(what is not None, mesh) is not None:
+        found, error = None, raised
+    earliest = earliest_difference(found, mesh)
+    if earliest is not None:
         verified.discard(key)
         if _refused_by_cpshard(error):  # a clear refusal (ring and ALiBi, a hybrid degree): as it is
             raise error
+        what = found.named(earliest) if found is not None and earliest >= 0 else None
         raise LayoutError(
-            _unvouched(f"layout {layout.name!r} on {type(model).__name__}", what, error, layout)
+            _unvouched(f"layout {layout.name!r} on {type(model).__name__}", what, error, layout, model)
         ) from error
