@@ -99,3 +99,25 @@ def dropout_off_in_eval() -> bool:
 
 def test_an_eval_call_draws_nothing(ranks2):
     assert ranks2.run(dropout_off_in_eval) == [True, True]
+
+
+def dropped_under_tp() -> tuple[int, int, torch.Tensor]:
+    """This rank's cp and tp coordinates and its MLP dropout mask in a training call at tp=2 x cp=2 (GPT-2's
+    derived plan splits nothing of it: its blocks run whole, replicated, on both tp ranks)."""
+    torch.manual_seed(0)
+    model, masks = tiny_model("gpt2", **DROPPING).train(), []
+    model.get_submodule(MLP_DROPOUT).register_forward_hook(lambda m, args, out: masks.append(out == 0))
+    forward = cpshard.make_cp_forward(model)
+    batch = tiny_batch(model.config.vocab_size, 2, 16)
+    forward(cpshard.params_of(model), batch, cpshard.make_mesh(cp=4))  # the probe, on the plain weights
+    mesh = cpshard.make_mesh(cp=2, tp=2)
+    params = cpshard.params_of(cpshard.parallelize(model, mesh))
+    cpshard.value_and_grad(forward)(params, batch, mesh)
+    return mesh.get_local_rank("cp"), mesh.get_local_rank("tp"), masks[-1]
+
+
+def test_tensor_parallel_ranks_drop_alike_and_cp_ranks_apart(ranks4):
+    masks = {(cp, tp): mask for cp, tp, mask in ranks4.run(dropped_under_tp)}
+    for cp in (0, 1):  # a replicated activation dropped otherwise on a tp rank would part the replicas
+        assert torch.equal(masks[cp, 0], masks[cp, 1])
+    assert not torch.equal(masks[0, 0], masks[1, 0])
