@@ -22,6 +22,7 @@ def backend_device_types(backend: str) -> tuple[str, ...]:
     return tuple(dist.Backend.backend_capability.get(backend.lower(), ()))
 
 
+@torch.compiler.disable  # a process group is opaque to dynamo: reading its devices inside a graph is an error
 def served_device_types(group) -> tuple[str, ...]:
     """The device types ``group`` carries: as the group reports them (what torch's own object collectives
     ask; ``init_process_group()`` without a backend name makes one that carries the accelerator's alone and
