@@ -49,9 +49,10 @@ def forked_streams(model: nn.Module):
 
 @contextmanager
 def rank_stream(model: nn.Module, rank: int, ranks: int):
-    """Inside the block, a model in training mode on cp rank ``rank`` of ``ranks`` draws from a stream of
-    the rank's own; the caller's streams move by one draw, alike on every rank."""
-    if not model.training or ranks == 1:
+    """Inside the block, a model with any module in training mode (a frozen model with one part training, or
+    dropout left on at inference) on cp rank ``rank`` of ``ranks`` draws from a stream of the rank's own; the
+    caller's streams move by one draw, alike on every rank."""
+    if ranks == 1 or not any(module.training for module in model.modules()):
         yield
         return
     seed = int(torch.randint(0, 1 << 62, (1,))) + rank

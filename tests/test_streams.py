@@ -121,3 +121,19 @@ def test_tensor_parallel_ranks_drop_alike_and_cp_ranks_apart(ranks4):
     for cp in (0, 1):  # a replicated activation dropped otherwise on a tp rank would part the replicas
         assert torch.equal(masks[cp, 0], masks[cp, 1])
     assert not torch.equal(masks[0, 0], masks[1, 0])
+
+
+def dropped_with_one_part_training() -> torch.Tensor:
+    """The MLP dropout mask of a model in eval mode but for that dropout (Monte Carlo dropout, a frozen
+    model with one part training): the top module's mode is not the model's."""
+    torch.manual_seed(0)
+    model, masks = tiny_model("gpt2", **DROPPING).eval(), []
+    model.get_submodule(MLP_DROPOUT).train()
+    model.get_submodule(MLP_DROPOUT).register_forward_hook(lambda m, args, out: masks.append(out == 0))
+    _step(model, cpshard.make_mesh(cp=2))
+    return masks[-1]
+
+
+def test_a_model_with_one_part_training_draws_per_rank_too(ranks2):
+    first, second = ranks2.run(dropped_with_one_part_training)
+    assert not torch.equal(first, second), "every rank dropped the same positions of its slice"

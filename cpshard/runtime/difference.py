@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import split_call
+from cpshard.comm.arrival import arriving
 from cpshard.comm.carrier import carried
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.structure import recurrent_module, text_config
@@ -135,18 +136,18 @@ class Difference(NamedTuple):
         return f"{self.rows[index]} differs between cp and one process{note}"
 
 
-#: the index no row has: nothing differed (an error in the probe's cp run is -1, before every row)
+#: the index no row has: nothing differed
 NOTHING = 1 << 62
 
 
-def earliest_difference(found: Difference | None, mesh) -> int | None:
-    """On every rank, the earliest row that differs on any cp rank (-1 where the probe's cp run raised on
-    one: ``found`` None), None where nothing differs anywhere: one all-reduce, which every rank enters
-    whatever its probe did, so that every rank leaves the probe together and names the same row."""
-    mine = -1 if found is None else (NOTHING if found.first == len(found.rows) else found.first)
+def earliest_difference(found: Difference, mesh) -> int | None:
+    """On every rank, the earliest row that differs on any cp rank, None where nothing differs anywhere: one
+    all-reduce, after every rank's probe ran to its end, so that every rank names the same row."""
+    mine = NOTHING if found.first == len(found.rows) else found.first
     group = mesh.get_group("cp")
     index = carried(torch.tensor([mine], dtype=torch.int64), group)
-    dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
+    with arriving("all_reduce", "probe verdict", group):
+        dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
     earliest = int(index.item())
     return None if earliest == NOTHING else earliest
 

@@ -103,11 +103,6 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None, layo
             f"{type(error).__name__}: {error} (in {os.path.basename(frame.filename)}:{frame.lineno}, "
             f"{frame.name}). The model's code does not run on a cp slice {_expectation(layout, model)}"
         )
-    if what is None:  # the cp run raised on another rank, which says what
-        return (
-            f"cpshard cannot vouch for {subject}: on a probe batch its cp run raised on another cp rank (the "
-            "error raised there says what)"
-        )
     return (
         f"cpshard cannot vouch for {subject}: on a probe batch, {what}. Some module mixes tokens along the "
         "sequence where cp cannot see it, or a per-position input is not cut; write a layout file for this "
@@ -127,8 +122,8 @@ def _tested_file(layout, model) -> bool:
 
 
 def verify_once(cp_forward, params: dict, mesh) -> None:
-    """Probe a layout that is not a registered file, once per model; a LayoutError on every rank if cp
-    differs from one process, or if the probe's cp run fails."""
+    """Probe a layout that is not the model's own registered file, once per model; a LayoutError on every
+    rank if cp differs from one process, and on each rank where the probe's cp run fails."""
     model, layout = cp_forward.model, cp_forward.layout
     if _tested_file(layout, model) or cp_size(mesh) == 1:
         return
@@ -147,17 +142,20 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
             "only), then call it with the parallel ones"
         )
     verified.add(key)  # the probe's own cp call must not probe again
+    subject = f"layout {layout.name!r} on {type(model).__name__}"
     try:  # the probe compares gradients too, whatever the caller's grad mode (an inference first call)
         with _without_dropout(model), forked_streams(model), torch.inference_mode(False), torch.enable_grad():
-            found, error = first_difference(cp_forward, params, mesh), None
-    except Exception as raised:  # noqa: BLE001 -- reported on every rank below
-        found, error = None, raised
+            found = first_difference(cp_forward, params, mesh)
+    except Exception as error:
+        # raised at once, entering no other collective: an error the model's code raises on a cp slice
+        # stops every rank at the same point, and one raised on one rank alone (out of memory) leaves the
+        # others inside a collective of the cp run, which the verdict's all-reduce would pair with (gloo
+        # aborts, or both wait for ever); they end at the group's timeout, as after any error on one rank
+        verified.discard(key)
+        if _refused_by_cpshard(error):  # a clear refusal (ring and ALiBi, a hybrid degree): as it is
+            raise
+        raise LayoutError(_unvouched(subject, None, error, layout, model)) from error
     earliest = earliest_difference(found, mesh)
     if earliest is not None:
         verified.discard(key)
-        if _refused_by_cpshard(error):  # a clear refusal (ring and ALiBi, a hybrid degree): as it is
-            raise error
-        what = found.named(earliest) if found is not None and earliest >= 0 else None
-        raise LayoutError(
-            _unvouched(f"layout {layout.name!r} on {type(model).__name__}", what, error, layout, model)
-        ) from error
+        raise LayoutError(_unvouched(subject, found.named(earliest), None, layout, model))

@@ -16,6 +16,8 @@ forward everywhere else. A decoder layer recomputed under transformers' checkpoi
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -43,11 +45,19 @@ class TiledForward(OwnForward):
             )
         # split, not slices: the input's gradient is one cat of the blocks' gradients, where each slice's
         # backward would make a zero tensor of the whole input's size
+        forward = partial(_on_contiguous, self.own_forward)
         blocks = [
-            checkpoint_in_call(checkpoint, call, self.module, self.own_forward, block, use_reentrant=False)
+            checkpoint_in_call(checkpoint, call, self.module, forward, block, use_reentrant=False)
             for block in hidden_states.split(tile, dim=1)
         ]
         return torch.cat(blocks, dim=1)
+
+
+def _on_contiguous(forward, block: torch.Tensor) -> torch.Tensor:
+    """``forward`` of a contiguous copy of ``block``, made inside the block's checkpoint (its recompute
+    makes it again): a block of a batch's positions is a strided view, and an MLP may reshape its input
+    with ``view`` (GPT-2's Conv1D)."""
+    return forward(block.contiguous())
 
 
 def check_mlp_tile(layers: nn.ModuleList, layout: Layout, tile: int | None) -> None:
