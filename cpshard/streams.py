@@ -38,13 +38,16 @@ def _accelerator(model: nn.Module) -> torch.device | None:
     )
 
 
-@contextmanager
+def _forked(device: torch.device | None):
+    """The CPU's random stream and that of the accelerator ``device`` (None: the CPU's alone) as they were,
+    once the block is left."""
+    devices, device_type = ([], "cuda") if device is None else ([device.index], device.type)
+    return torch.random.fork_rng(devices=devices, device_type=device_type)
+
+
 def forked_streams(model: nn.Module):
     """The CPU's random stream and that of ``model``'s accelerator as they were, once the block is left."""
-    device = _accelerator(model)
-    devices, device_type = ([], "cuda") if device is None else ([device.index], device.type)
-    with torch.random.fork_rng(devices=devices, device_type=device_type):
-        yield
+    return _forked(_accelerator(model))
 
 
 @contextmanager
@@ -57,7 +60,7 @@ def rank_stream(model: nn.Module, rank: int, ranks: int):
         return
     seed = int(torch.randint(0, 1 << 62, (1,))) + rank
     device = _accelerator(model)
-    with forked_streams(model):
+    with _forked(device):
         torch.default_generator.manual_seed(seed)
         if device is not None:  # the model's device, which need not be the current one
             with torch.accelerator.device_index(device.index):

@@ -136,20 +136,16 @@ class Difference(NamedTuple):
         return f"{self.rows[index]} differs between cp and one process{note}"
 
 
-#: the index no row has: nothing differed
-NOTHING = 1 << 62
-
-
 def earliest_difference(found: Difference, mesh) -> int | None:
     """On every rank, the earliest row that differs on any cp rank, None where nothing differs anywhere: one
-    all-reduce, after every rank's probe ran to its end, so that every rank names the same row."""
-    mine = NOTHING if found.first == len(found.rows) else found.first
+    all-reduce, after every rank's probe ran to its end, so that every rank names the same row (every rank
+    has the same rows, so ``len(rows)``, none, is the same everywhere)."""
     group = mesh.get_group("cp")
-    index = carried(torch.tensor([mine], dtype=torch.int64), group)
+    index = carried(torch.tensor([found.first], dtype=torch.int64), group)
     with arriving("all_reduce", "probe verdict", group):
         dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
     earliest = int(index.item())
-    return None if earliest == NOTHING else earliest
+    return None if earliest == len(found.rows) else earliest
 
 
 def first_difference(cp_forward, params: dict, mesh) -> Difference:
