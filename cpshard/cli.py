@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 from functools import partial
 
@@ -35,20 +36,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _command(commands, name: str, run) -> argparse.ArgumentParser:
+    """The sub-command ``name``, run by ``run(args, parser)``: its one-line help is the first paragraph of
+    ``run``'s docstring, its description the rest (as click reads a command's)."""
+    summary, _, details = inspect.cleandoc(run.__doc__).partition("\n\n")
+    parser = commands.add_parser(name, help=summary, description=" ".join(details.split()))
+    parser.set_defaults(run=partial(run, parser=parser))
+    return parser
+
+
 def _add_demo(commands) -> None:
-    parser = commands.add_parser(
-        "demo",
-        help="train a small model with its sequence split over local CPU ranks; print parity, bytes, memory",
-        description="Train a random Llama-shaped model for a few functional steps with its sequence split "
-        "over local CPU ranks; print parity against one process, bytes communicated against the "
-        "analytic optimum, and per-rank memory and step time. Exit status 1 when parity fails.",
-    )
+    parser = _command(commands, "demo", _run_demo)
     for name, (kind, default, help) in config_fields().items():
         parser.add_argument(flag(name), type=kind, default=default, help=f"{help} (default {default})")
-    parser.set_defaults(run=partial(_run_demo, parser=parser))
 
 
 def _run_demo(args, parser: argparse.ArgumentParser) -> int:
+    """train a small model with its sequence split over local CPU ranks; print parity, bytes, memory
+
+    Train a random Llama-shaped model for a few functional steps with its sequence split over local CPU
+    ranks; print parity against one process, bytes communicated against the analytic optimum, and
+    per-rank memory and step time. Exit status 1 when parity fails.
+    """
     try:
         config = DemoConfig(**{name: getattr(args, name) for name in config_fields()})
     except ValueError as error:
@@ -58,15 +67,7 @@ def _run_demo(args, parser: argparse.ArgumentParser) -> int:
 
 def _add_check(commands) -> None:
     defaults = CheckConfig("-")
-    parser = commands.add_parser(
-        "check",
-        help="check loss, logits and gradients of a model under cp=N against one process",
-        description="Run MODEL with its sequence split over N local CPU ranks and on one process; print "
-        "one row per tensor group (loss, logits, gradients) with its largest difference and pass/fail. "
-        "float32 rows beyond the tolerance get a second look against a float64 run: where cp is no farther "
-        "from it than twice one process, the row is fp32 rounding and passes. Exit status 0 when every row "
-        "passes, 1 when one differs or cpshard refuses the model, 2 on bad usage.",
-    )
+    parser = _command(commands, "check", _run_check)
     add = parser.add_argument
     add("model", metavar="MODEL", help="a local model folder (config.json; weights optional) or a model type")
     add("--cp", type=int, default=defaults.cp, help=f"local CPU ranks on the cp axis (default {defaults.cp})")
@@ -118,10 +119,17 @@ def _add_check(commands) -> None:
         help="set a config field (repeatable; the value is read as JSON, else as a string), e.g. --set "
         "num_hidden_layers=4 --set sliding_window=16",
     )
-    parser.set_defaults(run=partial(_run_check, parser=parser))
 
 
 def _run_check(args, parser: argparse.ArgumentParser) -> int:
+    """check loss, logits and gradients of a model under cp=N against one process
+
+    Run MODEL with its sequence split over N local CPU ranks and on one process; print one row per
+    tensor group (loss, logits, gradients) with its largest difference and pass/fail. float32 rows
+    beyond the tolerance get a second look against a float64 run: where cp is no farther from it than
+    twice one process, the row is fp32 rounding and passes. Exit status 0 when every row passes, 1 when
+    one differs or cpshard refuses the model, 2 on bad usage.
+    """
     options = {name: getattr(args, name) for name in CheckConfig.__dataclass_fields__}
     try:
         options["overrides"] = tuple(parse_override(text) for text in args.overrides)
@@ -135,20 +143,7 @@ def _run_check(args, parser: argparse.ArgumentParser) -> int:
 
 def _add_bench(commands) -> None:
     defaults = BenchConfig()
-    parser = commands.add_parser(
-        "bench",
-        help=(
-            "time and measure cpshard's implementations against one process and other Ulysses implementations"
-        ),
-        description=(
-            "For each cp size and sequence length, time a training step (forward and backward) of "
-            "cpshard's ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp "
-            "(the plain model, and cp_forward at cp=1), and of the peers as their users run them: Ulysses "
-            "by DTensor redistribute, DeepSpeed and yunchang, and DeepSpeed's ALST stack (skipped with a "
-            "note when not installed), alternated on local CPU ranks; print median step time, tokens/s, "
-            "per-rank peak memory, bytes communicated per rank and the longest L within --budget-mib."
-        ),
-    )
+    parser = _command(commands, "bench", _run_bench)
     add = parser.add_argument
     listed = lambda values: " ".join(map(str, values))  # noqa: E731
 
@@ -222,10 +217,18 @@ def _add_bench(commands) -> None:
         metavar="FILE.png",
         help="draw CPU time per step and peak memory against the sequence length (needs matplotlib)",
     )
-    parser.set_defaults(run=partial(_run_bench, parser=parser))
 
 
 def _run_bench(args, parser: argparse.ArgumentParser) -> int:
+    """time and measure cpshard's implementations against one process and other Ulysses implementations
+
+    For each cp size and sequence length, time a training step (forward and backward) of cpshard's
+    ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp (the plain model,
+    and cp_forward at cp=1), and of the peers as their users run them: Ulysses by DTensor redistribute,
+    DeepSpeed and yunchang, and DeepSpeed's ALST stack (skipped with a note when not installed),
+    alternated on local CPU ranks; print median step time, tokens/s, per-rank peak memory, bytes
+    communicated per rank and the longest L within --budget-mib.
+    """
     options = {name: getattr(args, name) for name in BenchConfig.__dataclass_fields__}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
     try:
@@ -256,19 +259,18 @@ def _run_bench(args, parser: argparse.ArgumentParser) -> int:
 
 
 def _add_layout(commands) -> None:
-    parser = commands.add_parser(
-        "layout",
-        help="print the layout cpshard uses for a model type or config folder, as an editable layout file",
-        description="Print the cp layout of MODEL (a model type or a local folder with config.json): its "
-        "registered file, else the layout derived from the model, as Python to save, edit and pass as "
-        "make_cp_forward(model, layout=LAYOUT). Exit status 1 when cpshard cannot serve the model, 2 on bad "
-        "usage (a model it cannot build).",
-    )
+    parser = _command(commands, "layout", _run_layout)
     parser.add_argument("model", metavar="MODEL", help="a model type (llama, gpt2, ...) or a config folder")
-    parser.set_defaults(run=partial(_run_layout, parser=parser))
 
 
 def _run_layout(args, parser: argparse.ArgumentParser) -> int:
+    """print the layout cpshard uses for a model type or config folder, as an editable layout file
+
+    Print the cp layout of MODEL (a model type or a local folder with config.json): its registered file,
+    else the layout derived from the model, as Python to save, edit and pass as make_cp_forward(model,
+    layout=LAYOUT). Exit status 1 when cpshard cannot serve the model, 2 on bad usage (a model it cannot
+    build).
+    """
     try:
         print(layout_for(args.model), end="")
     except UsageError as error:

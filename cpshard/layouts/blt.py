@@ -14,18 +14,15 @@ from dataclasses import replace
 from cpshard.layouts.xlm import LAYOUT as XLM
 
 # XLM's table (a decoder cut at its entry) with BLT's modules; its head shifts the labels as Llama's
+# fmt: off
+# a table: related rows share a line (the formatter would give each row its own)
 LAYOUT = replace(
     XLM,
-    name="blt",
-    model_types=("blt",),
-    decoder="model",
-    decoder_layers="model.global_transformer.layers",
-    attention="self_attn",
-    final_norm="model",
-    heads="global_config.num_attention_heads",
-    kv_heads="global_config.num_key_value_heads",
-    mlp_width="global_config.intermediate_size",
-    mlp="mlp",
-    labels_shifted=False,
-    whole_inputs=("patch_lengths",),
+    name="blt", model_types=("blt",),
+    decoder="model", final_norm="model",
+    decoder_layers="model.global_transformer.layers", attention="self_attn",
+    heads="global_config.num_attention_heads", kv_heads="global_config.num_key_value_heads",
+    mlp_width="global_config.intermediate_size", mlp="mlp",
+    labels_shifted=False, whole_inputs=("patch_lengths",),
 )
+# fmt: on

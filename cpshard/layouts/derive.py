@@ -411,33 +411,20 @@ def derive_layout(model: nn.Module) -> Layout:
     restores = bool(recording.children) and restores_length(model, model.get_submodule(final), runs)
     # its layers' inputs come cut: by Inkling2's mixers' hooks, by HRM's decoder's (a second stack beside)
     at_entry = any(row.kernel in CUT_AT_ENTRY for row in recurrent) or bool(recording.beside)
+    transforms = tuple(name for name in HEAD_TRANSFORMS if getattr(config, name, None))
+    entries = [p for p in DECODER.tensor_parallel_inputs if any(hasattr(layer, p) for layer in layers)]
+    attentions = [module for _, layer in with_attention for module in attention_at(layer, attention)]
+    # fmt: off
+    # a table, as the registered files write one
     return replace(
         DECODER,
-        name=f"derived:{top_config.model_type}",
-        model_types=(top_config.model_type,),
-        decoder=decoder_path,
-        decoder_layers=layers_path,
-        attention=attention,
-        final_norm=final,
-        kv_heads=kv_heads,
-        mlp_width=width,
-        hidden=recording.hidden,
-        layer_inputs=() if at_entry else recording.layer_inputs,
-        cut_at_entry=at_entry,
-        head_transforms=tuple(name for name in HEAD_TRANSFORMS if getattr(config, name, None)),
-        tensor_parallel=plan,
-        tensor_parallel_inputs=tuple(
-            p for p in DECODER.tensor_parallel_inputs if any(hasattr(layer, p) for layer in layers)
-        )
-        if plan
-        else (),
-        per_head_params=_per_head_params(
-            [module for _, layer in with_attention for module in attention_at(layer, attention)], heads
-        ),
-        recurrent=recurrent,
-        pointwise=pointwise,
-        sparse_attention=sparse,
-        labels_shifted=recording.labels_shifted,
-        restores_length=restores,
-        looped=recording.looped,
+        name=f"derived:{top_config.model_type}", model_types=(top_config.model_type,),
+        decoder=decoder_path, decoder_layers=layers_path, attention=attention, final_norm=final,
+        kv_heads=kv_heads, mlp_width=width, hidden=recording.hidden,
+        cut_at_entry=at_entry, layer_inputs=() if at_entry else recording.layer_inputs,
+        head_transforms=transforms, labels_shifted=recording.labels_shifted, restores_length=restores,
+        tensor_parallel=plan, tensor_parallel_inputs=tuple(entries) if plan else (),
+        per_head_params=_per_head_params(attentions, heads),
+        recurrent=recurrent, pointwise=pointwise, sparse_attention=sparse, looped=recording.looped,
     )
+    # fmt: on

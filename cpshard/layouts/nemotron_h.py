@@ -20,23 +20,19 @@ from cpshard.layouts.llama import LAYOUT as LLAMA
 #: Mamba2's scan and convolution slots, as transformers 5.25's Mamba2 mixers call them
 MAMBA2 = Recurrent("mixer", kernel="mamba_chunk_scan_combined", conv="causal_conv1d_fn", decay="scalar")
 
+# fmt: off
+# a table: related rows share a line (the formatter would give each row its own)
 LAYOUT = replace(
     LLAMA,
-    name="nemotron_h",
-    model_types=("nemotron_h",),
-    attention="mixer",
-    final_norm="model.norm_f",
+    name="nemotron_h", model_types=("nemotron_h",),
+    attention="mixer", final_norm="model.norm_f",
     layer_inputs=(("position_ids", *specs("b s", "b s@cp")),),
     tensor_parallel={
-        "mixer.q_proj": "colwise",
-        "mixer.k_proj": "colwise",
-        "mixer.v_proj": "colwise",
+        "mixer.q_proj": "colwise", "mixer.k_proj": "colwise", "mixer.v_proj": "colwise",
         "mixer.o_proj": "rowwise",
-        "mixer.up_proj": "colwise",
-        "mixer.down_proj": "rowwise",
+        "mixer.up_proj": "colwise", "mixer.down_proj": "rowwise",
     },
-    tensor_parallel_inputs=("mixer",),
-    mlp=None,
-    recurrent=(MAMBA2,),
-    pointwise=("NemotronHMLP", "NemotronHMoE"),
+    tensor_parallel_inputs=("mixer",), mlp=None,
+    recurrent=(MAMBA2,), pointwise=("NemotronHMLP", "NemotronHMoE"),
 )
+# fmt: on

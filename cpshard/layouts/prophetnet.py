@@ -19,17 +19,14 @@ from cpshard.layouts.xlm import LAYOUT as XLM
 
 # XLM's table (a decoder cut at its entry, its head reading each position's label as its own token) with
 # ProphetNet's modules and streams
+# fmt: off
+# a table: related rows share a line (the formatter would give each row its own)
 LAYOUT = replace(
     XLM,
-    name="prophetnet",
-    model_types=("prophetnet",),
-    decoder="prophetnet.decoder",
-    decoder_layers="prophetnet.decoder.layers",
-    attention="self_attn",
+    name="prophetnet", model_types=("prophetnet",),
+    decoder="prophetnet.decoder", decoder_layers="prophetnet.decoder.layers", attention="self_attn",
     final_norm="prophetnet.decoder.layers",
-    heads="num_decoder_attention_heads",
-    mlp_width="decoder_ffn_dim",
-    hidden=specs("b n s d", "b n s@cp d"),
-    restores_length=True,
-    stream_logits="logits_ngram",
+    heads="num_decoder_attention_heads", mlp_width="decoder_ffn_dim",
+    hidden=specs("b n s d", "b n s@cp d"), restores_length=True, stream_logits="logits_ngram",
 )
+# fmt: on

@@ -13,13 +13,12 @@ from dataclasses import replace
 from cpshard.layouts.xlm import LAYOUT as XLM
 
 # XLM's table (a decoder cut at its entry) with Reformer's modules; its head reads labels unshifted
+# fmt: off
+# a table: related rows share a line (the formatter would give each row its own)
 LAYOUT = replace(
     XLM,
-    name="reformer",
-    model_types=("reformer",),
-    decoder="reformer",
-    decoder_layers="reformer.encoder.layers",
-    attention="attention",
-    final_norm="reformer.encoder",
-    labels_shifted=False,
+    name="reformer", model_types=("reformer",),
+    decoder="reformer", decoder_layers="reformer.encoder.layers", attention="attention",
+    final_norm="reformer.encoder", labels_shifted=False,
 )
+# fmt: on

@@ -14,20 +14,14 @@ from dataclasses import replace
 from cpshard.layouts.llama import LAYOUT as LLAMA
 
 # Llama's table with XLM's rows (``replace``: ``with_rows`` would merge Llama's tensor-parallel plan)
+# fmt: off
+# a table: related rows share a line (the formatter would give each row its own)
 LAYOUT = replace(
     LLAMA,
-    name="xlm",
-    model_types=("xlm",),
-    decoder="transformer",
-    decoder_layers="transformer.attentions",
-    attention="",
-    final_norm="transformer",
-    kv_heads=None,
-    mlp_width=None,
-    layer_inputs=(),
-    tensor_parallel={},
-    tensor_parallel_inputs=(),
-    mlp=None,
-    labels_shifted=True,
-    cut_at_entry=True,
+    name="xlm", model_types=("xlm",),
+    decoder="transformer", decoder_layers="transformer.attentions", attention="", final_norm="transformer",
+    kv_heads=None, mlp_width=None,
+    layer_inputs=(), tensor_parallel={}, tensor_parallel_inputs=(), mlp=None,
+    labels_shifted=True, cut_at_entry=True,
 )
+# fmt: on

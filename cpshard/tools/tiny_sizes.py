@@ -4,23 +4,6 @@ linear heads, hybrids' layer types, state-space mixers, the parts of a composite
 every causal LM of transformers builds quickly on a CPU, with each kind of layer its released config has.
 """
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1 << 16,
-    initializer_range=0.15,
-    tie_word_embeddings=False,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    is_decoder=True,  # BERT-style models are causal LMs only as decoders (transformers warns otherwise)
-)
-
 
 def _experts(count: str = "num_experts", **more) -> dict:
     """Every mixture of experts here: 4 experts of width 32, 2 per token (``count``: the config's name for
@@ -28,15 +11,18 @@ def _experts(count: str = "num_experts", **more) -> dict:
     return {count: 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **more}
 
 
+# fmt: off
+# tables of sizes: a line holds several (the formatter would give each its own)
+SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16, initializer_range=0.15,
+    tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    is_decoder=True,  # BERT-style models are causal LMs only as decoders (transformers warns otherwise)
+)
 #: multi-head latent attention (DeepSeek-V2/V3 and kin): small latent ranks, one group of routed experts
 _LATENT_ATTENTION = dict(
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=16,
-    n_group=1,
-    topk_group=1,
+    num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    n_group=1, topk_group=1,
 )
 #: DeepSeek's: few small experts, a dense first layer
 _LATENT = dict(
@@ -44,34 +30,19 @@ _LATENT = dict(
 )
 #: BART's family sizes its decoder apart (a causal LM of it is that decoder)
 _SEQ2SEQ = dict(
-    decoder_layers=2,
-    encoder_layers=2,
-    decoder_attention_heads=4,
-    encoder_attention_heads=4,
-    decoder_ffn_dim=128,
-    encoder_ffn_dim=128,
+    decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+    decoder_ffn_dim=128, encoder_ffn_dim=128,
 )
 _SEQ2SEQ_TYPES = (
-    "bart",
-    "bigbird_pegasus",
-    "blenderbot",
-    "blenderbot-small",
-    "marian",
-    "mbart",
-    "mvp",
-    "pegasus",
-    "plbart",
-    "whisper",
+    "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus",
+    "plbart", "whisper",
 )
 #: absolute position tables (and GPT-BigCode's causal mask buffer) are max_position_embeddings long
 _ABSOLUTE = dict(max_position_embeddings=256)
 #: hybrids of linear attention and sparse experts (Qwen3-Next and kin): few small experts and linear heads
 _HYBRID_MOE = _experts(
-    shared_expert_intermediate_size=32,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
+    shared_expert_intermediate_size=32, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4,
 )
 #: a linear-attention layer, then an attention layer (a hybrid's own default gives two linear layers)
 _HYBRID = dict(layer_types=["linear_attention", "full_attention"])
@@ -79,10 +50,7 @@ _HYBRID = dict(layer_types=["linear_attention", "full_attention"])
 _KDA_LATENT = dict(
     _LATENT_ATTENTION,
     **_experts("num_local_experts"),
-    q_lora_rank=None,
-    linear_num_heads=4,
-    linear_head_dim=16,
-    num_mtp_layers=0,
+    q_lora_rank=None, linear_num_heads=4, linear_head_dim=16, num_mtp_layers=0,
 )
 #: mixtures of experts whose released sizes the shrinking does not reach (hundreds of experts of thousands of
 #: units: 50M to 300M parameters each): four small experts, two a token, one group
@@ -91,22 +59,15 @@ _FEW_EXPERTS = _experts("n_routed_experts", n_group=1, topk_group=1)
 #: few tokens
 _INKLING = dict(
     _FEW_EXPERTS,
-    layer_types=["hybrid_sliding", "hybrid"],
-    swa_num_attention_heads=4,
-    swa_num_key_value_heads=2,
-    swa_head_dim=16,
-    sliding_window_size=5,
-    rel_extent=6,
-    log_scaling_n_floor=2,
+    layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=4, swa_num_key_value_heads=2,
+    swa_head_dim=16, sliding_window_size=5, rel_extent=6, log_scaling_n_floor=2,
 )
 #: Inkling2: as Inkling, four layers in blocks of two (block states stacked at layers 0 and 2); Inkling2-Loop
 #: in blocks of one, its middle two layers run in more than one pass
 _INKLING2 = dict(
     _INKLING,
-    num_hidden_layers=4,
-    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
-    n_layers_per_attn_res_block=2,
-    swa_head_dim=16,
+    num_hidden_layers=4, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+    n_layers_per_attn_res_block=2, swa_head_dim=16,
     unpadded_vocab_size=SMALL["vocab_size"],  # the LM head's width (200058 by default)
 )
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=64)
@@ -132,13 +93,8 @@ PER_TYPE = {
     # its indexer scores keys with the q heads of k/v head 0 (two here); a sliding and an indexed layer, whose
     # selection is small enough to choose among the keys of a short sequence
     "kolibri1_1": dict(
-        index_num_heads=2,
-        layer_types=["sliding_attention", "indexed_attention"],
-        index_topk=2,
-        index_pool_size=4,
-        index_compression=2,
-        index_num_local_tokens=2,
-        index_num_sink_tokens=1,
+        index_num_heads=2, layer_types=["sliding_attention", "indexed_attention"], index_topk=2,
+        index_pool_size=4, index_compression=2, index_num_local_tokens=2, index_num_sink_tokens=1,
     ),
     "phimoe": dict(router_jitter_noise=0.0),  # random in training: no two runs would agree
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size * expand = num_heads * head_dim
@@ -186,19 +142,12 @@ PER_TYPE = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, num_experts=4),
     "granitemoehybrid": dict(
         _MAMBA2,
-        layer_types=["linear_attention", "full_attention"],
-        num_local_experts=4,
+        layer_types=["linear_attention", "full_attention"], num_local_experts=4,
         shared_intermediate_size=32,
     ),
     "nemotron_h": dict(
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        ssm_state_size=16,
-        n_groups=2,
-        chunk_size=64,
-        n_routed_experts=4,
-        moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=64,
+        n_routed_experts=4, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
     ),
     "gemma4_text": dict(vocab_size_per_layer_input=SMALL["vocab_size"]),
     # the patcher's threshold near the median of its entropies at init: patches of 1 to 7 bytes, and rows of
@@ -209,20 +158,15 @@ PER_TYPE = {
     ),
     "dots3_note_text": dict(
         _LATENT,
-        shared_experts_intermediate_size=32,
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=4,
+        shared_experts_intermediate_size=32, index_n_heads=2, index_head_dim=16, index_topk=4,
         num_key_value_heads=4,
     ),
     "dots3_note_vision_encoder": dict(
-        mlp_layer_types=["dense"] * SMALL["num_hidden_layers"],
-        adapter_in_dim=SMALL["hidden_size"],
+        mlp_layer_types=["dense"] * SMALL["num_hidden_layers"], adapter_in_dim=SMALL["hidden_size"],
         adapter_out_dim=SMALL["hidden_size"],
     ),
     "dots3_note_audio_encoder": dict(
-        adapter_input_size=SMALL["hidden_size"],
-        adapter_out_dim=SMALL["hidden_size"],
+        adapter_input_size=SMALL["hidden_size"], adapter_out_dim=SMALL["hidden_size"],
         downsample_hidden_size=32,
     ),
     **dict.fromkeys(("mimo_v2_flash", "solar_open"), _FEW_EXPERTS),
@@ -240,12 +184,7 @@ PER_TYPE = {
         num_hidden_layers=3,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
         compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 4},
-        sliding_window=4,
-        index_n_heads=2,
-        index_head_dim=8,
-        index_topk=2,
-        q_lora_rank=32,
-        o_lora_rank=16,
+        sliding_window=4, index_n_heads=2, index_head_dim=8, index_topk=2, q_lora_rank=32, o_lora_rank=16,
         o_groups=2,
     ),
     "inkling_text": _INKLING,
@@ -254,9 +193,7 @@ PER_TYPE = {
     # over the whole sequence differ by 3e-5 of its logits; at this init by 1e-6
     "inkling2_loop_text": dict(
         _INKLING2,
-        n_layers_per_attn_res_block=1,
-        loop_layer_index_start=1,
-        loop_layer_index_end=3,
+        n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3,
         initializer_range=0.05,
     ),
     "ergo": _experts(shared_intermediate_size=32, first_dense_intermediate_size=64),
@@ -266,3 +203,4 @@ PER_TYPE = {
         num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64, nemo_conv_channels=32
     ),
 }
+# fmt: on
