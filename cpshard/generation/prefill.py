@@ -216,7 +216,7 @@ class CPPrefill:
                 check_left_padded(mask)
         except BatchError as raised:
             prompt, mask, error = batch, None, raised
-        self.training_forward.agree_once(params, mesh)
+        self.training_forward.check_call(params, mesh)
         verify_once(self.training_forward, params, mesh)
         names = self.training_forward.module_names
         options = self.training_forward.options

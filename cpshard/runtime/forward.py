@@ -21,8 +21,8 @@ The stops a batch makes, most of them inside the model's own forward, where no c
    length, as GPT-2's does); where there are labels and cpshard's head gives the model's logits, the loss
    runs the head itself (with the logits: whole, nothing else of their size kept; with ``logits=False``: a
    block at a time);
-8. the loss (:mod:`cpshard.loss`): a local token-loss sum, summed over the token axes, over the global
-   count of real tokens.
+8. the loss (:mod:`cpshard.runtime.call_loss`): a local token-loss sum, summed over the token axes, over
+   the global count of real tokens.
 """
 
 from __future__ import annotations
@@ -40,35 +40,14 @@ from cpshard.comm.record import note_call
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
 from cpshard.layouts.structure import text_config
-from cpshard.loss.blocked import (
-    blocked_loss_sum,
-    blocked_token_log_probs,
-    blocked_token_statistics,
-    logits_and_token_log_probs,
-)
-from cpshard.loss.cross_entropy import cross_entropy_sum, token_log_probs
-from cpshard.loss.head import head_matches, head_of, own_logits, transform_logits
-from cpshard.loss.router import adds_router_loss, load_balancing_loss
-from cpshard.loss.statistics import token_statistics
-from cpshard.loss.streams import check_stream_options, stream_logits, streams_loss_sum
-from cpshard.parallel.experts import (
-    expert_counts,
-)
+from cpshard.loss.head import head_matches, own_logits
+from cpshard.loss.router import adds_router_loss
+from cpshard.loss.streams import check_stream_options, stream_logits
 from cpshard.parallel.fsdp import gather_params
-from cpshard.parallel.mesh import (
-    TOKEN_AXES,
-    cp_rank,
-    group_over,
-    mesh_size,
-    summed_over,
-)
+from cpshard.parallel.mesh import cp_rank, mesh_size
 from cpshard.runtime.agreement import check_agreement
-from cpshard.runtime.batch import (
-    PaddedBatch,
-    local_token_mask,
-)
+from cpshard.runtime.call_loss import CallLoss
 from cpshard.runtime.compiled import compile_layers, compile_options
-from cpshard.runtime.count import loss_normaliser
 from cpshard.runtime.cut import held_rows_only
 from cpshard.runtime.grad import summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
@@ -123,7 +102,8 @@ def running_call(model, call: CallPlan, inputs: dict, strict: bool = False):
 
 class CPForward:
     """A cp forward for one model: call it as ``cp_forward(params, batch, mesh)``. Setup here (install,
-    compile); each call plans (:func:`cpshard.runtime.plan.plan_call`), then runs the plan."""
+    compile); each call checks its inputs, plans (:func:`cpshard.runtime.plan.plan_call`), runs the plan, and
+    takes its loss (:class:`~cpshard.runtime.call_loss.CallLoss`)."""
 
     def __init__(self, model, layout: Layout, options: CPOptions):
         self.model, self.layout, self.options = model, layout, options
@@ -136,6 +116,7 @@ class CPForward:
         self.module_names = {id(module): name for name, module in model.named_modules()}
         #: whether the ranks agreed on this cp forward and its first weights (its first call checks)
         self.agreed = False
+        self.loss = CallLoss(model, layout, options)
 
     def __call__(self, params: dict, batch: dict, mesh) -> CPOutput:
         return self._run(params, batch, mesh, reduced=True)
@@ -155,10 +136,11 @@ class CPForward:
         return self._run(params, batch, mesh, reduced=False)
 
     def _prepare(self, params: dict, batch: dict, mesh, reduced: bool):
-        """The probe (once per model, for a layout that is not a tested file), the plan of this call, the
-        model's install checked again, and the parameters as the run takes them: ``reduced``, their
-        gradients summed over the ranks that hold other tokens and DTensors made whole."""
-        self.agree_once(params, mesh)
+        """This call's checks (:meth:`check_call`), the probe (once per model, for a layout that is not a
+        tested file), the plan of this call, the model's install checked again, and the parameters as the
+        run takes them: ``reduced``, their gradients summed over the ranks that hold other tokens and
+        DTensors made whole."""
+        self.check_call(params, mesh)
         verify_once(self, params, mesh)
         plan_inputs = (self.model, self.layout, self.options, self.module_names)
         call, padded = plan_call(*plan_inputs, params, batch, mesh)
@@ -167,20 +149,20 @@ class CPForward:
             params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
         return call, padded, params
 
-    def agree_once(self, params: dict, mesh) -> None:
-        """On the first call, every rank made this cp forward alike and holds the same plain weights
-        (:mod:`cpshard.runtime.agreement`); the model and the params are checked on this rank first (what
-        differs there says more than that the weights differ)."""
+    def check_call(self, params: dict, mesh) -> None:
+        """The model's modules as set up and ``params`` its own, on this rank (every call: what differs there
+        says more than that the weights differ); on the first call, every rank made this cp forward alike and
+        holds the same plain weights (:mod:`cpshard.runtime.agreement`)."""
+        check_modules_unchanged(self.model, self.module_names)
+        check_params(self.model, params)
         if not self.agreed:
-            check_modules_unchanged(self.model, self.module_names)
-            check_params(self.model, params)
             description = repr((self.layout.name, self.options))
             check_agreement(description, parameter_aliases(self.model), params, mesh)
             self.agreed = True
 
     def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
         call, padded, params = self._prepare(params, batch, mesh, reduced)
-        cp, head_with_loss = call.cp_size, self._head_with_loss(params, padded)
+        cp, head_with_loss = call.cp_size, self.loss.head_with_loss(params, padded)
         with (
             rank_stream(self.model, cp_rank(mesh), cp),
             running_call(self.model, call, padded.model_inputs, self.options.strict),
@@ -189,29 +171,17 @@ class CPForward:
         held = chunk_positions(padded.length, cp, cp_rank(mesh))
         local = local[:, : len(held)]  # contiguous order: drop the cp padding at the end
         streams = None if streams is None else streams[:, :, : len(held)]
-        loss, num_tokens, logprobs, statistics, local = self._loss(
+        loss, num_tokens, logprobs, statistics, local = self.loss(
             local, params, padded, mesh, held, reduced, head_with_loss, streams
         )
         if loss is not None and router_logits:
-            loss = loss + self._router_loss(router_logits, padded, call)
+            loss = loss + self.loss.router_loss(router_logits, padded, call)
         logits = sequence_sharded(local, padded.length, call.cp_mesh) if self.options.logits else None
         logprobs = None if logprobs is None else sequence_sharded(logprobs, padded.length, call.cp_mesh)
         if statistics is not None:
             placed = partial(sequence_sharded, length=padded.length, cp=call.cp_mesh)
             statistics = {name: placed(value) for name, value in statistics.items()}
         return CPOutput(loss, logits, num_tokens, logprobs, statistics)
-
-    def _head_with_loss(self, params: dict, padded: PaddedBatch) -> bool:
-        """Whether the loss computes the logits (:func:`~cpshard.loss.blocked.logits_and_token_log_probs`,
-        which keeps neither their softmax nor their gradient beside them): where the call asks for the logits
-        and a loss, and cpshard's head gives the model's logits (else the model's own head runs)."""
-        options = self.options
-        return (
-            options.logits
-            and padded.shift_labels is not None
-            and not self.layout.stream_logits  # the model's own head gives every stream's logits
-            and head_matches(self.model, params, self.layout.head_transforms, self.layout.decoder)
-        )
 
     def _local_outputs(
         self, params: dict, inputs: dict, head_with_loss: bool = False
@@ -252,79 +222,6 @@ class CPForward:
         if self.options.logits and not head_with_loss:
             local = own_logits(self.model, params, local, self.layout.head_transforms)
         return local, output.router_logits if routed else None, None
-
-    def _router_loss(self, router_logits: tuple, padded: PaddedBatch, call: CallPlan) -> torch.Tensor:
-        """The config's coefficient times the load-balancing loss over the whole batch."""
-        rank = cp_rank(call.mesh)
-        mask = local_token_mask(padded, call.order, call.cp_size, rank)
-        aux = load_balancing_loss(
-            router_logits, *expert_counts(text_config(self.model)), mask, group_over(call.mesh, TOKEN_AXES)
-        )
-        return text_config(self.model).router_aux_loss_coef * aux
-
-    def _head(self, params: dict) -> tuple:
-        """``(weight, bias, transform)``: the LM head as the losses without logits apply it."""
-        transform = partial(
-            transform_logits, config=text_config(self.model), transforms=self.layout.head_transforms
-        )
-        return *head_of(self.model, params), transform
-
-    def _loss_sum(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
-        if self.options.logits:
-            return cross_entropy_sum(local, labels)
-        return blocked_loss_sum(local, labels, *self._head(params))
-
-    def _token_logprobs(self, local, params: dict, labels: torch.Tensor) -> torch.Tensor:
-        if self.options.logits:
-            return token_log_probs(local, labels)
-        return blocked_token_log_probs(local, labels, *self._head(params))
-
-    def _token_statistics(self, local, params: dict, labels: torch.Tensor) -> dict | None:
-        names = self.options.token_statistics
-        if not names:
-            return None
-        if self.options.logits:
-            return token_statistics(local, labels, names)
-        return blocked_token_statistics(local, labels, *self._head(params), names)
-
-    def _loss(
-        self,
-        local,
-        params: dict,
-        padded: PaddedBatch,
-        mesh,
-        held: torch.Tensor,
-        reduced: bool,
-        head_with_loss: bool = False,
-        streams: torch.Tensor | None = None,
-    ):
-        """``(loss, num_tokens, this rank's token log-probabilities or None, its token statistics or
-        None, its logits)``; the loss is the log-probabilities' negated sum over the normaliser when they are
-        asked for (one pass over the head); not ``reduced``, this rank's share of it. ``head_with_loss``:
-        ``local`` is the final hidden states, and the loss computes the logits. ``streams``: the further
-        streams' logits, whose token losses join the loss over every stream's tokens."""
-        if padded.shift_labels is None:
-            for option in ("token_logprobs", "token_statistics"):
-                if getattr(self.options, option):
-                    raise ValueError(f"{option} needs labels: give the batch labels or shift_labels")
-            return None, torch.zeros((), dtype=torch.int64), None, None, local
-        local_labels = padded.shift_labels.index_select(1, held.to(padded.shift_labels.device))
-        num_tokens, divisor = loss_normaliser(padded.shift_labels, padded.num_items, mesh)
-        if head_with_loss:
-            local, picked = logits_and_token_log_probs(local, local_labels, *self._head(params))
-            logprobs, loss_sum = picked if self.options.token_logprobs else None, -picked.sum()
-        elif self.options.token_logprobs:
-            logprobs = self._token_logprobs(local, params, local_labels)
-            loss_sum = -logprobs.sum()
-        else:
-            logprobs, loss_sum = None, self._loss_sum(local, params, local_labels)
-        if streams is not None:
-            loss_sum = loss_sum + streams_loss_sum(streams, local_labels)
-            divisor = divisor * (1 + streams.shape[1])
-        loss = loss_sum / divisor
-        if reduced:
-            loss = summed_over(loss, mesh, TOKEN_AXES, "loss")
-        return loss, num_tokens, logprobs, self._token_statistics(local, params, local_labels), local
 
 
 def make_cp_forward(

@@ -339,9 +339,8 @@ def plan_call(
 ) -> tuple[CallPlan, PaddedBatch]:
     """How one call splits its work, and the batch padded for it: the strategy (checked against the mesh),
     the batch (checked the same on every rank of each dp group, or every rank raises), the order, the
-    padding, the meshes and groups."""
-    check_modules_unchanged(model, module_names)
-    check_params(model, params)
+    padding, the meshes and groups. The model and ``params`` are the caller's to check first (the forward's
+    :meth:`~cpshard.runtime.forward.CPForward.check_call`)."""
     implementation, degree = choose_strategy(model, layout, options, mesh, params)
     if layout.labels_shifted:
         batch = labels_read_as_shifted(batch)
