@@ -8,11 +8,29 @@ from cpshard.tools.layout_file import layout_for
 from cpshard.tools.tiny import tiny_model
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "gpt_oss", "qwen3", "bloom", "inkling2_text"])
+@pytest.mark.parametrize(
+    "model_type", ["gpt_neox", "gpt_oss", "qwen3", "bloom", "inkling2_text", "qwen3_next", "nemotron_h"]
+)
 def test_the_printed_file_gives_back_the_layout(model_type):
     namespace = {}
     exec(layout_for(model_type), namespace)  # noqa: S102 -- the file a user would save and import
     assert namespace["LAYOUT"] == resolve_layout(tiny_model(model_type, attn_implementation="auto"))
+
+
+def test_the_file_reads_as_a_table():
+    """Related rows share a line, as the registered files write them; what does not fit takes lines apart
+    (a tensor-parallel plan a line per module)."""
+    printed = layout_for("qwen3")
+    assert "    name='qwen3', model_types=('qwen3',),\n" in printed
+    assert (
+        "\n    decoder='model', decoder_layers='model.layers', attention='self_attn', "
+        "final_norm='model.norm'," in printed
+    )
+    assert (
+        "\n        'mlp.gate_proj': 'colwise', 'mlp.up_proj': 'colwise', 'mlp.down_proj': 'rowwise',\n"
+        in printed
+    )
+    assert max(len(line) for line in printed.splitlines()[2:]) <= 110
 
 
 def test_cli_prints_or_refuses(capsys):

@@ -33,16 +33,78 @@ def _value(value) -> str:
     return repr(value)
 
 
+#: rows that share a line, as the registered files write their tables (what does not fit takes lines apart)
+_SHARED_LINES = (
+    ("name", "model_types"),
+    ("decoder", "decoder_layers", "attention", "final_norm"),
+    ("heads", "kv_heads", "mlp_width"),
+    ("qkv", "attn_output"),
+    ("logits", "head_transforms"),
+    ("tensor_parallel_inputs", "experts", "per_head_params", "mlp"),
+    ("sparse_attention", "labels_shifted", "whole_inputs", "stream_logits"),
+    ("restores_length", "looped", "cut_at_entry"),
+    ("recurrent", "pointwise"),
+)
+_WIDTH = 110
+
+
+def _row(name: str, value) -> list[str]:
+    """One row's lines: on one line where it fits; else a tuple's items a line each, and a dict's entries a
+    line per module (the text before the first dot: a tensor-parallel plan by attention and MLP)."""
+    line = f"    {name}={_value(value)},"
+    if len(line) <= _WIDTH or not value or not isinstance(value, tuple) and not hasattr(value, "items"):
+        return [line]
+    if isinstance(value, tuple):
+        return [f"    {name}=(", *(f"        {_value(item)}," for item in value), "    ),"]
+    by_module = {}
+    for key, entry in value.items():
+        by_module.setdefault(key.split(".")[0], []).append(f"{key!r}: {entry!r},")
+    return [
+        f"    {name}={{",
+        *(line for entries in by_module.values() for line in _packed(entries)),
+        "    },",
+    ]
+
+
+def _packed(entries: list[str], indent: str = "        ") -> list[str]:
+    """``entries`` on as few lines as fit the width, in order."""
+    lines = [indent + entries[0]]
+    for entry in entries[1:]:
+        if len(lines[-1]) + 1 + len(entry) <= _WIDTH:
+            lines[-1] += " " + entry
+        else:
+            lines.append(indent + entry)
+    return lines
+
+
+def _rows(layout: Layout) -> list[str]:
+    """Every row of ``layout`` in its fields' order, the rows of :data:`_SHARED_LINES` on one line where
+    they fit."""
+    lines, done = [], set()
+    for field in fields(layout):
+        if field.name in done:
+            continue
+        names = next((group for group in _SHARED_LINES if group[0] == field.name), (field.name,))
+        shared = "    " + " ".join(f"{name}={_value(getattr(layout, name))}," for name in names)
+        if len(names) > 1 and len(shared) <= _WIDTH:
+            lines.append(shared)
+        else:
+            lines += [line for name in names for line in _row(name, getattr(layout, name))]
+        done.update(names)
+    return lines
+
+
 def layout_source(layout: Layout, origin: str, rewritten: tuple[str, ...] = ()) -> str:
-    """``layout`` as a layout file: one row per line; a comment naming the ``rewritten`` attention classes."""
-    rows = "\n".join(f"    {f.name}={_value(getattr(layout, f.name))}," for f in fields(layout))
+    """``layout`` as a layout file, a table as the registered files write one; a comment naming the
+    ``rewritten`` attention classes."""
+    rows = "\n".join(_rows(layout))
     note = "".join(
         f"# cpshard rewrites {name}'s forward to call transformers' attention registry\n"
         "# (cpshard/layouts/family_attention.py): cp's attention serves it\n"
         for name in rewritten
     )
     return (
-        f'"""The cp layout of {origin}, as cpshard derived it (edit it, then make_cp_forward(model, '
+        f'"""The cp layout of {origin}, as cpshard derived it\n(edit it, then make_cp_forward(model, '
         'layout=LAYOUT))."""\n\nfrom cpshard import Layout, Recurrent, Spec\n\n'
         + note
         + "LAYOUT = Layout(\n"
