@@ -206,6 +206,20 @@ def test_uneven_and_empty_shards_gather_and_reduce_exactly(ranks4):
     assert all(r["whole"] and r["grads"] for r in results), results
 
 
+#: edits of Llama's table that tp cannot serve (the probe runs on a cp-only mesh and never sees the plan)
+TP_EDITS = {
+    "tp-no-entries": lambda layout: replace(layout, tensor_parallel_inputs=()),
+    "tp-norm-per-head": lambda layout: layout.with_rows(tensor_parallel={"input_layernorm": "per_head"}),
+    "tp-o-proj-colwise": lambda layout: layout.with_rows(tensor_parallel={"self_attn.o_proj": "colwise"}),
+    "tp-rowwise-alone": lambda layout: replace(
+        layout,
+        tensor_parallel={
+            p: s for p, s in layout.tensor_parallel.items() if p != "mlp.gate_proj" and p != "mlp.up_proj"
+        },
+    ),
+}
+
+
 def bad_parallel(kind: str):
     model = tiny_model("llama")
     batch = tiny_batch(model.config.vocab_size, 2, 8)
@@ -225,12 +239,8 @@ def bad_parallel(kind: str):
     elif kind == "tp-unknown-style":
         typo = replace(resolve_layout(model), tensor_parallel=(("self_attn.q_proj", "colwsie"),))
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=typo)
-    elif kind in ("tp-no-entries", "tp-norm-per-head"):  # a user's edits, which the cp-only probe never sees
-        layout = resolve_layout(model)
-        edited = {
-            "tp-no-entries": replace(layout, tensor_parallel_inputs=()),
-            "tp-norm-per-head": layout.with_rows(tensor_parallel={"input_layernorm": "per_head"}),
-        }[kind]
+    elif kind in TP_EDITS:  # a user's edits, which the cp-only probe never sees
+        edited = TP_EDITS[kind](resolve_layout(model))
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=edited)
     elif kind in ("tp-derived-olmo2", "tp-derived-stablelm"):
         cpshard.parallelize(tiny_model(kind.rsplit("-", 1)[1]), cpshard.make_mesh(cp=2, tp=2))
@@ -280,6 +290,17 @@ BAD = {
     "tp-norm-per-head": (
         "ValueError",
         "the tensor-parallel rows input_layernorm (per_head) sit in no block of tensor_parallel_inputs",
+    ),
+    # wrong styles: a shape error inside torch naming no row, before the check
+    "tp-o-proj-colwise": (
+        "ValueError",
+        "model.layers.0.self_attn: holds column-wise layers and no row-wise one here, so its output would "
+        "leave it split over tp",
+    ),
+    "tp-rowwise-alone": (
+        "ValueError",
+        "model.layers.0.mlp: holds a row-wise layer and no column-wise one here, so the row-wise layer would "
+        "take its whole input as its share",
     ),
     # a norm over every head's width (not per head) and a forward that reshapes by the whole head count
     "tp-derived-olmo2": (

@@ -106,15 +106,29 @@ def _split_problems(layer: nn.Module, layout: Layout) -> list[tuple[str, str]]:
     unplaced: a parameter of a split block (self_attn, mlp) that the plan places nowhere (each tp rank
     would apply all of it to its own heads or features: Olmo2's q_norm over every head's width, BitNet's
     sub-norms, Apertus' xIELU parameters, Cohere's per-head norm of shape (heads, head_dim)), and a
-    block's code that reads the whole model's head count."""
-    return [
-        problem
-        for path in layout.tensor_parallel_inputs
-        if (block := submodule(layer, path)) is not None
-        and holds_colwise(layer, path, layout)
-        and not holds_experts(layer, path, layout)
-        for problem in _block_problems(block, path, layout)
-    ]
+    block's code that reads the whole model's head count; and a split that does not close: a block with
+    column-wise layers and no row-wise one (its output would leave it split over tp), or the reverse (a
+    row-wise layer would take a whole input as its share)."""
+    problems = []
+    for path in layout.tensor_parallel_inputs:
+        block = submodule(layer, path)
+        if block is None or holds_experts(layer, path, layout):
+            continue
+        opens, closes = holds_colwise(layer, path, layout), _holds_rowwise(layer, path, layout)
+        if opens != closes:
+            problems.append((path, _UNCLOSED[opens]))
+        elif opens:
+            problems += _block_problems(block, path, layout)
+    return problems
+
+
+#: why a split that does not close fails, by whether the block holds column-wise layers
+_UNCLOSED = {
+    True: "holds column-wise layers and no row-wise one here, so its output would leave it split over tp "
+    "(the layer that writes the block's output, as o_proj or down_proj, is 'rowwise')",
+    False: "holds a row-wise layer and no column-wise one here, so the row-wise layer would take its whole "
+    "input as its share (the layers that read the block's input, as q_proj or up_proj, are 'colwise')",
+}
 
 
 def _block_problems(block: nn.Module, path: str, layout: Layout) -> list[tuple[str, str]]:
@@ -184,6 +198,11 @@ def holds_colwise(layer: nn.Module, path: str, layout: Layout) -> bool:
     times."""
     colwise = [p for p, style in layout.tensor_parallel.items() if style == "colwise" and p != path]
     return _holds_any(layer, path, colwise)
+
+
+def _holds_rowwise(layer: nn.Module, path: str, layout: Layout) -> bool:
+    """The module at ``path`` holds a row-wise layer of the plan in this layer."""
+    return _holds_any(layer, path, [p for p, style in layout.tensor_parallel.items() if style == "rowwise"])
 
 
 def holds_experts(layer: nn.Module, path: str, layout: Layout) -> bool:
