@@ -271,3 +271,54 @@ def test_a_stalled_rank_ends_the_launch_at_its_timeout(tmp_path):
         launch(_write_pid_then_stall, str(tmp_path), nprocs=2, timeout=timeout)
     assert timeout <= time.monotonic() - start < timeout + 20
     assert not _left_behind(tmp_path), "a rank was left running"
+
+
+_LAUNCHER = """
+import os, sys, time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from cpshard import launch
+
+
+def stall(folder):
+    Path(folder, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    launch(stall, sys.argv[1], nprocs=2)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited orphan may stay a zombie where nothing reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signal_", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_end_with_their_launcher(tmp_path, signal_):
+    """A launcher killed without closing its ranks (SIGKILL; ``timeout``'s SIGTERM skips the exit handlers
+    too) leaves no rank running: each ends within seconds of its launcher, busy or idle."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+        time.sleep(0.2)
+    pids = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
+    assert len(pids) == 2, "both ranks started"
+    launcher.send_signal(signal_)
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in pids if _running(pid)]
+    for pid in left:  # not to leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"

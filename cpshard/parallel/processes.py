@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ _POLL_SECONDS = 0.05
 _IDLE_SECONDS = 1.0
 #: ... and how long one still busy gets to report
 _GRACE_SECONDS = 20.0
+#: how often a rank looks for its launcher
+_PARENT_POLL_SECONDS = 1.0
 #: what a rank raises when a peer is gone: a consequence, never the cause
 _PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote worker crash", re.IGNORECASE)
 
@@ -124,7 +127,23 @@ def _unpickling_failure(rank: int, error: BaseException) -> RankFailure:
     )
 
 
-def _worker(rank: int, nprocs: int, store_dir: str, port: int, timeout: float, tasks, results) -> None:
+def _exit_with(launcher: int) -> None:
+    """End this process once its launcher is gone: killed, or stopped by a signal that skips its exit
+    handlers (``timeout``'s SIGTERM), it cannot close its ranks, which would compute, or wait for a task,
+    for ever (orphans of several GB each were seen outliving a killed run)."""
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(_PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="cpshard-launcher-watch", daemon=True).start()
+
+
+def _worker(
+    rank: int, nprocs: int, store_dir: str, port: int, timeout: float, tasks, results, launcher: int
+) -> None:
+    _exit_with(launcher)
     import torch
     import torch.distributed as dist
 
@@ -210,7 +229,16 @@ class LocalRanks:
         self._processes = [
             context.Process(
                 target=_worker,
-                args=(rank, nprocs, self._store_dir, port, timeout, self._tasks[rank], self._results),
+                args=(
+                    rank,
+                    nprocs,
+                    self._store_dir,
+                    port,
+                    timeout,
+                    self._tasks[rank],
+                    self._results,
+                    os.getpid(),
+                ),
                 daemon=True,
             )
             for rank in range(nprocs)
