@@ -1,10 +1,15 @@
 """The layout registry and files: which layout serves which model, and what each declares."""
 
+import re
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from cpshard.comm.redistribute import plan
+from cpshard.layouts.layout import Recurrent, specs
+from cpshard.layouts.llama import LAYOUT as LLAMA
 from cpshard.layouts.registry import (
     BY_NAME,
     REGISTERED,
@@ -16,6 +21,7 @@ from cpshard.layouts.registry import (
     resolve_layout,
 )
 from cpshard.layouts.structure import structure_problems
+from cpshard.spec.notation import Spec
 from cpshard.tools.tiny import tiny_model
 
 SUPPORTED = ("gemma3_text", "llama", "mistral", "qwen3", "qwen3_moe")
@@ -143,3 +149,44 @@ def test_layout_files_declare_the_cheap_moves(layout):
     for before, after in (layout.qkv, layout.attn_output):
         assert [(m.axis, m.kind) for m in plan(before, after)] == [("cp", "all_to_all")], (before, after)
     assert layout.logits.sharded_dim("cp") == 1
+
+
+#: rows cpshard could not run, or would not read as written: refused where the layout is made, naming the row
+BAD_ROWS = {
+    "an axis typo": (dict(hidden=specs("b s d", "b s@cq d")), "hidden splits over 'cq'"),
+    "tp in a spec": (dict(qkv=specs("b h s@tp d", "b h@cp s d")), "qkv splits over 'tp'"),
+    "other names": (dict(hidden=specs("b s d", "b t@cp d")), "hidden moves b s d to b t@cp d, which name"),
+    "a layer input": (
+        dict(layer_inputs=(("position_ids", *specs("b s", "s@cp b")),)),
+        "layer_inputs 'position_ids' moves b s to s@cp b",
+    ),
+    "logits whole": (dict(logits=Spec("b s v")), "logits=b s v; a cp call gives the logits as b s@cp v"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ROWS)
+def test_a_row_cpshard_would_not_read_as_written_is_refused(case):
+    rows, message = BAD_ROWS[case]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        replace(LLAMA, **rows)
+
+
+BAD_RECURRENT = {
+    "kernel typo": (dict(kernel="chunk_gated_delta"), "kernel='chunk_gated_delta' is not a kernel cpshard"),
+    "another decay": (
+        dict(decay="scalar"),
+        "chunk_gated_delta_rule's state decays as 'matrix', not 'scalar'",
+    ),
+    "another state": (dict(state=Spec("b h v k")), "state=b h v k; cpshard reads a kernel's state"),
+    "conv typo": (dict(conv="conv1d"), "conv='conv1d'; the convolution slot is 'causal_conv1d_fn'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RECURRENT)
+def test_a_recurrent_row_states_its_kernel_s_facts(case):
+    rows, message = BAD_RECURRENT[case]
+    good = dict(module="linear_attn", kernel="chunk_gated_delta_rule", conv="causal_conv1d_fn")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Recurrent(**{**good, **rows})
+    ssd = Recurrent("mixer", kernel="mamba_chunk_scan_combined", conv="causal_conv1d_fn")
+    assert ssd.decay == "scalar" and ssd == replace(ssd, decay=None)  # the kernel's decay, filled in

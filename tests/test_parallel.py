@@ -211,6 +211,11 @@ TP_EDITS = {
     "tp-no-entries": lambda layout: replace(layout, tensor_parallel_inputs=()),
     "tp-norm-per-head": lambda layout: layout.with_rows(tensor_parallel={"input_layernorm": "per_head"}),
     "tp-o-proj-colwise": lambda layout: layout.with_rows(tensor_parallel={"self_attn.o_proj": "colwise"}),
+    "tp-per-head-unsplit": lambda layout: replace(
+        layout,
+        tensor_parallel={p: s for p, s in layout.tensor_parallel.items() if not p.startswith("self_attn.")}
+        | {"self_attn.q_norm": "per_head", "self_attn.k_norm": "per_head"},
+    ),
     "tp-rowwise-alone": lambda layout: replace(
         layout,
         tensor_parallel={
@@ -240,6 +245,7 @@ def bad_parallel(kind: str):
         typo = replace(resolve_layout(model), tensor_parallel=(("self_attn.q_proj", "colwsie"),))
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=typo)
     elif kind in TP_EDITS:  # a user's edits, which the cp-only probe never sees
+        model = tiny_model("qwen3") if kind == "tp-per-head-unsplit" else model
         edited = TP_EDITS[kind](resolve_layout(model))
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=edited)
     elif kind in ("tp-derived-olmo2", "tp-derived-stablelm"):
@@ -301,6 +307,12 @@ BAD = {
         "ValueError",
         "model.layers.0.mlp: holds a row-wise layer and no column-wise one here, so the row-wise layer would "
         "take its whole input as its share",
+    ),
+    # the per-head gradients summed over tp ranks that each ran every head: tp times too large, silently
+    "tp-per-head-unsplit": (
+        "ValueError",
+        "model.layers.0.self_attn: holds per-head rows and no column-wise layer here: every tp rank runs all "
+        "of its heads",
     ),
     # a norm over every head's width (not per head) and a forward that reshapes by the whole head count
     "tp-derived-olmo2": (

@@ -138,14 +138,74 @@ class Recurrent:
     kernel: str
     #: the slot of its short causal convolution (:data:`CONV_SLOT`), None where it has none
     conv: str | None
-    #: one sequence's state, fp32: batch, heads, key and value dims
+    #: one sequence's state, fp32: batch, heads, key and value dims (what the kernel's state is; stated, not
+    #: chosen: cpshard reads it from the kernel)
     state: Spec = Spec("b h k v")
     #: how the state carried into a slice reaches its end: "matrix" (delta rules: ``M S_in``), "scalar"
     #: (SSD: ``exp(A sum(dt))`` per row and head, its state ``[P, N]`` read as ``v k``), "constant"
     #: (lightning attention: ``e^{-s T} S_in``, known without data), "diagonal" (Mamba1: per channel and
     #: state dim, served split over channels; RG-LRU: per channel, by state passing) or "none" (a
-    #: convolution alone, whose kernel is its ``conv``: only its halo crosses ranks)
-    decay: str = "matrix"
+    #: convolution alone, whose kernel is its ``conv``: only its halo crosses ranks). The kernel's
+    #: (:data:`RECURRENT_KERNELS`), stated, not chosen; None (the default) fills it in
+    decay: str | None = None
+
+    def __post_init__(self):
+        """A row's kernel, convolution, state and decay are facts of the kernel cpshard serves: a row that
+        names another is refused here, not ignored where it runs."""
+        where = f"Recurrent({self.module!r})"
+        if self.kernel not in RECURRENT_KERNELS:
+            raise ValueError(
+                f"{where}: kernel={self.kernel!r} is not a kernel cpshard serves; one of "
+                f"{', '.join(RECURRENT_KERNELS)}"
+            )
+        if self.conv not in (None, CONV_SLOT):
+            raise ValueError(f"{where}: conv={self.conv!r}; the convolution slot is {CONV_SLOT!r}, or None")
+        decay = RECURRENT_KERNELS[self.kernel]
+        if self.decay not in (None, decay):
+            raise ValueError(
+                f"{where}: {self.kernel}'s state decays as {decay!r}, not {self.decay!r} (the row states the "
+                "kernel's fact; leave decay out)"
+            )
+        object.__setattr__(self, "decay", decay)
+        if self.state != Spec("b h k v"):
+            raise ValueError(
+                f"{where}: state={self.state}; cpshard reads a kernel's state from the kernel, as "
+                "Spec('b h k v') states it (leave state out)"
+            )
+
+
+#: the mesh axis a layout's specs split over (tensor parallelism is its plan's, experts' its own rows')
+LAYOUT_AXIS = "cp"
+#: what a cp call gives: the logits split over the sequence (the row states it)
+LOGITS = Spec(f"b s@{LAYOUT_AXIS} v")
+
+
+def _spec_problems(layout: Layout) -> list[str]:
+    """What in ``layout``'s specs cpshard could not run, or would not read as written: a pair whose two specs
+    name other dimensions (a move changes placements, not names), a spec split over another axis than cp,
+    logits other than cp gives."""
+    pairs = [
+        ("hidden", layout.hidden),
+        *((f"layer_inputs {name!r}", (before, after)) for name, before, after in layout.layer_inputs),
+        ("qkv", layout.qkv),
+        ("attn_output", layout.attn_output),
+    ]
+    problems = [
+        f"{row} moves {before} to {after}, which name other dimensions (a row moves a tensor between "
+        "placements: the same names, in the same order)"
+        for row, (before, after) in pairs
+        if before.names != after.names
+    ]
+    problems += [
+        f"{row} splits over {', '.join(repr(a) for a in spec.axes if a != LAYOUT_AXIS)}: a layout's specs "
+        f"split over {LAYOUT_AXIS!r} only (tensor parallelism is the tensor_parallel plan's)"
+        for row, pair in pairs
+        for spec in pair
+        if any(axis != LAYOUT_AXIS for axis in spec.axes)
+    ]
+    if layout.logits != LOGITS:
+        problems.append(f"logits={layout.logits}; a cp call gives the logits as {LOGITS} (the row states it)")
+    return problems
 
 
 def gathers_keys(module: nn.Module) -> bool:
@@ -247,6 +307,9 @@ class Layout:
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
+        problems = _spec_problems(self)
+        if problems:
+            raise ValueError(f"layout {self.name!r}: {'; '.join(problems)}")
 
     def __reduce__(self):
         """Pickled (to send to other ranks) with the plan as a plain dict: a mapping proxy does not pickle."""

@@ -114,11 +114,13 @@ def _split_problems(layer: nn.Module, layout: Layout) -> list[tuple[str, str]]:
         block = submodule(layer, path)
         if block is None or holds_experts(layer, path, layout):
             continue
-        opens, closes = holds_colwise(layer, path, layout), _holds_rowwise(layer, path, layout)
+        opens, closes = holds_colwise(layer, path, layout), _holds_style(layer, path, layout, "rowwise")
         if opens != closes:
             problems.append((path, _UNCLOSED[opens]))
         elif opens:
             problems += _block_problems(block, path, layout)
+        elif _holds_style(layer, path, layout, "per_head"):
+            problems.append((path, _PER_HEAD_UNSPLIT))
     return problems
 
 
@@ -129,6 +131,12 @@ _UNCLOSED = {
     False: "holds a row-wise layer and no column-wise one here, so the row-wise layer would take its whole "
     "input as its share (the layers that read the block's input, as q_proj or up_proj, are 'colwise')",
 }
+#: why a per-head row in a block tp does not split fails
+_PER_HEAD_UNSPLIT = (
+    "holds per-head rows and no column-wise layer here: every tp rank runs all of its heads, so the per-head "
+    "gradient summed over tp would count each head tp times (drop the per_head rows where the block's heads "
+    "are not split)"
+)
 
 
 def _block_problems(block: nn.Module, path: str, layout: Layout) -> list[tuple[str, str]]:
@@ -200,9 +208,9 @@ def holds_colwise(layer: nn.Module, path: str, layout: Layout) -> bool:
     return _holds_any(layer, path, colwise)
 
 
-def _holds_rowwise(layer: nn.Module, path: str, layout: Layout) -> bool:
-    """The module at ``path`` holds a row-wise layer of the plan in this layer."""
-    return _holds_any(layer, path, [p for p, style in layout.tensor_parallel.items() if style == "rowwise"])
+def _holds_style(layer: nn.Module, path: str, layout: Layout, style: str) -> bool:
+    """The module at ``path`` holds a module of the plan's ``style`` in this layer."""
+    return _holds_any(layer, path, [p for p, s in layout.tensor_parallel.items() if s == style])
 
 
 def holds_experts(layer: nn.Module, path: str, layout: Layout) -> bool:
