@@ -394,3 +394,19 @@ def test_a_given_layout_that_fails_is_blamed_not_the_transformers_release(ranks2
         assert "as the layout given describes it (installed transformers" in message, message
         assert "check its rows against the model (`cpshard layout MODEL` prints" in message, message
         assert "constraints.txt" not in message
+
+
+def test_a_copy_of_the_registered_file_is_trusted_as_the_file():
+    """``cpshard layout``'s printed file, saved and loaded, is the registered table row for row: trusted on
+    its own type untested as the file is (under tp a layout cpshard must probe is refused on parallel
+    parameters, with a message that said "tested on 5.25.0 (tested: 5.25.0)" for it); an edit is not."""
+    from cpshard.runtime.probe import _tested_file, _untested
+    from cpshard.tools.layout_file import layout_for
+
+    model, namespace = tiny_model("qwen3"), {}
+    exec(layout_for("qwen3"), namespace)  # noqa: S102 -- the file a user saves and imports
+    printed = namespace["LAYOUT"]
+    assert _tested_file(printed, model)
+    edited = printed.with_rows(labels_shifted=True)
+    assert not _tested_file(edited, model)
+    assert "it is not the registered file of model type 'qwen3' (an edit" in _untested(edited, model)

@@ -111,9 +111,19 @@ def _unvouched(subject: str, what: str | None, error: BaseException | None, layo
 
 
 def _own_file(layout, model) -> bool:
-    """Whether ``layout`` is the file registered for the model's own type (another type's file, as
-    ``layout="llama"`` on a model of another type, was tested on the types it names only)."""
-    return REGISTERED.get(model_type_of(model)) is layout
+    """Whether ``layout`` is the file registered for the model's own type, or a copy equal to it in every
+    row (``cpshard layout``'s printed file): another type's file, as ``layout="llama"`` on a model of another
+    type, was tested on the types it names only."""
+    return REGISTERED.get(model_type_of(model)) == layout
+
+
+def _untested(layout, model) -> str:
+    """Why ``layout`` is not trusted untested on ``model``: not the type's registered file, or that file on
+    another transformers release than its tests'."""
+    if _own_file(layout, model):
+        return f"its tests passed on transformers {WRITTEN_FOR}, not the installed {transformers.__version__}"
+    kinds = "an edit, another type's file, a derived layout"
+    return f"it is not the registered file of model type {model_type_of(model)!r} ({kinds})"
 
 
 def _tested_file(layout, model) -> bool:
@@ -134,12 +144,11 @@ def verify_once(cp_forward, params: dict, mesh) -> None:
         return
     if any(isinstance(value, DTensor) for value in params.values()):
         raise LayoutError(
-            f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: it is not a "
-            f"registered file tested on the installed transformers {transformers.__version__} (tested: "
-            f"{WRITTEN_FOR}), and it is verified on the plain model's parameters only; call "
-            "cp_forward once with cpshard.params_of(model) before cpshard.parallelize(model, mesh), on a "
-            "mesh without tp or ep (cpshard.make_mesh(cp=...): one with them takes the parallel parameters "
-            "only), then call it with the parallel ones"
+            f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: "
+            f"{_untested(layout, model)}, and such a layout is verified on the plain model's parameters "
+            "only; call cp_forward once with cpshard.params_of(model) before "
+            "cpshard.parallelize(model, mesh), on a mesh without tp or ep (cpshard.make_mesh(cp=...): one "
+            "with them takes the parallel parameters only), then call it with the parallel ones"
         )
     verified.add(key)  # the probe's own cp call must not probe again
     subject = f"layout {layout.name!r} on {type(model).__name__}"
