@@ -30,7 +30,13 @@ def test_the_file_reads_as_a_table():
         "\n        'mlp.gate_proj': 'colwise', 'mlp.up_proj': 'colwise', 'mlp.down_proj': 'rowwise',\n"
         in printed
     )
-    assert max(len(line) for line in printed.splitlines()[2:]) <= 110
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next", "zamba2", "nemotron_h", "jamba"])
+def test_the_file_fits_110_columns(model_type):
+    """Every line within 110 columns, a recurrent row's fields on lines of their own where it is long."""
+    printed = layout_for(model_type)
+    assert max(len(line) for line in printed.splitlines()) <= 110, printed
 
 
 def test_cli_prints_or_refuses(capsys):

@@ -7,7 +7,7 @@ paths, never sizes), so nothing is downloaded and no weights are needed.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 
 from transformers import AutoConfig
 
@@ -55,7 +55,7 @@ def _row(name: str, value) -> list[str]:
     if len(line) <= _WIDTH or not value or not isinstance(value, tuple) and not hasattr(value, "items"):
         return [line]
     if isinstance(value, tuple):
-        return [f"    {name}=(", *(f"        {_value(item)}," for item in value), "    ),"]
+        return [f"    {name}=(", *(line for item in value for line in _item(item)), "    ),"]
     by_module = {}
     for key, entry in value.items():
         by_module.setdefault(key.split(".")[0], []).append(f"{key!r}: {entry!r},")
@@ -64,6 +64,16 @@ def _row(name: str, value) -> list[str]:
         *(line for entries in by_module.values() for line in _packed(entries)),
         "    },",
     ]
+
+
+def _item(item) -> list[str]:
+    """One item of a tuple row: on one line where it fits; else a row object (a :class:`Recurrent`) with its
+    fields on as few lines as fit."""
+    line = f"        {_value(item)},"
+    if len(line) <= _WIDTH or not is_dataclass(item):
+        return [line]
+    entries = [f"{f.name}={_value(getattr(item, f.name))}," for f in fields(item)]
+    return [f"        {type(item).__name__}(", *_packed(entries, " " * 12), "        ),"]
 
 
 def _packed(entries: list[str], indent: str = "        ") -> list[str]:
@@ -104,7 +114,7 @@ def layout_source(layout: Layout, origin: str, rewritten: tuple[str, ...] = ()) 
         for name in rewritten
     )
     return (
-        f'"""The cp layout of {origin}, as cpshard derived it\n(edit it, then make_cp_forward(model, '
+        f'"""The cp layout cpshard uses for {origin}\n(edit it, then make_cp_forward(model, '
         'layout=LAYOUT))."""\n\nfrom cpshard import Layout, Recurrent, Spec\n\n'
         + note
         + "LAYOUT = Layout(\n"
@@ -133,9 +143,9 @@ def layout_for(name: str) -> str:
     except Exception as error:  # noqa: BLE001 -- transformers' validators raise many types
         raise UsageError(f"cannot build a tiny {name}: {type(error).__name__}: {error}") from None
     layout = resolve_layout(model)
-    kind = "the registered file" if layout in REGISTERED.values() else "derived"
+    kind = "its registered file" if layout in REGISTERED.values() else "derived from the model"
     layers = model.get_submodule(layout.decoder_layers)
     with_attention = attention_layers(layers, layout)
     inner = [module for layer in with_attention for module in layer.get_submodule(layout.attention).modules()]
     names = tuple(dict.fromkeys(type(module).__name__ for module in inner if rewritten(module)))
-    return layout_source(layout, f"{model.config.model_type} ({kind})", names)
+    return layout_source(layout, f"{model.config.model_type}: {kind}", names)
