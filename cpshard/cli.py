@@ -1,7 +1,8 @@
 """The ``cpshard`` command line: one sub-command per job (``demo``, ``check``, ``bench``, ``layout``).
 
 Exit status, one rule for every command: 0 on success, 1 when a check fails or cpshard refuses the model
-(a ``LayoutError``), 2 on bad usage (one line on stderr saying why).
+(a ``LayoutError``), 2 on bad usage (one line on stderr saying why), 130 when interrupted (^C: one line,
+its local ranks ended).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib.util
 import inspect
 import sys
 from functools import partial
+from importlib.metadata import version
 
 from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.bench.compiled import check_backend, run_compiled_bench
@@ -27,6 +29,8 @@ from cpshard.tools.layout_file import layout_for
 from cpshard.tools.usage import UsageError
 
 USAGE_ERROR = 2
+#: the shell's status for a command ended by SIGINT
+INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,7 +75,12 @@ def _add_check(commands) -> None:
     add = parser.add_argument
     add("model", metavar="MODEL", help="a local model folder (config.json; weights optional) or a model type")
     add("--cp", type=int, default=defaults.cp, help=f"local CPU ranks on the cp axis (default {defaults.cp})")
-    add("--implementation", choices=IMPLEMENTATIONS, default=defaults.implementation, help="cp attention")
+    add(
+        "--implementation",
+        choices=IMPLEMENTATIONS,
+        default=defaults.implementation,
+        help=f"cp attention (default {defaults.implementation})",
+    )
     add("--seq", type=int, default=defaults.seq, help=f"tokens per sequence (default {defaults.seq})")
     add("--batch", type=int, default=defaults.batch, help=f"sequences per batch (default {defaults.batch})")
     add("--pad", choices=PADS, help="pad each row by a different amount on this side (needs --seq >= 4)")
@@ -95,6 +104,7 @@ def _add_check(commands) -> None:
     add(
         "--rtol",
         dest="tolerance",
+        metavar="RTOL",
         type=float,
         help="pass a row within this times its scale instead of the dtype's (also the float64 look's floor)",
     )
@@ -283,7 +293,10 @@ def _run_layout(args, parser: argparse.ArgumentParser) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cpshard", description="Exact context parallelism for transformers models.")
-    commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"cpshard {version('cpshard')}")
+    commands = parser.add_subparsers(
+        title="commands", metavar="COMMAND", dest="command", parser_class=_Parser
+    )
     _add_demo(commands)
     _add_check(commands)
     _add_bench(commands)
@@ -297,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.error("choose a command: demo, check, bench, layout")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:  # its local ranks are ended on the way out; no traceback for a ^C
+        print(f"cpshard {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """The command line: the demo through ``python -m cpshard``, and one-line usage errors with exit 2."""
 
+import signal
 import subprocess
 import sys
+import time
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,55 @@ def test_python_m_cpshard_demo_runs_and_reports_parity():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "parity" in result.stdout and "PASS" in result.stdout
     assert "all_to_all" in result.stdout and "optimum" in result.stdout
+
+
+@pytest.mark.ranks
+def test_an_interrupted_command_says_so_in_one_line_and_ends_its_ranks():
+    """^C in the middle of a demo's training: exit 130, one line, no traceback, no rank left running."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "cpshard", "demo", "--steps", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in demo.stdout:  # until the ranks train
+        if "training" in line:
+            break
+    ranks = _children_of(demo.pid)
+    demo.send_signal(signal.SIGINT)
+    _, err = demo.communicate(timeout=60)
+    assert demo.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "cpshard demo: interrupted" and "Traceback" not in err, err
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends after its launcher
+    while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ranks and not [pid for pid in ranks if _running(pid)]
+
+
+def _children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (its ranks and multiprocessing's resource tracker)."""
+    return [
+        int(path.name) for path in Path("/proc").iterdir() if path.name.isdigit() and _parent_of(path) == pid
+    ]
+
+
+def _stat(path: Path) -> list[str]:
+    """The fields of a process's stat after its name (state, parent, ...); empty once it is gone."""
+    try:
+        return path.joinpath("stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _parent_of(path: Path) -> int | None:
+    fields = _stat(path)
+    return int(fields[1]) if fields else None
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited orphan may stay a zombie where nothing reaps it)."""
+    fields = _stat(Path(f"/proc/{pid}"))
+    return bool(fields) and fields[0] != "Z"
 
 
 def test_console_script_is_the_cli():

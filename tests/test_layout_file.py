@@ -44,7 +44,11 @@ def test_cli_prints_or_refuses(capsys):
     assert "decoder_layers='gpt_neox.layers'," in capsys.readouterr().out
     assert main(["layout", "xlnet"]) == 1  # cpshard refuses it: 1, as cpshard check
     assert "two-stream relative attention" in capsys.readouterr().err
-    for bad, says in [("no_such_type", "unknown model type 'no_such_type'"), ("./no/folder", "no folder")]:
+    for bad, says in [
+        ("no_such_type", "unknown model type 'no_such_type'"),
+        ("./no/folder", "no folder"),
+        ("t5", "model type 't5' has no causal LM in transformers"),  # not its 200 configs' names
+    ]:
         with pytest.raises(SystemExit) as exit_:  # bad usage: 2, as cpshard check, in its words
             main(["layout", bad])
         assert exit_.value.code == 2 and says in capsys.readouterr().err

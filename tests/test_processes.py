@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -307,6 +308,7 @@ def test_ranks_end_with_their_launcher(tmp_path, signal_):
     too) leaves no rank running: each ends within seconds of its launcher, busy or idle."""
     script = tmp_path / "launcher.py"
     script.write_text(_LAUNCHER)
+    folders = set(Path(tempfile.gettempdir()).glob("cpshard-ranks-*"))
     launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline and launcher.poll() is None:
@@ -322,3 +324,4 @@ def test_ranks_end_with_their_launcher(tmp_path, signal_):
     for pid in left:  # not to leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their launcher"
+    assert set(Path(tempfile.gettempdir()).glob("cpshard-ranks-*")) <= folders, "the group's folder is left"

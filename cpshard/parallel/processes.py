@@ -127,14 +127,15 @@ def _unpickling_failure(rank: int, error: BaseException) -> RankFailure:
     )
 
 
-def _exit_with(launcher: int) -> None:
+def _exit_with(launcher: int, store_dir: str) -> None:
     """End this process once its launcher is gone: killed, or stopped by a signal that skips its exit
     handlers (``timeout``'s SIGTERM), it cannot close its ranks, which would compute, or wait for a task,
-    for ever (orphans of several GB each were seen outliving a killed run)."""
+    for ever (orphans of several GB each were seen outliving a killed run), nor remove the group's folder."""
 
     def watch():
         while os.getppid() == launcher:
             time.sleep(_PARENT_POLL_SECONDS)
+        shutil.rmtree(store_dir, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="cpshard-launcher-watch", daemon=True).start()
@@ -143,7 +144,7 @@ def _exit_with(launcher: int) -> None:
 def _worker(
     rank: int, nprocs: int, store_dir: str, port: int, timeout: float, tasks, results, launcher: int
 ) -> None:
-    _exit_with(launcher)
+    _exit_with(launcher, store_dir)
     import torch
     import torch.distributed as dist
 

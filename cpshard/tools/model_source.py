@@ -39,6 +39,7 @@ class ModelSource:
 def resolve_source(model: str) -> ModelSource:
     """Decide whether ``model`` names a folder (which wins over a type of the same name) or a model type."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(model).expanduser()
     if path.is_dir():
@@ -50,13 +51,19 @@ def resolve_source(model: str) -> ModelSource:
         return ModelSource(folder=str(path.resolve()), weights=weights)
     if path.exists():
         raise UsageError(f"{model!r} is a file; give a model folder (with config.json) or a model type")
-    if model in CONFIG_MAPPING:
+    if model in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return ModelSource(model_type=model)
+    if model in CONFIG_MAPPING:
+        raise UsageError(
+            f"model type {model!r} has no causal LM in transformers (cpshard runs the types of "
+            "AutoModelForCausalLM, e.g. llama, gpt2, qwen3_next)"
+        )
     if any(mark in model for mark in ("/", "\\", "~")) or model.startswith("."):
         raise UsageError(f"no folder {model!r}")
     known = ", ".join(sorted(REGISTERED))
     raise UsageError(
-        f"unknown model type {model!r} and no folder of that name (types with a layout: {known})"
+        f"unknown model type {model!r} and no folder of that name (a type of transformers' "
+        f"AutoModelForCausalLM: {known} have files of their own, any other decoder a layout derived from it)"
     )
 
 
