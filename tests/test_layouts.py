@@ -123,8 +123,11 @@ def test_layout_given_or_unknown(models):
     ):
         resolve_layout(models["qwen2"], "gpt2")
     broken = decoder.LAYOUT.with_rows(name="broken", decoder_layers="model.blocks")
-    with pytest.raises(ValueError, match=r"'qwen2'.*'broken'.*'model.blocks'"):
+    with pytest.raises(ValueError, match=r"'qwen2'.*'broken'.*'model.blocks'") as caught:
         resolve_layout(models["qwen2"], broken)
+    # a layout the caller gave is checked against the model, not sent to write another architecture's file
+    assert "check its rows against the model (`cpshard layout qwen2`" in str(caught.value)
+    assert "another architecture" not in str(caught.value)
 
 
 def test_structure_problems_name_each_misfit(models):

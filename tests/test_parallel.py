@@ -216,6 +216,10 @@ TP_EDITS = {
         tensor_parallel={p: s for p, s in layout.tensor_parallel.items() if not p.startswith("self_attn.")}
         | {"self_attn.q_norm": "per_head", "self_attn.k_norm": "per_head"},
     ),
+    "tp-field-typo": lambda layout: replace(layout, mlp_width="intermediate_sise"),
+    "tp-k-unplaced": lambda layout: replace(
+        layout, tensor_parallel={p: s for p, s in layout.tensor_parallel.items() if p != "self_attn.k_proj"}
+    ),
     "tp-rowwise-alone": lambda layout: replace(
         layout,
         tensor_parallel={
@@ -308,6 +312,13 @@ BAD = {
         "model.layers.0.mlp: holds a row-wise layer and no column-wise one here, so the row-wise layer would "
         "take its whole input as its share",
     ),
+    # tp's divisibility check skipped, unsaid
+    "tp-field-typo": ("ValueError", "names config fields 'intermediate_sise', which LlamaConfig lacks"),
+    # a layer the plan forgot (as wide as another's output: a norm's diagnosis would mislead)
+    "tp-k-unplaced": (
+        "ValueError",
+        "model.layers.0.self_attn.k_proj: its weight (32, 64) sits in a block tp splits, placed nowhere",
+    ),
     # the per-head gradients summed over tp ranks that each ran every head: tp times too large, silently
     "tp-per-head-unsplit": (
         "ValueError",
@@ -338,7 +349,7 @@ BAD = {
     "twice": ("ValueError", "is a DTensor already"),
     "other-mesh": (
         "ValueError",
-        "with placements (Shard(dim=0),); on this mesh cp_forward takes plain tensors or",
+        "with placements (Shard(dim=0),); on this mesh cp_forward (layout 'llama') takes plain tensors or",
     ),
 }
 

@@ -92,10 +92,14 @@ def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
         )
     problems = structure_problems(model, chosen)
     if problems:
+        way_out = (
+            f"check its rows against the model (`cpshard layout {model_type}` prints the layout cpshard uses)"
+            if isinstance(layout, Layout)
+            else f"Supported: {', '.join(sorted(REGISTERED))}, and any transformers decoder that fits the "
+            "generic layout; another architecture needs its own file in cpshard/layouts/"
+        )
         raise LayoutError(
             f"cpshard cannot serve model type {model_type!r} ({type(model).__name__}) with layout "
-            f"{chosen.name!r}: {'; '.join(problems)}. Supported: {', '.join(sorted(REGISTERED))}, and any "
-            "transformers decoder that fits the generic layout; another architecture needs its own file "
-            "in cpshard/layouts/"
+            f"{chosen.name!r}: {'; '.join(problems)}. {way_out}"
         )
     return chosen

@@ -145,9 +145,11 @@ def gather_params(params: dict, mesh: DeviceMesh, layout: Layout) -> dict:
             raise ValueError(
                 f"parameter {name!r} is laid out over mesh dims {value.device_mesh.mesh_dim_names} of sizes "
                 f"{tuple(value.device_mesh.shape)} with placements {tuple(value.placements)}; "
-                "on this mesh cp_forward takes plain tensors or the layout cpshard.parallelize(model, mesh) "
-                f"gives: dims {target.mesh.mesh_dim_names} of sizes {tuple(target.mesh.shape)} "
-                f"with placements {target.placements}"
+                f"on this mesh cp_forward (layout {layout.name!r}) takes plain tensors or the layout "
+                "cpshard.parallelize(model, mesh) gives: dims "
+                f"{target.mesh.mesh_dim_names} of sizes {tuple(target.mesh.shape)} with placements "
+                f"{target.placements} (a model parallelized with a layout= of its own takes the same layout= "
+                "in make_cp_forward)"
             )
     whole = full_tensors(sharded)
     if (

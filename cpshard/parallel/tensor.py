@@ -41,6 +41,13 @@ def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
     _check_entries(layout)
     fields = (layout.heads, layout.kv_heads, layout.mlp_width)
     counts = {name: config_field(config, name) for name in fields if name is not None}
+    missing = [name for name, count in counts.items() if count is None]
+    if missing and any(style == "colwise" for style in layout.tensor_parallel.values()):
+        raise ValueError(
+            f"layout {layout.name!r} names config fields {', '.join(map(repr, missing))}, which "
+            f"{type(config).__name__} lacks: tp={tp} splits the heads and features they count, unchecked "
+            "(a typo, or another model's field: `cpshard layout MODEL` prints the layout cpshard uses)"
+        )
     bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
     if bad:
         raise ValueError(
@@ -78,9 +85,10 @@ def _check_entries(layout: Layout) -> None:
         raise ValueError(
             f"layout {layout.name!r}: the tensor-parallel rows {', '.join(outside)} sit in no block of "
             f"tensor_parallel_inputs {layout.tensor_parallel_inputs}, where the replicated residual stream "
-            "enters the split and its gradient is summed over tp; without one the gradients are wrong. Name "
-            "the block that holds them (e.g. 'self_attn', 'mlp') in tensor_parallel_inputs, or drop the rows "
-            "(a norm on the residual stream is replicated: it takes no row)"
+            "enters the split and its gradient is summed over tp; without one the gradients are wrong. A row "
+            "sits in a block when its path is inside the block's ('self_attn.q_proj' in 'self_attn'): name "
+            "the block that holds them in tensor_parallel_inputs, or drop the rows (a norm on the residual "
+            "stream, as input_layernorm, is replicated: it takes no row)"
         )
 
 
@@ -154,11 +162,12 @@ def _block_problems(block: nn.Module, path: str, layout: Layout) -> list[tuple[s
         owner, _, own = name.rpartition(".")
         if any(owner == p or owner.startswith(f"{p}.") for p in styles):
             continue
-        spans = next((split[n] for n in param.shape if n in split), None)
+        # a vector as wide as a split output: a norm over every head's width (its statistic needs them all)
+        spans = next((split[n] for n in param.shape if n in split), None) if param.dim() == 1 else None
         norm = " (a norm over every head's width needs its statistic over all of them)"
         why = (
             f"spans the whole output of {spans}, which tp splits: each tp rank holds a share of that width"
-            + (norm if param.dim() == 1 else "")
+            + norm
             if spans
             else "sits in a block tp splits, placed nowhere by the plan: each tp rank would apply it whole "
             "to its own share of the heads or features, and count its gradient on that share alone"
