@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 import sys
 from functools import partial
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.bench.compiled import check_backend, run_compiled_bench
@@ -291,9 +291,17 @@ def _run_layout(args, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree run without installing has none)."""
+    try:
+        return version("cpshard")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cpshard", description="Exact context parallelism for transformers models.")
-    parser.add_argument("--version", action="version", version=f"cpshard {version('cpshard')}")
+    parser.add_argument("--version", action="version", version=f"cpshard {_version()}")
     commands = parser.add_subparsers(
         title="commands", metavar="COMMAND", dest="command", parser_class=_Parser
     )

@@ -1,5 +1,6 @@
 """The command line: the demo through ``python -m cpshard``, and one-line usage errors with exit 2."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -33,12 +34,13 @@ def test_an_interrupted_command_says_so_in_one_line_and_ends_its_ranks():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # a group of its own, as a terminal's job is: ^C reaches every process in it
     )
     for line in demo.stdout:  # until the ranks train
         if "training" in line:
             break
     ranks = _children_of(demo.pid)
-    demo.send_signal(signal.SIGINT)
+    os.killpg(demo.pid, signal.SIGINT)  # a terminal's ^C: the launcher and its ranks
     _, err = demo.communicate(timeout=60)
     assert demo.returncode == 130, err
     assert err.strip().splitlines()[-1] == "cpshard demo: interrupted" and "Traceback" not in err, err
@@ -72,6 +74,12 @@ def _running(pid: int) -> bool:
     """Whether ``pid`` runs (an exited orphan may stay a zombie where nothing reaps it)."""
     fields = _stat(Path(f"/proc/{pid}"))
     return bool(fields) and fields[0] != "Z"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("cpshard 0.")
 
 
 def test_console_script_is_the_cli():

@@ -167,6 +167,11 @@ BAD_ROWS = {
 }
 
 
+def test_specs_given_as_their_notation_are_specs():
+    written = replace(LLAMA, hidden=("b s d", "b s@cp d"), logits="b s@cp v")
+    assert written == LLAMA and isinstance(written.logits, Spec)
+
+
 @pytest.mark.parametrize("case", BAD_ROWS)
 def test_a_row_cpshard_would_not_read_as_written_is_refused(case):
     rows, message = BAD_ROWS[case]

@@ -295,7 +295,8 @@ BAD = {
     "tp-no-entries": (
         "ValueError",
         "the tensor-parallel rows self_attn.q_proj (colwise), self_attn.k_proj (colwise), self_attn.v_proj "
-        "(colwise), mlp.gate_proj (colwise), mlp.up_proj (colwise) sit in no block of tensor_parallel_inputs",
+        "(colwise), self_attn.o_proj (rowwise), mlp.gate_proj (colwise), mlp.up_proj (colwise), "
+        "mlp.down_proj (rowwise) sit in no block of tensor_parallel_inputs",
     ),
     "tp-norm-per-head": (
         "ValueError",

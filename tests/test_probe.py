@@ -400,13 +400,13 @@ def test_a_copy_of_the_registered_file_is_trusted_as_the_file():
     """``cpshard layout``'s printed file, saved and loaded, is the registered table row for row: trusted on
     its own type untested as the file is (under tp a layout cpshard must probe is refused on parallel
     parameters, with a message that said "tested on 5.25.0 (tested: 5.25.0)" for it); an edit is not."""
-    from cpshard.runtime.probe import _tested_file, _untested
+    from cpshard.runtime.probe import _own_file, _untested
     from cpshard.tools.layout_file import layout_for
 
     model, namespace = tiny_model("qwen3"), {}
     exec(layout_for("qwen3"), namespace)  # noqa: S102 -- the file a user saves and imports
     printed = namespace["LAYOUT"]
-    assert _tested_file(printed, model)
+    assert _own_file(printed, model)  # trusted untested on the release its tests passed on
     edited = printed.with_rows(labels_shifted=True)
-    assert not _tested_file(edited, model)
+    assert not _own_file(edited, model)
     assert "it is not the registered file of model type 'qwen3' (an edit" in _untested(edited, model)

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -308,8 +307,11 @@ def test_ranks_end_with_their_launcher(tmp_path, signal_):
     too) leaves no rank running: each ends within seconds of its launcher, busy or idle."""
     script = tmp_path / "launcher.py"
     script.write_text(_LAUNCHER)
-    folders = set(Path(tempfile.gettempdir()).glob("cpshard-ranks-*"))
-    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    temp = tmp_path / "temp"  # the launcher's temp dir, where its group's folder goes
+    temp.mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], env={**os.environ, "TMPDIR": str(temp)}
+    )
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline and launcher.poll() is None:
         time.sleep(0.2)
@@ -324,4 +326,4 @@ def test_ranks_end_with_their_launcher(tmp_path, signal_):
     for pid in left:  # not to leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their launcher"
-    assert set(Path(tempfile.gettempdir()).glob("cpshard-ranks-*")) <= folders, "the group's folder is left"
+    assert not list(temp.glob("cpshard-ranks-*")), "the group's folder is left"

@@ -164,7 +164,7 @@ class Recurrent:
         if self.decay not in (None, decay):
             raise ValueError(
                 f"{where}: {self.kernel}'s state decays as {decay!r}, not {self.decay!r} (the row states the "
-                "kernel's fact; leave decay out)"
+                "kernel's fact; leave decay out, or give None)"
             )
         object.__setattr__(self, "decay", decay)
         if self.state != Spec("b h k v"):
@@ -307,6 +307,11 @@ class Layout:
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
+        for row in ("hidden", "qkv", "attn_output"):  # notation given as strings reads as the specs it writes
+            object.__setattr__(self, row, tuple(map(Spec, getattr(self, row))))
+        object.__setattr__(self, "logits", Spec(self.logits))
+        inputs = tuple((name, Spec(before), Spec(after)) for name, before, after in self.layer_inputs)
+        object.__setattr__(self, "layer_inputs", inputs)
         problems = _spec_problems(self)
         if problems:
             raise ValueError(f"layout {self.name!r}: {'; '.join(problems)}")

@@ -145,6 +145,8 @@ def _worker(
     rank: int, nprocs: int, store_dir: str, port: int, timeout: float, tasks, results, launcher: int
 ) -> None:
     _exit_with(launcher, store_dir)
+    # a terminal's ^C reaches the whole process group: the launcher ends its ranks, which print nothing
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
     import torch.distributed as dist
 

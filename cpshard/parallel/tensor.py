@@ -45,8 +45,9 @@ def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
     if missing and any(style == "colwise" for style in layout.tensor_parallel.values()):
         raise ValueError(
             f"layout {layout.name!r} names config fields {', '.join(map(repr, missing))}, which "
-            f"{type(config).__name__} lacks: tp={tp} splits the heads and features they count, unchecked "
-            "(a typo, or another model's field: `cpshard layout MODEL` prints the layout cpshard uses)"
+            f"{type(config).__name__} lacks (or sets to None): tp={tp} splits the heads and features they "
+            "count, unchecked (a typo, or another model's field: `cpshard layout MODEL` prints the layout "
+            "cpshard uses)"
         )
     bad = {name: count for name, count in counts.items() if isinstance(count, int) and count % tp}
     if bad:
@@ -71,14 +72,15 @@ def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
 
 
 def _check_entries(layout: Layout) -> None:
-    """Every column-wise and per-head row sits in a block of ``tensor_parallel_inputs``: where the replicated
-    stream enters the split, its gradient is summed over tp there (a column-wise layer outside one would
-    pass each rank its own heads' share of it), and a per-head weight's gradient sums each rank's heads
-    (outside a split block every tp rank sees the whole stream, and the sum would count it tp times)."""
+    """Every row of the plan sits in a block of ``tensor_parallel_inputs``: where the replicated stream
+    enters the split, its gradient is summed over tp there (a column-wise layer outside one would pass each
+    rank its own heads' share of it), a per-head weight's gradient sums each rank's heads (outside a split
+    block every tp rank sees the whole stream, and the sum would count it tp times), and a row-wise layer
+    closes a split that a block opened."""
     outside = [
         f"{path} ({style})"
         for path, style in layout.tensor_parallel.items()
-        if style in ("colwise", "per_head")
+        if style in TP_STYLES
         and not any(path.startswith(f"{entry}.") for entry in layout.tensor_parallel_inputs)
     ]
     if outside:
