@@ -73,3 +73,27 @@ def agreement_gathers() -> list[int]:
 
 def test_the_ranks_agree_once_per_cp_forward(ranks2):
     assert ranks2.run(agreement_gathers) == [[1, 0], [1, 0]]
+
+
+def params_lacking_one_on_rank_1() -> str:
+    """Rank 1 leaves a parameter out of its params (rank 0 gives them all) on a cp forward's first call."""
+    model = tiny_model("llama")
+    params = cpshard.params_of(model)
+    if dist.get_rank() == 1:
+        params.pop("model.norm.weight")
+    forward = cpshard.make_cp_forward(model)
+    try:
+        forward(params, tiny_batch(model.config.vocab_size, 2, 16), cpshard.make_mesh(cp=2))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_params_that_fail_their_checks_on_one_rank_stop_every_rank(ranks2):
+    """Rank 1's own check raised before the agreement's all-gather, which rank 0 then waited in until the
+    group's timeout; the gather carries the failure now: rank 1 says what is wrong, rank 0 who failed."""
+    messages = ranks2.run(params_lacking_one_on_rank_1)
+    assert messages[1].startswith("params lacks 1 of LlamaForCausalLM's parameters"), messages
+    assert messages[0].startswith("ranks [1] failed cp_forward's checks of the model and its params"), (
+        messages
+    )

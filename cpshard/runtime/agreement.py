@@ -29,6 +29,8 @@ _CHUNK = 1 << 22
 #: the integer type of each element width, whose bit patterns the digest sums
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MODULUS = (1 << 63) - 1
+#: the agreement row's mark of a rank whose own checks failed (a crc32 is never negative)
+_FAILED = -1
 
 
 def parameter_digest(tensor) -> list[int]:
@@ -45,19 +47,35 @@ def parameter_digest(tensor) -> list[int]:
     ]
 
 
-def check_agreement(description: str, aliases: list[tuple[str, ...]], params: dict, mesh) -> None:
+def check_agreement(
+    description: str, aliases: list[tuple[str, ...]], params: dict, mesh, failed: Exception | None = None
+) -> None:
     """Raise on every rank unless every rank of ``mesh`` made its cp forward as ``description`` says (its
     layout and options) and holds the same values of the model's plain parameters in ``params`` (each
-    under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`)."""
+    under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`). ``failed``: this rank's
+    own checks of the model and ``params`` raised it; the all-gather carries the failure, so that every
+    rank raises (this one its own error) and none waits in the next collective for it."""
     group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))
     if group is None:
+        if failed is not None:
+            raise failed
         return
-    names = [next(name for name in names if name in params) for names in aliases]
+    names = [next(name for name in names if name in params) for names in aliases] if failed is None else []
     digests = [value for name in names for value in parameter_digest(params[name])]
-    row = torch.tensor([zlib.crc32(description.encode()), *digests], dtype=torch.int64)
+    digests += [0] * (3 * len(aliases) - len(digests))  # a failed rank's row as long as the others'
+    mark = _FAILED if failed is not None else zlib.crc32(description.encode())
+    row = torch.tensor([mark, *digests], dtype=torch.int64)
     with serving("other"):
         every = all_gather_rows(row, group, name="cp forward agreement")
     ranks = dist.get_process_group_ranks(group)
+    failing = [rank for rank, value in zip(ranks, every[:, 0].tolist()) if value == _FAILED]
+    if failed is not None:
+        raise failed
+    if failing:
+        raise ValueError(
+            f"ranks {failing} failed cp_forward's checks of the model and its params (each says why: a "
+            "params dict of another model, or missing entries); every rank stops, so none waits for them"
+        )
     made_otherwise = differing_ranks(every[:, :1], ranks)
     if made_otherwise:
         raise ValueError(

@@ -153,12 +153,18 @@ class CPForward:
         """The model's modules as set up and ``params`` its own, on this rank (every call: what differs there
         says more than that the weights differ); on the first call, every rank made this cp forward alike and
         holds the same plain weights (:mod:`cpshard.runtime.agreement`)."""
-        check_modules_unchanged(self.model, self.module_names)
-        check_params(self.model, params)
-        if not self.agreed:
+        try:
+            check_modules_unchanged(self.model, self.module_names)
+            check_params(self.model, params)
+            failed = None
+        except (TypeError, ValueError) as raised:
+            failed = raised
+        if not self.agreed:  # every rank raises where one failed (it its own error): none waits for it
             description = repr((self.layout.name, self.options))
-            check_agreement(description, parameter_aliases(self.model), params, mesh)
+            check_agreement(description, parameter_aliases(self.model), params, mesh, failed)
             self.agreed = True
+        elif failed is not None:
+            raise failed
 
     def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
         call, padded, params = self._prepare(params, batch, mesh, reduced)
