@@ -6,9 +6,9 @@ import subprocess
 import sys
 import time
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import pytest
+from procs import children_of, running
 
 from cpshard.cli import main
 
@@ -39,41 +39,15 @@ def test_an_interrupted_command_says_so_in_one_line_and_ends_its_ranks():
     for line in demo.stdout:  # until the ranks train
         if "training" in line:
             break
-    ranks = _children_of(demo.pid)
+    ranks = children_of(demo.pid)
     os.killpg(demo.pid, signal.SIGINT)  # a terminal's ^C: the launcher and its ranks
     _, err = demo.communicate(timeout=60)
     assert demo.returncode == 130, err
     assert err.strip().splitlines()[-1] == "cpshard demo: interrupted" and "Traceback" not in err, err
     deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends after its launcher
-    while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+    while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ranks and not [pid for pid in ranks if _running(pid)]
-
-
-def _children_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (its ranks and multiprocessing's resource tracker)."""
-    return [
-        int(path.name) for path in Path("/proc").iterdir() if path.name.isdigit() and _parent_of(path) == pid
-    ]
-
-
-def _stat(path: Path) -> list[str]:
-    """The fields of a process's stat after its name (state, parent, ...); empty once it is gone."""
-    try:
-        return path.joinpath("stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return []
-
-
-def _parent_of(path: Path) -> int | None:
-    fields = _stat(path)
-    return int(fields[1]) if fields else None
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (an exited orphan may stay a zombie where nothing reaps it)."""
-    fields = _stat(Path(f"/proc/{pid}"))
-    return bool(fields) and fields[0] != "Z"
+    assert ranks and not [pid for pid in ranks if running(pid)]
 
 
 def test_version(capsys):

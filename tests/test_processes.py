@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from procs import children_of, running
 
 from cpshard import LocalRanks, RankError, launch
 
@@ -119,24 +120,11 @@ def _write_pid_then_stall(folder):
     return "done"
 
 
-def _children_of(pid: int) -> set[int]:
-    """Every process whose parent is ``pid``, from /proc."""
-    children = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.add(int(stat.parent.name))
-    return children
-
-
 def _left_behind(folder) -> list[int]:
     """The pids the ranks wrote that still run, or are still children of this process."""
     pids = [int(path.read_text()) for path in sorted(Path(folder).glob("*.pid"))]
     assert len(pids) == 2, "both ranks started"
-    children = {child.pid for child in multiprocessing.active_children()} | _children_of(os.getpid())
+    children = {child.pid for child in multiprocessing.active_children()} | children_of(os.getpid())
     return [pid for pid in pids if not _gone(pid) or pid in children]
 
 
@@ -292,15 +280,6 @@ if __name__ == "__main__":
 """
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (an exited orphan may stay a zombie where nothing reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("signal_", [signal.SIGKILL, signal.SIGTERM])
 def test_ranks_end_with_their_launcher(tmp_path, signal_):
     """A launcher killed without closing its ranks (SIGKILL; ``timeout``'s SIGTERM skips the exit handlers
@@ -320,9 +299,9 @@ def test_ranks_end_with_their_launcher(tmp_path, signal_):
     launcher.send_signal(signal_)
     launcher.wait(timeout=30)
     deadline = time.monotonic() + 10
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [pid for pid in pids if _running(pid)]
+    left = [pid for pid in pids if running(pid)]
     for pid in left:  # not to leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their launcher"

@@ -166,10 +166,9 @@ def _block_problems(block: nn.Module, path: str, layout: Layout) -> list[tuple[s
             continue
         # a vector as wide as a split output: a norm over every head's width (its statistic needs them all)
         spans = next((split[n] for n in param.shape if n in split), None) if param.dim() == 1 else None
-        norm = " (a norm over every head's width needs its statistic over all of them)"
         why = (
             f"spans the whole output of {spans}, which tp splits: each tp rank holds a share of that width"
-            + norm
+            " (a norm over every head's width needs its statistic over all of them)"
             if spans
             else "sits in a block tp splits, placed nowhere by the plan: each tp rank would apply it whole "
             "to its own share of the heads or features, and count its gradient on that share alone"

@@ -52,7 +52,7 @@ def _row(name: str, value) -> list[str]:
     """One row's lines: on one line where it fits; else a tuple's items a line each, and a dict's entries a
     line per module (the text before the first dot: a tensor-parallel plan by attention and MLP)."""
     line = f"    {name}={_value(value)},"
-    if len(line) <= _WIDTH or not value or not isinstance(value, tuple) and not hasattr(value, "items"):
+    if len(line) <= _WIDTH or not value or not (isinstance(value, tuple) or hasattr(value, "items")):
         return [line]
     if isinstance(value, tuple):
         return [f"    {name}=(", *(line for item in value for line in _item(item)), "    ),"]
