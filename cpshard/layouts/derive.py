@@ -24,10 +24,10 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-import torch
 from torch import nn
 
 from cpshard.layouts.decoder import LAYOUT as DECODER
+from cpshard.layouts.derived_plan import per_head_params, tensor_parallel_plan
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import not_rewritten
 from cpshard.layouts.layout import (
@@ -286,44 +286,6 @@ def _last_stack_norm(decoder: nn.Module, ran: tuple[str, ...]) -> tuple[str | No
     return (f"{last}.{norms[-1]}" if norms else None), ran.count(last)
 
 
-def _per_head_params(attentions: list[nn.Module], heads: int) -> tuple[str, ...]:
-    """The attention modules' own parameters with one entry per head (sinks; some layers may have none)."""
-    names = {}
-    for attention in attentions:
-        counts = {
-            heads,
-            getattr(attention, "num_heads", None),
-            getattr(attention, "num_attention_heads", None),
-        }
-        for name, p in attention.named_parameters(recurse=False):
-            if p.dim() == 1 and p.shape[0] in counts:
-                names[name] = None
-    return tuple(names)
-
-
-def _both_halves(plan: dict, block: str) -> bool:
-    """Whether the plan splits ``block`` (``self_attn``, ``mlp``) by columns and joins it by rows: a half
-    alone would split a whole input or leave a split output (GLM's fused ``gate_up_proj`` leaves
-    ``down_proj``, Phi's ``dense`` leaves q/k/v), so such a block runs whole on every tp rank."""
-    styles = {style for path, style in plan.items() if path.rsplit(".", 1)[0] == block}
-    return {"colwise", "rowwise"} <= styles
-
-
-def _tensor_parallel(layer: nn.Module, attention: str, head_dim: int | None) -> dict:
-    """The generic plan's rows for the modules this layer has, for blocks that have both halves; the
-    attention's norms of one head's width (q_norm, HunYuan's query_layernorm) per head. Any other
-    parameter in a split block is refused under tp (:func:`cpshard.parallel.tensor.check_tensor_parallel`)."""
-    present = {name for name, _ in layer.named_modules()}
-    plan = {path: style for path, style in DECODER.tensor_parallel.items() if path in present}
-    plan = {path: style for path, style in plan.items() if _both_halves(plan, path.rsplit(".", 1)[0])}
-    for name, module in layer.get_submodule(attention).named_children():
-        weight = getattr(module, "weight", None)
-        one_head = isinstance(weight, torch.Tensor) and head_dim is not None and weight.shape == (head_dim,)
-        if one_head and "norm" in type(module).__name__.lower():
-            plan[f"{attention}.{name}"] = "per_head"
-    return plan if "self_attn.q_proj" in plan else {}
-
-
 def _without_heads(config, decoder: nn.Module, decoder_path: str) -> LayoutError:
     """Why the generic layout cannot serve a model whose config names no ``num_attention_heads``: where its
     decoder runs more than one list of layers that attend, each sized by a config of its own (BLT's byte
@@ -388,7 +350,7 @@ def derive_layout(model: nn.Module) -> Layout:
     head_dim = (
         _config_value(config, "head_dim") or (_config_value(config, "hidden_size") or 0) // heads or None
     )
-    plan = _tensor_parallel(with_attention[0][1], attention, head_dim) if with_attention else {}
+    plan = tensor_parallel_plan(with_attention[0][1], attention, head_dim) if with_attention else {}
     top = inner.split(".")[0]  # the decoder's child that holds the layers
     if any(p.is_meta for p in model.parameters()):  # nothing can run: the generic inputs the layers take
         recording = Recording(taken_inputs(layers[0], DECODER.layer_inputs), (), False)
@@ -424,7 +386,7 @@ def derive_layout(model: nn.Module) -> Layout:
         cut_at_entry=at_entry, layer_inputs=() if at_entry else recording.layer_inputs,
         head_transforms=transforms, labels_shifted=recording.labels_shifted, restores_length=restores,
         tensor_parallel=plan, tensor_parallel_inputs=tuple(entries) if plan else (),
-        per_head_params=_per_head_params(attentions, heads),
+        per_head_params=per_head_params(attentions, heads),
         recurrent=recurrent, pointwise=pointwise, sparse_attention=sparse, looped=recording.looped,
     )
     # fmt: on
