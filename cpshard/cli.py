@@ -20,7 +20,7 @@ from cpshard.bench.config import MODELS, BenchConfig
 from cpshard.bench.measure import run_bench
 from cpshard.bench.packed import packed_report
 from cpshard.bench.report import plot, write_json
-from cpshard.bench.variants import VARIANTS
+from cpshard.bench.variants import MEANINGS, VARIANTS
 from cpshard.layouts.errors import LayoutError
 from cpshard.tools.check import run_check
 from cpshard.tools.check_config import ATTNS, AUTOCASTS, DTYPES, PADS, RTOLS, CheckConfig, parse_override
@@ -191,7 +191,8 @@ def _add_bench(commands) -> None:
         default = getattr(defaults, name)
         help = f"{help} (default: --model's)" if name in MODELS["vocab1k"] else f"{help} (default {default})"
         add("--" + name.replace("_", "-"), type=int, help=help)
-    add_list("--variants", "variants", f"any of: {listed(VARIANTS)}", shown="all", metavar="VARIANT")
+    meanings = "; ".join(f"{name}: {MEANINGS[name]}" for name in VARIANTS)
+    add_list("--variants", "variants", f"any of: {meanings}", shown="all that fit", metavar="VARIANT")
     add(
         "--single-rank0-only",
         action="store_true",
@@ -233,8 +234,8 @@ def _run_bench(args, parser: argparse.ArgumentParser) -> int:
     """time and measure cpshard's implementations against one process and other Ulysses implementations
 
     For each cp size and sequence length, time a training step (forward and backward) of cpshard's
-    ulysses, ring, hybrid (cp >= 4) and ulysses-nologits, of one process without cp (the plain model,
-    and cp_forward at cp=1), and of the peers as their users run them: Ulysses by DTensor redistribute,
+    variants (--variants says what each is), of one process without cp (the plain model, and
+    cp_forward at cp=1), and of the peers as their users run them: Ulysses by DTensor redistribute,
     DeepSpeed and yunchang, and DeepSpeed's ALST stack (skipped with a note when not installed),
     alternated on local CPU ranks; print median step time, tokens/s, per-rank peak memory, bytes
     communicated per rank and the longest L within --budget-mib.

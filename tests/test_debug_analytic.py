@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpshard.debug.analytic import attention_paths, attention_steps, cut_steps, step
-from cpshard.debug.table import table
+from cpshard.debug.table import table, table_of
 from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.layouts.derive import derive_layout
 from cpshard.spec.notation import Spec
@@ -63,3 +63,14 @@ def test_table_aligns_and_right_justifies():
     text = table([("a", 1), ("long name", 1234)], header=("name", "n"), right=frozenset({1}))
     assert text.splitlines() == ["name          n", "---------  ----", "a             1", "long name  1234"]
     assert table([]) == ""
+
+
+def test_table_of_puts_each_header_over_its_cells():
+    columns = (("name", lambda r: r[0]), ("n", lambda r: r[1]), ("note", lambda r: r[2]))
+    text = table_of([("a", 1, "x"), ("long name", 1234, "yy")], columns, text=frozenset({"name", "note"}))
+    assert text.splitlines() == [
+        "name          n  note",
+        "---------  ----  ----",
+        "a             1  x",
+        "long name  1234  yy",
+    ]

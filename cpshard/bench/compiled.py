@@ -22,9 +22,9 @@ from torch._dynamo.utils import counters
 
 from cpshard.bench.config import BenchConfig
 from cpshard.bench.measure import fits
-from cpshard.bench.report import paired_ratio
+from cpshard.bench.report import STEP_COLUMNS, paired_ratio
 from cpshard.bench.variants import CHECKPOINTED, CPSHARD
-from cpshard.debug.table import table
+from cpshard.debug.table import table_of
 from cpshard.parallel.mesh import make_mesh
 from cpshard.parallel.processes import LocalRanks
 from cpshard.runtime.forward import make_cp_forward, params_of
@@ -149,37 +149,22 @@ def measure(ranks: LocalRanks, config: BenchConfig, backend: str) -> list[Compil
     return [_row(per_rank, key, ranks.nprocs) for key in per_rank[0]]
 
 
+# fmt: off
+_COLUMNS = (
+    *STEP_COLUMNS,
+    ("first compiled call s", lambda r: f"{r.compile_seconds:.1f}"),
+    ("eager ms", lambda r: f"{r.eager_seconds * 1e3:.0f}"),
+    ("compiled ms", lambda r: f"{r.compiled_seconds * 1e3:.0f}"),
+    ("compiled/eager", lambda r: f"{r.time_ratio:.2f}"),
+    ("cpu compiled/eager", lambda r: f"{r.cpu_ratio:.2f}"),
+    ("graphs", lambda r: r.graphs),  ("breaks", lambda r: r.breaks),
+    ("loss diff", lambda r: f"{r.loss_diff:.1e}"),
+)
+# fmt: on
+
+
 def format_table(rows: list[CompiledRow]) -> str:
-    header = (
-        "variant",
-        "cp",
-        "L",
-        "first compiled call s",
-        "eager ms",
-        "compiled ms",
-        "compiled/eager",
-        "cpu compiled/eager",
-        "graphs",
-        "breaks",
-        "loss diff",
-    )
-    cells = [
-        (
-            r.variant,
-            r.cp,
-            r.seq,
-            f"{r.compile_seconds:.1f}",
-            f"{r.eager_seconds * 1e3:.0f}",
-            f"{r.compiled_seconds * 1e3:.0f}",
-            f"{r.time_ratio:.2f}",
-            f"{r.cpu_ratio:.2f}",
-            r.graphs,
-            r.breaks,
-            f"{r.loss_diff:.1e}",
-        )
-        for r in rows
-    ]
-    return table(cells, header, right=frozenset(range(1, 11)))
+    return table_of(rows, _COLUMNS, text=frozenset({"variant"}))
 
 
 def run_compiled_bench(config: BenchConfig, backend: str, out=print) -> list[CompiledRow]:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from cpshard.bench.config import BenchConfig
 from cpshard.bench.variants import JUDGED, PEERS, VARIANTS
-from cpshard.debug.table import grouped, table
+from cpshard.debug.table import grouped, table_of
 
 
 @dataclass
@@ -69,45 +69,28 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+#: the columns every bench table starts with: which variant, on how many ranks, at which length
+STEP_COLUMNS = (("variant", lambda r: r.variant), ("cp", lambda r: r.cp), ("L", lambda r: r.seq))
+
+# fmt: off
+_COLUMNS = (
+    *STEP_COLUMNS,
+    ("median ms", lambda r: f"{r.seconds * 1e3:.0f}"),
+    ("tokens/s", lambda r: f"{r.tokens_per_second:.0f}"),   ("vs peer", lambda r: _ratio(r.time_ratio)),
+    ("cpu ms", lambda r: f"{r.cpu_seconds * 1e3:.0f}"),     ("vs peer", lambda r: _ratio(r.cpu_ratio)),
+    ("peak MiB/rank", lambda r: f"{r.peak_mib:.0f}"),       ("vs 1 proc", lambda r: _ratio(r.memory_ratio)),
+    ("RSS MiB", lambda r: "-" if r.rss_mib is None else f"{r.rss_mib:.0f}"),
+    ("bytes/rank", lambda r: grouped(r.bytes_sent)),
+    ("optimum", lambda r: grouped(r.optimum) if r.optimum else "-"),
+    ("recv/rank", lambda r: grouped(r.bytes_received)),
+    ("collectives", lambda r: ", ".join(op for op in r.bytes_by_op if op != "counted")),
+)
+# fmt: on
+
+
 def format_table(rows: list[Row]) -> str:
-    header = (
-        "variant",
-        "cp",
-        "L",
-        "median ms",
-        "tokens/s",
-        "vs peer",
-        "cpu ms",
-        "vs peer",
-        "peak MiB/rank",
-        "vs 1 proc",
-        "RSS MiB",
-        "bytes/rank",
-        "optimum",
-        "recv/rank",
-        "collectives",
-    )
-    cells = [
-        (
-            r.variant,
-            r.cp,
-            r.seq,
-            f"{r.seconds * 1e3:.0f}",
-            f"{r.tokens_per_second:.0f}",
-            _ratio(r.time_ratio),
-            f"{r.cpu_seconds * 1e3:.0f}",
-            _ratio(r.cpu_ratio),
-            f"{r.peak_mib:.0f}",
-            _ratio(r.memory_ratio),
-            "-" if r.rss_mib is None else f"{r.rss_mib:.0f}",
-            grouped(r.bytes_sent),
-            grouped(r.optimum) if r.optimum else "-",
-            grouped(r.bytes_received),
-            ", ".join(op for op in r.bytes_by_op if op != "counted"),
-        )
-        for r in sorted(rows, key=lambda r: (r.seq, r.cp, VARIANTS.index(r.variant)))
-    ]
-    return table(cells, header, right=frozenset(range(1, 14)))
+    ordered = sorted(rows, key=lambda r: (r.seq, r.cp, VARIANTS.index(r.variant)))
+    return table_of(ordered, _COLUMNS, text=frozenset({"variant", "collectives"}))
 
 
 def _verdict(ratio: float, want: float) -> str:

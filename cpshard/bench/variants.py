@@ -26,4 +26,20 @@ PEERS = ("dtensor", "deepspeed", "yunchang", "alst")
 #: on one process each: the plain model, and cpshard's cp_forward at cp=1 (its overhead over the plain model)
 ONE_PROCESS = ("single", "cp1")
 VARIANTS = (*ONE_PROCESS, *CPSHARD, *PEERS)
+#: what each variant is, as ``cpshard bench --help`` says it
+# fmt: off
+MEANINGS = {
+    "single": "the plain model on one process",  "cp1": "cp_forward at cp=1 (its overhead)",
+    "ulysses": "cpshard's default",  "ring": "ring attention",
+    "hybrid": "Ulysses within ring groups (cp >= 4)",
+    "ulysses-blocked": "attention in checkpointed query blocks of 64 MiB of scores",
+    "ulysses-nologits": "the loss without the logits (logits=False)",
+    "ulysses-checkpointed": "nologits with every decoder layer recomputed in the backward",
+    "ulysses-lean": "every layer recomputed, the MLP tiled, the attention in blocks (the memory frontier)",
+    "ulysses-lean-nologits": "lean without the logits",
+    "dtensor": "Ulysses by DTensor's redistribute",  "deepspeed": "DeepSpeed's DistributedAttention",
+    "yunchang": "yunchang's SeqAllToAll4D",
+    "alst": "DeepSpeed's ALST stack (UlyssesSPAttentionHF, the tiled MLP and loss)",
+}
+# fmt: on
 MIB = 2**20

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def table(rows: list[tuple], header: tuple | None = None, right: frozenset[int] = frozenset()) -> str:
     """``rows`` as aligned columns (two spaces apart); columns in ``right`` align right, as numbers do."""
@@ -18,6 +20,14 @@ def table(rows: list[tuple], header: tuple | None = None, right: frozenset[int] 
     if header:
         lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+def table_of(items: list, columns: tuple[tuple[str, Callable], ...], text: frozenset[str]) -> str:
+    """``items`` under ``columns``, each a header beside the cell it gives an item (so neither can drift from
+    the other); the ``text`` columns align left, the others right, as numbers do."""
+    header = tuple(name for name, _ in columns)
+    rows = [tuple(cell(item) for _, cell in columns) for item in items]
+    return table(rows, header, right=frozenset(i for i, name in enumerate(header) if name not in text))
 
 
 def grouped(n: int) -> str:
