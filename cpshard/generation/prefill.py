@@ -216,11 +216,11 @@ class CPPrefill:
                 check_left_padded(mask)
         except BatchError as raised:
             prompt, mask, error = batch, None, raised
-        self.training_forward.check_call(params, mesh)
+        failed = self.training_forward.check_call(params, mesh)
         verify_once(self.training_forward, params, mesh)
         names = self.training_forward.module_names
         options = self.training_forward.options
-        call, padded = plan_call(self.model, self.layout, options, names, params, prompt, mesh)
+        call, padded = plan_call(self.model, self.layout, options, names, params, prompt, mesh, failed)
         ensure_installed(self.model, self.layout, tp=1)
         if error is not None:
             raise error

@@ -301,16 +301,22 @@ def _dp_groups(mesh) -> list[list[int]]:
     return mesh.mesh.permute(*other, *same).reshape(-1, width).tolist()
 
 
+#: a fingerprint's key count where the rank's checks of the call's model and params failed
+_CHECKS_FAILED = float("-inf")
+
+
 def check_batch(
     batch,
     mesh,
     vocab_size: int | None = None,
     packed_refusal: str | None = None,
     whole: tuple[str, ...] = (),
+    failed: Exception | None = None,
 ) -> tuple[int, int]:
     """:func:`validate` the batch (the model taking the inputs ``whole`` beside its tokens) and check it is
     the same on every rank of each dp group; return ``(B, L)``. A batch of packed documents is refused with
-    ``packed_refusal`` where one is given.
+    ``packed_refusal`` where one is given. ``failed``: this rank's own checks of the call's model and params
+    raised it; the all-gather carries the failure too, and every rank raises (this one its own error).
 
     Every rank of the mesh raises, or none does: one all-gather over the whole mesh, before any other
     collective, carries each rank's fingerprint and whether its batch is valid. A check within the cp
@@ -332,12 +338,22 @@ def check_batch(
             raise error
         return shape
     row = fingerprint(batch)
-    if error is not None:  # marked in the key count (never negative there), so that no byte is added
+    if failed is not None:  # marked in the key count (never negative there), so that no byte is added
+        row[0] = _CHECKS_FAILED
+    elif error is not None:
         row[0] = -1.0 - row[0]
     with serving("other"):
         every = all_gather_rows(row, group, name="batch fingerprint")
+    if failed is not None:
+        raise failed
     ranks = dist.get_process_group_ranks(group)
     index = {rank: i for i, rank in enumerate(ranks)}
+    failing = [rank for rank in ranks if every[index[rank], 0] == _CHECKS_FAILED]
+    if failing:
+        raise ValueError(
+            f"ranks {failing} failed cp_forward's checks of the model and its params (each says why: a "
+            "params dict of another model, or missing entries); every rank stops, so none waits for them"
+        )
     differing = {
         tuple(m): d for m in _dp_groups(mesh) if (d := differing_ranks(every[[index[r] for r in m]], m))
     }

@@ -140,19 +140,21 @@ class CPForward:
         tested file), the plan of this call, the model's install checked again, and the parameters as the
         run takes them: ``reduced``, their gradients summed over the ranks that hold other tokens and
         DTensors made whole."""
-        self.check_call(params, mesh)
+        failed = self.check_call(params, mesh)
         verify_once(self, params, mesh)
         plan_inputs = (self.model, self.layout, self.options, self.module_names)
-        call, padded = plan_call(*plan_inputs, params, batch, mesh)
+        call, padded = plan_call(*plan_inputs, params, batch, mesh, failed)
         ensure_installed(self.model, self.layout, mesh_size(mesh, "tp"))
         if reduced:
             params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
         return call, padded, params
 
-    def check_call(self, params: dict, mesh) -> None:
+    def check_call(self, params: dict, mesh) -> Exception | None:
         """The model's modules as set up and ``params`` its own, on this rank (every call: what differs there
         says more than that the weights differ); on the first call, every rank made this cp forward alike and
-        holds the same plain weights (:mod:`cpshard.runtime.agreement`)."""
+        holds the same plain weights (:mod:`cpshard.runtime.agreement`), and every rank raises where one
+        failed. On a later call, what failed on this rank, which the call's batch check carries to every
+        rank (:func:`~cpshard.runtime.plan.plan_call`'s ``failed``): no rank waits for this one."""
         try:
             check_modules_unchanged(self.model, self.module_names)
             check_params(self.model, params)
@@ -163,8 +165,8 @@ class CPForward:
             description = repr((self.layout.name, self.options))
             check_agreement(description, parameter_aliases(self.model), params, mesh, failed)
             self.agreed = True
-        elif failed is not None:
-            raise failed
+            return None
+        return failed
 
     def _run(self, params: dict, batch: dict, mesh, reduced: bool) -> CPOutput:
         call, padded, params = self._prepare(params, batch, mesh, reduced)

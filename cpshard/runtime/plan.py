@@ -336,16 +336,18 @@ def plan_call(
     params: dict,
     batch: dict,
     mesh,
+    failed: Exception | None = None,
 ) -> tuple[CallPlan, PaddedBatch]:
-    """How one call splits its work, and the batch padded for it: the strategy (checked against the mesh),
-    the batch (checked the same on every rank of each dp group, or every rank raises), the order, the
+    """How one call splits its work, and the batch padded for it: the batch (checked the same on every rank
+    of each dp group, or every rank raises), the strategy (checked against the mesh), the order, the
     padding, the meshes and groups. The model and ``params`` are the caller's to check first (the forward's
-    :meth:`~cpshard.runtime.forward.CPForward.check_call`)."""
-    implementation, degree = choose_strategy(model, layout, options, mesh, params)
+    :meth:`~cpshard.runtime.forward.CPForward.check_call`); ``failed``, what those checks raised on this
+    rank, the batch check carries to every rank."""
     if layout.labels_shifted:
         batch = labels_read_as_shifted(batch)
     vocab_size = getattr(text_config(model), "vocab_size", None)
-    check_batch(batch, mesh, vocab_size, _packed_refusal(layout), layout.whole_inputs)
+    check_batch(batch, mesh, vocab_size, _packed_refusal(layout), layout.whole_inputs, failed)
+    implementation, degree = choose_strategy(model, layout, options, mesh, params)
     order = choose_order(options.sequence_order, implementation, batch, _contiguous_only(layout))
     padded = pad_batch(batch, cp_size(mesh), getattr(text_config(model), "pad_token_id", None), order)
     return _call_plan(layout, options, module_names, mesh, (implementation, degree, order), padded), padded
