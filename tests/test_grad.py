@@ -161,6 +161,59 @@ def test_plain_autograd_gives_one_process_gradients_parallel(ranks4, sizes, mode
         assert max(errors.values()) <= 1e-5, (rank, errors)
 
 
+def run_input_gradients(sizes: dict, model_type: str = "llama", forward: dict | None = None):
+    """``inputs_embeds`` that require a gradient (an adapter's output, a soft prompt), one batch per dp
+    group: each rank's input gradient against one process's for the same input, over every group's batch
+    (each rank's backward reaches only its own tokens' share: cp sums them). Worst relative differences."""
+    mesh = cpshard.make_mesh(**sizes)
+    model = tiny_model(model_type, vocab_size=130)
+    groups = sizes.get("dp_replicate", 1) * sizes.get("fsdp", 1)
+    batches = [tiny_batch(130, 2, 13, pad="left", seed=seed) for seed in range(1, groups + 1)]
+    embeds = [
+        torch.randn(2, 13, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+        for seed in range(groups)
+    ]
+    leaves = [e.clone().requires_grad_(True) for e in embeds]
+    whole = {key: torch.cat([b[key] for b in batches]) for key in ("attention_mask", "labels")}
+    objective = lambda loss, logits: loss + (logits[:, -1] ** 2).sum() * 1e-2  # noqa: E731
+    output = model(inputs_embeds=torch.cat(leaves), **whole, use_cache=False)
+    objective(output.loss, output.logits).backward()
+    group = mesh.get_local_rank("dp_replicate") * sizes.get("fsdp", 1) + mesh.get_local_rank("fsdp")
+    ref = leaves[group].grad
+    if len(sizes) > 1:
+        cpshard.parallelize(model, mesh)
+    cp_forward, params = cpshard.make_cp_forward(model, **(forward or {})), cpshard.params_of(model)
+    mine = {key: batches[group][key] for key in ("attention_mask", "labels")}
+    errors = {}
+    for how in ("backward()", "autograd.grad"):
+        leaf = embeds[group].clone().requires_grad_(True)
+        out = cp_forward(params, {**mine, "inputs_embeds": leaf}, mesh)
+        value = objective(out.loss, out.logits.full_tensor())
+        if how == "backward()":
+            value.backward()
+            grad = leaf.grad
+        else:
+            (grad,) = torch.autograd.grad(value, leaf)
+        errors[how] = ((grad - ref).abs().max() / ref.abs().max()).item()
+    return errors
+
+
+@pytest.mark.parametrize(
+    "model_type, forward",
+    [("llama", None), ("llama", dict(implementation="ring")), ("qwen3_5_text", None)],
+    ids=["ulysses", "ring", "gated-deltanet"],
+)
+def test_inputs_that_require_a_gradient_get_one_process_gradients_cp2(ranks2, model_type, forward):
+    for rank, errors in enumerate(ranks2.run(run_input_gradients, dict(cp=2), model_type, forward)):
+        assert max(errors.values()) <= 1e-5, (rank, errors)
+
+
+@pytest.mark.parametrize("sizes", [dict(fsdp=2, cp=2), dict(tp=2, cp=2)], ids=str)
+def test_inputs_that_require_a_gradient_get_one_process_gradients_parallel(ranks4, sizes):
+    for rank, errors in enumerate(ranks4.run(run_input_gradients, sizes)):
+        assert max(errors.values()) <= 1e-5, (rank, errors)
+
+
 def run_loss_rides_with_gradients():
     """value_and_grad's reductions against plain autograd's, on the same call: (op, name) of each."""
     from cpshard.comm.record import recording

@@ -28,7 +28,7 @@ The stops a batch makes, most of them inside the model's own forward, where no c
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -49,7 +49,7 @@ from cpshard.runtime.agreement import check_agreement
 from cpshard.runtime.call_loss import CallLoss
 from cpshard.runtime.compiled import compile_layers, compile_options
 from cpshard.runtime.cut import held_rows_only
-from cpshard.runtime.grad import summed_in_backward
+from cpshard.runtime.grad import inputs_summed_in_backward, summed_in_backward
 from cpshard.runtime.install import ensure_installed, install
 from cpshard.runtime.plan import (
     CPOptions,
@@ -145,6 +145,7 @@ class CPForward:
         plan_inputs = (self.model, self.layout, self.options, self.module_names)
         call, padded = plan_call(*plan_inputs, params, batch, mesh, failed)
         ensure_installed(self.model, self.layout, mesh_size(mesh, "tp"))
+        padded = replace(padded, model_inputs=inputs_summed_in_backward(padded.model_inputs, mesh))
         if reduced:
             params = gather_params(summed_in_backward(params, mesh), mesh, self.layout)
         return call, padded, params

@@ -3,7 +3,8 @@
 Each rank differentiates its own share of the loss. The parameters enter the cp computation
 through :func:`summed_in_backward`, the identity whose backward sums each gradient over the ranks
 that hold other tokens (one bucketed all-reduce per dtype), so ``backward()`` or
-``torch.autograd.grad`` of anything computed from a ``CPOutput`` leaves one process's gradient.
+``torch.autograd.grad`` of anything computed from a ``CPOutput`` leaves one process's gradient; the batch's
+inputs that require a gradient, through :func:`inputs_summed_in_backward`, likewise.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ def summed_in_backward(params: dict, mesh) -> dict:
                 )
             result[name] = value
     return result
+
+
+def inputs_summed_in_backward(inputs: dict, mesh) -> dict:
+    """The model's inputs as they are, the gradients of those that require one (``inputs_embeds`` from a
+    trainable adapter, soft prompt or vision tower outside the model) summed over cp: every cp rank holds
+    the same input and its backward reaches only its tokens' share (the sequence is cut after the
+    embeddings), so the sum is the one process's gradient, on every cp rank of the input's dp group."""
+    names = [name for name, x in inputs.items() if isinstance(x, torch.Tensor) and x.requires_grad]
+    group = group_over(mesh, ("cp",)) if names else None
+    if group is None:
+        return inputs
+    summed = sum_many_grads_over_group([inputs[name] for name in names], group, name="input gradients")
+    return {**inputs, **dict(zip(names, summed))}
 
 
 def _grads_of(output, leaves: dict) -> list[torch.Tensor]:
