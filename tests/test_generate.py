@@ -436,6 +436,11 @@ def _refusals() -> list[str]:
     penalized = model_for(Case("llama"))
     penalized.generation_config.repetition_penalty = 1.3
     attempts["config"] = lambda: cpshard.generate(penalized, batch, mesh, max_new_tokens=4)
+    # each rank's loop would stop after its own count of steps, its collectives mismatched (a gloo abort)
+    attempts["steps"] = lambda: cpshard.generate(model, batch, mesh, max_new_tokens=3 + 3 * rank)
+    attempts["refused on one rank"] = lambda: cpshard.generate(
+        model, batch, mesh, max_new_tokens=4, **({"num_beams": 2} if rank == 1 else {})
+    )
     return error_messages(attempts.values())
 
 
@@ -453,8 +458,12 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2):
         "this mesh also has {'dp_replicate': 2}",
         "takes the plain parameters",
         "sets {'repetition_penalty': 1.3}",
+        "ranks [1] were called otherwise than rank 0",
     ]
-    check_refused(ranks2.run(_refusals), expected)
+    every_rank = ranks2.run(_refusals)
+    check_refused([messages[:-1] for messages in every_rank], expected)
+    assert "ranks [1] refused their arguments" in every_rank[0][-1], every_rank[0][-1]
+    assert "beam search (num_beams=2)" in every_rank[1][-1], every_rank[1][-1]
 
 
 def generation_under_autocast(model_type: str, new_tokens: int = 6) -> dict:

@@ -8,6 +8,8 @@ generation config other than temperature, top-k and top-p.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from transformers import GenerationConfig
 
@@ -19,6 +21,8 @@ from cpshard.layouts.structure import text_config
 from cpshard.runtime.forward import params_of
 
 _MODELS_OWN = object()
+#: a rank's mark in the arguments' all-gather where its own arguments were refused (a CRC is never negative)
+_REFUSED = -1
 SPECULATIVE = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
 #: generation-config settings that change which tokens ``model.generate`` picks, not applied by cpshard
 REFUSED_SETTINGS = (
@@ -149,6 +153,34 @@ def shared_generator(group, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def _resolved(model, max_new_tokens, given: dict, eos_token_id, unsupported: dict):
+    """``(sampling, eos ids or None, pad id)`` of a ``generate`` call, or a ValueError saying what it does not
+    serve."""
+    refuse_unsupported(unsupported, model.generation_config)
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: a positive integer")
+    return sampling_for(model.generation_config, given), *stop_and_pad_ids(model, eos_token_id)
+
+
+def check_same_arguments(arguments: str | None, group, failed: Exception | None) -> None:
+    """Every rank raises unless every rank's call resolved to the same ``arguments`` (each rank's loop runs
+    its own count of decode steps: ranks that stopped apart would mismatch in a collective, as a gloo abort
+    or a hang); ``failed``: this rank's arguments were refused (it raises that, the others name it)."""
+    mark = _REFUSED if failed is not None else zlib.crc32(arguments.encode())
+    every = all_gather_rows(torch.tensor([mark], dtype=torch.int64), group, name="generate arguments")
+    if failed is not None:
+        raise failed
+    refused = [rank for rank, value in enumerate(every[:, 0].tolist()) if value == _REFUSED]
+    differing = [rank for rank, value in enumerate(every[:, 0].tolist()) if value != every[0, 0]]
+    if refused or differing:
+        raise ValueError(
+            f"cpshard.generate: ranks {refused} refused their arguments (each says why)"
+            if refused
+            else f"cpshard.generate: ranks {differing} were called otherwise than rank 0 (this rank: "
+            f"{arguments}); every rank generates with the same max_new_tokens, sampling, eos and generator"
+        )
+
+
 def check_same_everywhere(tokens: torch.Tensor, group) -> None:
     """Every rank raises unless every rank generated the same tokens."""
     every = all_gather_rows(tokens, group, name="generated tokens")
@@ -180,14 +212,18 @@ def generate(
     the model's generation config's, else transformers' defaults, as ``model.generate`` takes them (greedy;
     when sampling, top-k 50; ``top_k=None``: no top-k). Sampling draws from ``generator``, which must be
     seeded alike on every rank and be on the model's device (``None``: one seeded from rank 0's)."""
-    refuse_unsupported(unsupported, model.generation_config)
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r}: a positive integer")
+    group = mesh.get_group("cp")
     given = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-    sampling = sampling_for(model.generation_config, given)
-    eos, pad = stop_and_pad_ids(model, eos_token_id)
+    try:
+        sampling, eos, pad = _resolved(model, max_new_tokens, given, eos_token_id, unsupported)
+        eos_ids = None if eos is None else eos.tolist()
+        arguments = f"max_new_tokens={max_new_tokens}, {sampling}, eos {eos_ids}, pad {pad}"
+        arguments, failed = f"{arguments}, a generator given: {generator is not None}", None
+    except ValueError as raised:
+        arguments, failed = None, raised
+    check_same_arguments(arguments, group, failed)
     cp_prefill, cp_decode = make_cp_prefill(model), make_cp_decode(model)
-    params, group = params_of(model), mesh.get_group("cp")
+    params = params_of(model)
     logits, cache = cp_prefill(params, batch, mesh)
     if sampling.do_sample and generator is None:
         generator = shared_generator(group, logits.device)
