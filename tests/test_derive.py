@@ -123,6 +123,23 @@ def test_what_cp_cannot_serve_is_refused_naming_module_and_reason(model_type, wo
     assert not missing, f"{info.value} lacks {missing}"
 
 
+@pytest.mark.parametrize(
+    "mode, words",
+    [
+        ("train", ["mode='train' takes sequences of whole chunks only (chunk_size=64)"]),
+        ("train_with_padding", ["returns no last state"]),
+    ],
+)
+def test_a_recurrent_kernel_mode_cp_cannot_run_is_refused_saying_which_to_set(mode, words):
+    """xLSTM's train modes: before, its recording run on 13 tokens failed in the model's kernel, and the
+    refusal said the model does not run on token ids alone."""
+    with pytest.raises(LayoutError) as info:
+        derive_layout(tiny_model("xlstm", attn_implementation="auto", mode=mode))
+    missing = [word for word in [*words, "set config.mode = 'inference'"] if word not in str(info.value)]
+    assert not missing, f"{info.value} lacks {missing}"
+    assert any(row.kernel == "mlstm" for row in derive_layout(tiny_model("xlstm")).recurrent)
+
+
 class _UnreadCompressedAttention(DeepseekV4Attention):
     """DeepSeek-V4's attention under a class cpshard has not read: what its compressor pools is unknown."""
 
