@@ -144,6 +144,23 @@ def test_structure_problems_name_each_misfit(models):
     ]
 
 
+@pytest.mark.parametrize(
+    "model_type, mixer",
+    [
+        ("nemotron_h", "NemotronHMamba2Mixer at 'mixer'"),
+        ("qwen3_5_text", "Qwen3_5GatedDeltaNet at 'linear_attn'"),
+    ],
+)
+def test_a_layout_lacking_the_recurrent_rows_is_told_which_mixers_they_name(model_type, mixer):
+    """Before, nemotron_h's file without its rows said only that its mixer does not call attention through
+    the registry."""
+    model = tiny_model(model_type)
+    layout = resolve_layout(model)
+    assert structure_problems(model, layout) == []
+    problems = structure_problems(model, replace(layout, recurrent=()))
+    assert f"recurrent mixers that no row of the layout's recurrent table names ({mixer};" in problems[-1]
+
+
 @pytest.mark.parametrize("layout", [decoder.LAYOUT, *REGISTERED.values()], ids=lambda layout: layout.name)
 def test_layout_files_declare_the_cheap_moves(layout):
     """The residual cut and per-layer inputs are slices; q, k, v and the output are one all-to-all each."""

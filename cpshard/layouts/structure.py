@@ -15,6 +15,7 @@ from cpshard.layouts.layout import (
     HEAD_SPLIT_ATTENTION,
     HEAD_TRANSFORMS,
     HOOKED,
+    RECURRENT_KERNELS,
     WHOLE_ATTENTION,
     Layout,
     Recurrent,
@@ -132,4 +133,23 @@ def structure_problems(model: nn.Module, layout: Layout) -> list[str]:
     odd = [name for name in layout.head_transforms if name not in HEAD_TRANSFORMS]
     if odd:
         problems.append(f"unknown head transforms {odd}; cpshard knows {HEAD_TRANSFORMS}")
+    unnamed = _unnamed_mixers(layers, layout) if problems else []
+    if unnamed:  # what the problems above come of, where a layout lacks the model's recurrent rows
+        problems.append(
+            f"its layers hold recurrent mixers that no row of the layout's recurrent table names ("
+            f"{', '.join(unnamed)}; `cpshard layout MODEL` prints the model's rows)"
+        )
     return problems
+
+
+def _unnamed_mixers(layers: nn.ModuleList, layout: Layout) -> list[str]:
+    """``"Class at 'path'"`` for each kind of recurrent mixer in the decoder layers whose path no row of the
+    layout's recurrent table names."""
+    named = {row.module for row in layout.recurrent}
+    found = {
+        f"{type(module).__name__} at {path!r}"
+        for layer in layers
+        for path, module in layer.named_modules()
+        if path not in named and any(serves(module, kernel) for kernel in RECURRENT_KERNELS)
+    }
+    return sorted(found)
