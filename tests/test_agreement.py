@@ -75,16 +75,16 @@ def test_the_ranks_agree_once_per_cp_forward(ranks2):
     assert ranks2.run(agreement_gathers) == [[1, 0], [1, 0]]
 
 
-def params_lacking_one_on_rank_1(on_call: int) -> str:
-    """Rank 1 leaves a parameter out of its params (rank 0 gives them all) on a cp forward's call
+def params_lacking_one_on_the_last_rank(on_call: int) -> str:
+    """The last rank leaves a parameter out of its params (the others give them all) on a cp forward's call
     ``on_call`` (0: the first)."""
     model = tiny_model("llama")
     params = cpshard.params_of(model)
     lacking = {name: value for name, value in params.items() if name != "model.norm.weight"}
-    if dist.get_rank() == 0:
+    if dist.get_rank() < dist.get_world_size() - 1:
         lacking = params
     forward, batch = cpshard.make_cp_forward(model), tiny_batch(model.config.vocab_size, 2, 16)
-    mesh = cpshard.make_mesh(cp=2)
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
     try:
         for call in range(on_call + 1):
             forward(lacking if call == on_call else params, batch, mesh)
@@ -98,8 +98,15 @@ def test_params_that_fail_their_checks_on_one_rank_stop_every_rank(ranks2, on_ca
     """Rank 1's own check raised before the first call's agreement or a later call's batch check, whose
     all-gather rank 0 then waited in until the group's timeout; the gather carries the failure now: rank 1
     says what is wrong, rank 0 who failed."""
-    messages = ranks2.run(params_lacking_one_on_rank_1, on_call)
+    messages = ranks2.run(params_lacking_one_on_the_last_rank, on_call)
     assert messages[1].startswith("params lacks 1 of LlamaForCausalLM's parameters"), messages
     assert messages[0].startswith("ranks [1] failed cp_forward's checks of the model and its params"), (
         messages
     )
+
+
+def test_params_that_fail_their_checks_on_a_later_call_at_cp1_are_refused():
+    """One rank: a later call's failure, carried to the batch check, is raised there too."""
+    with cpshard.LocalRanks(1, timeout=120) as ranks:
+        (message,) = ranks.run(params_lacking_one_on_the_last_rank, 2)
+    assert message.startswith("params lacks 1 of LlamaForCausalLM's parameters"), message

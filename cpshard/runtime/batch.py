@@ -334,8 +334,8 @@ def check_batch(
         shape, error = None, raised
     group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))
     if group is None:  # one rank
-        if error is not None:
-            raise error
+        if failed is not None or error is not None:
+            raise failed or error
         return shape
     row = fingerprint(batch)
     if failed is not None:  # marked in the key count (never negative there), so that no byte is added
