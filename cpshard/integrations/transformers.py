@@ -40,6 +40,7 @@ except ImportError as error:
         "install the extra: pip install 'cpshard[trainer]'"
     ) from error
 
+from cpshard.loss.cross_entropy import IGNORE_INDEX
 from cpshard.parallel.checkpoint import load_whole_weights, save_pretrained
 from cpshard.parallel.mesh import DATA_AXES, mesh_size
 from cpshard.parallel.optimizer_state import load_optimizer_state, save_optimizer_state
@@ -83,9 +84,27 @@ def _collated(collator, rows: list) -> dict:
     return without_varlen_keys(collator(rows))
 
 
+def _repeats_ignored(batch: dict, sampler: DistributedSampler, first: int) -> dict:
+    """``batch`` (rows ``first``, ``first + 1``, ... of this dp group's shard) with no label on the rows the
+    sampler repeated to even out the shards: it pads them with rows from the start where the dp groups do not
+    divide the data, and one process trains on each row once. Row ``i`` of a shard is position
+    ``rank + i * num_replicas`` of the padded order, a repeat past the data's length."""
+    rows = next(iter(batch.values())).shape[0]
+    repeated = [
+        row
+        for row in range(rows)
+        if sampler.rank + (first + row) * sampler.num_replicas >= len(sampler.dataset)
+    ]
+    if not repeated:
+        return batch
+    keys = [key for key in ("labels", "shift_labels") if batch.get(key) is not None]
+    return {**batch, **{key: batch[key].index_fill(0, torch.tensor(repeated), IGNORE_INDEX) for key in keys}}
+
+
 class _EpochLoader(DataLoader):
-    """A data loader whose ``set_epoch`` (which Trainer calls at each epoch) reshuffles its sampler, and
-    which says how many rows its last batch holds while it serves that batch."""
+    """A data loader whose ``set_epoch`` (which Trainer calls at each epoch) reshuffles its sampler, which
+    serves the rows its sampler repeats without labels (:func:`_repeats_ignored`), and which says how many
+    rows its last batch holds while it serves that batch."""
 
     #: the rows of the batch being served where it is the last (it may hold fewer than the batch size)
     final_rows: int | None = None
@@ -98,7 +117,7 @@ class _EpochLoader(DataLoader):
         for number, batch in enumerate(super().__iter__()):
             last = number == batches - 1
             self.final_rows = len(self.sampler) - number * self.batch_size if last else None
-            yield batch
+            yield _repeats_ignored(batch, self.sampler, number * self.batch_size)
         self.final_rows = None
 
 
