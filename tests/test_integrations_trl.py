@@ -222,6 +222,28 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, tmp_path, case, mes
         assert message in got, got
 
 
+def uneven_pairs(folder: str) -> str:
+    """Seven preference pairs over two dp groups (fsdp2 x cp2): the loader CPDPOTrainer would train on."""
+    from cpshard.integrations.trl import CPDPOTrainer
+
+    mesh, model = cpshard.make_mesh(fsdp=2, cp=2), tiny_model("llama", vocab_size=VOCAB)
+    cpshard.parallelize(model, mesh)
+    arguments = {**_trainer("dpo", model, _config("dpo", folder, 1)), "train_dataset": dataset("dpo", 1, 7)}
+    try:
+        CPDPOTrainer(model, mesh=mesh, **arguments).get_train_dataloader()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_preference_pairs_the_dp_groups_do_not_divide_are_refused_on_every_rank(ranks4, tmp_path):
+    """DPO's loss is each dp group's mean over its pairs: a pair the sampler repeats to even out the groups'
+    shards (trained twice, silently, before) cannot be taken out of it by its labels, as CPTrainer's rows
+    are."""
+    for message in ranks4.run(uneven_pairs, str(tmp_path)):
+        assert "CPDPOTrainer: 7 training pairs do not divide over 2 dp groups" in message, message
+
+
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_trl.py"
 
 

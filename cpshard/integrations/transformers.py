@@ -84,12 +84,11 @@ def _collated(collator, rows: list) -> dict:
     return without_varlen_keys(collator(rows))
 
 
-def _repeats_ignored(batch: dict, sampler: DistributedSampler, first: int) -> dict:
-    """``batch`` (rows ``first``, ``first + 1``, ... of this dp group's shard) with no label on the rows the
-    sampler repeated to even out the shards: it pads them with rows from the start where the dp groups do not
-    divide the data, and one process trains on each row once. Row ``i`` of a shard is position
+def _repeats_ignored(batch: dict, sampler: DistributedSampler, first: int, rows: int) -> dict:
+    """``batch`` (rows ``first`` to ``first + rows - 1`` of this dp group's shard) with no label on the rows
+    the sampler repeated to even out the shards: it pads them with rows from the start where the dp groups
+    do not divide the data, and one process trains on each row once. Row ``i`` of a shard is position
     ``rank + i * num_replicas`` of the padded order, a repeat past the data's length."""
-    rows = next(iter(batch.values())).shape[0]
     repeated = [
         row
         for row in range(rows)
@@ -116,8 +115,10 @@ class _EpochLoader(DataLoader):
         batches = len(self)
         for number, batch in enumerate(super().__iter__()):
             last = number == batches - 1
-            self.final_rows = len(self.sampler) - number * self.batch_size if last else None
-            yield _repeats_ignored(batch, self.sampler, number * self.batch_size)
+            first = number * self.batch_size
+            left = len(self.sampler) - first
+            self.final_rows = left if last else None
+            yield _repeats_ignored(batch, self.sampler, first, min(self.batch_size, left))
         self.final_rows = None
 
 
@@ -194,14 +195,18 @@ class CPTrainer(Trainer):
     def _evaluation_loader(self, dataset) -> DataLoader:
         """One shard per dp group; refused (on every rank alike) where the dp groups do not divide the rows:
         the sampler would pad the shards with repeated rows, counted twice in the loss and the metrics."""
+        self._check_dp_groups_divide(dataset, "evaluation rows", "counted twice in the loss and the metrics")
+        return self._data_loader(dataset, self.args.eval_batch_size, shuffle=False)
+
+    def _check_dp_groups_divide(self, dataset, rows: str, why: str) -> None:
+        """A ValueError (on every rank alike) where the dp groups do not divide ``dataset``'s rows: the
+        sampler would pad each group's shard with repeated rows, ``why`` that is wrong."""
         count = dp_group_of(self.mesh)[1]
         if len(dataset) % count:
             raise ValueError(
-                f"CPTrainer: {len(dataset)} evaluation rows do not divide over {count} dp groups; each "
-                "group's shard would be padded with repeated rows, counted twice in the loss and the "
-                f"metrics: use a multiple of {count} rows"
+                f"{type(self).__name__}: {len(dataset)} {rows} do not divide over {count} dp groups; each "
+                f"group's shard would be padded with repeated rows, {why}: use a multiple of {count} rows"
             )
-        return self._data_loader(dataset, self.args.eval_batch_size, shuffle=False)
 
     def evaluation_loop(self, dataloader, *args, **kwargs):
         """Trainer's loop, its gathers keeping each dp group's predictions once (it resets them after)."""

@@ -152,6 +152,12 @@ class CPDPOTrainer(_CPTRLTrainer, DPOTrainer):
             options = self._forward_options(self.args, forward or {})
             serve_fused_head(reference, make_cp_forward(reference, **options), mesh)
 
+    def get_train_dataloader(self):
+        """``CPTrainer``'s, refused where the dp groups do not divide the pairs: TRL's loss is each group's
+        mean over its pairs, and a pair the sampler repeats cannot be taken out of it by its labels."""
+        self._check_dp_groups_divide(self.train_dataset, "training pairs", "trained twice")
+        return super().get_train_dataloader()
+
     def _forward_options(self, args, forward: dict) -> dict:
         statistics = ("entropy", "top1", "mean_logit")
         if getattr(args, "use_weighting", False):
