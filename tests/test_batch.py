@@ -214,6 +214,11 @@ DIFFERENT = {
         {"inputs_embeds": torch.ones(B, L, D).index_fill(2, torch.tensor(2), 2)},
     ),
     "swapped 997 apart": _long_row_swapped(),
+    # its gradient's all-reduce (cpshard.runtime.grad.inputs_summed_in_backward) would run on one rank only
+    "embeds requiring a gradient": (
+        {"inputs_embeds": torch.ones(B, L, D)},
+        {"inputs_embeds": torch.ones(B, L, D).requires_grad_()},
+    ),
 }
 
 

@@ -24,3 +24,9 @@ def test_json_file(tmp_path):
     bench_report.write_json([row], BenchConfig(seqs=(64,)), tmp_path / "rows.json")
     written = json.loads((tmp_path / "rows.json").read_text())
     assert written["rows"][0]["tokens_per_second"] == 128 and written["config"]["seqs"] == [64]
+
+
+def test_every_variant_says_what_it_is():
+    from cpshard.bench.variants import MEANINGS, VARIANTS
+
+    assert set(MEANINGS) == set(VARIANTS)

@@ -157,19 +157,19 @@ def _one_epoch(folder, batch_size: int) -> TrainingArguments:
     )
 
 
-def trained_on_rows(folder: str, rows: int, sizes: dict | None = None):
+def trained_on_rows(folder: str, rows: int, batch: int, sizes: dict | None = None):
     """The losses and weights after one epoch over ``rows`` rows: the plain Trainer on one process in
-    batches of 2, or CPTrainer on ``sizes`` (two dp groups) in batches of 1 per dp group."""
+    batches of ``2 * batch``, or CPTrainer on ``sizes`` (two dp groups) in batches of ``batch`` per group."""
     from cpshard.integrations.transformers import CPTrainer
 
     model = tiny_model("llama", vocab_size=VOCAB)
     model.loss_type = "ForCausalLM"
     if sizes is None:
-        trainer = Trainer(model, _one_epoch(folder, 2), train_dataset=Rows(1, rows))
+        trainer = Trainer(model, _one_epoch(folder, 2 * batch), train_dataset=Rows(1, rows))
     else:
         mesh = cpshard.make_mesh(**sizes)
         cpshard.parallelize(model, mesh)
-        trainer = CPTrainer(model, _one_epoch(folder, 1), mesh=mesh, train_dataset=Rows(1, rows))
+        trainer = CPTrainer(model, _one_epoch(folder, batch), mesh=mesh, train_dataset=Rows(1, rows))
     trainer.train()
     weights = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -177,15 +177,49 @@ def trained_on_rows(folder: str, rows: int, sizes: dict | None = None):
 
 
 @needs_accelerate
-def test_training_rows_the_dp_groups_do_not_divide_are_each_trained_once(ranks4, tmp_path):
+@pytest.mark.parametrize("batch, steps", [(1, 4), (2, 2)])
+def test_training_rows_the_dp_groups_do_not_divide_are_each_trained_once(ranks4, tmp_path, batch, steps):
     """Two dp groups and 7 rows: the sampler evens the shards out with a repeat of row 0, which the last step
     trained beside row 6 (silently, before: its loss 1.4 from one process's); the repeat has no labels
-    now, and each step is one process's."""
-    ref_losses, ref_weights = trained_on_rows(str(tmp_path / "one"), 7)
-    assert len(ref_losses) == 4
-    for losses, weights in ranks4.run(trained_on_rows, str(tmp_path), 7, dict(fsdp=2, cp=2)):
+    now, and each step is one process's. In batches of 2 the repeat is the last batch's second row."""
+    ref_losses, ref_weights = trained_on_rows(str(tmp_path / "one"), 7, batch)
+    assert len(ref_losses) == steps
+    for losses, weights in ranks4.run(trained_on_rows, str(tmp_path), 7, batch, dict(fsdp=2, cp=2)):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-5, (losses, ref_losses)
         assert max((weights[n] - ref_weights[n]).abs().max().item() for n in weights) <= 1e-5
+
+
+def _flattened(rows: list) -> dict:
+    """A padding-free collator's batch: the rows in one, their positions restarting at each."""
+    return {
+        "input_ids": torch.cat([row["input_ids"] for row in rows])[None],
+        "labels": torch.cat([row["labels"] for row in rows])[None],
+        "position_ids": torch.cat([torch.arange(len(row["input_ids"])) for row in rows])[None],
+    }
+
+
+def training_loader_of_rows(folder: str, rows: int, collator) -> str:
+    from cpshard.integrations.transformers import CPTrainer
+
+    mesh, model = cpshard.make_mesh(fsdp=2, cp=2), tiny_model("llama", vocab_size=VOCAB)
+    cpshard.parallelize(model, mesh)
+    arguments = _one_epoch(folder, 2)
+    trainer = CPTrainer(model, arguments, mesh=mesh, train_dataset=Rows(1, rows), data_collator=collator)
+    try:
+        trainer.get_train_dataloader()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@needs_accelerate
+def test_a_padding_free_collator_with_rows_the_dp_groups_do_not_divide_is_refused(ranks4, tmp_path):
+    """Its batch is one row, whose repeated part the loader cannot take the labels from: refused on every rank
+    before training (the loader raised an IndexError on the ranks of one dp group, at the epoch's end)."""
+    expected = "7 training rows do not divide over 2 dp groups"
+    for message in ranks4.run(training_loader_of_rows, str(tmp_path), 7, _flattened):
+        assert expected in message and "packed in one" in message, message
+    assert ranks4.run(training_loader_of_rows, str(tmp_path), 8, _flattened) == ["accepted"] * 4
 
 
 def test_without_accelerate_the_import_names_the_extra(monkeypatch):
@@ -355,7 +389,7 @@ def test_evaluation_rows_the_dp_groups_do_not_divide_are_refused_on_every_rank(r
         assert "7 evaluation rows do not divide over 2 dp groups" in message, message
 
 
-def resumed_run(folder: str, sizes: dict) -> dict:
+def resumed_run(folder: str, sizes: dict, rows: int = ROWS) -> dict:
     """Four steps on shuffled data saving every two, then the same run resumed from its step-2 checkpoint
     (model, AdamW, schedule, RNG, data position) in another folder: their losses and final weights. With
     an fsdp or tp axis the model is parallelized: its AdamW state is every rank's own shards."""
@@ -369,7 +403,7 @@ def resumed_run(folder: str, sizes: dict) -> dict:
         arguments = _arguments(f"{folder}/{name}", MICRO)
         arguments.max_steps, arguments.save_steps, arguments.save_strategy = 4, 2, "steps"
         arguments.train_sampling_strategy = "random"
-        trainer = CPTrainer(model, arguments, mesh=mesh, train_dataset=Rows(1, ROWS))
+        trainer = CPTrainer(model, arguments, mesh=mesh, train_dataset=Rows(1, rows))
         trainer.train(resume_from_checkpoint=resume)
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         whole = {
@@ -387,11 +421,15 @@ def resumed_run(folder: str, sizes: dict) -> dict:
 @needs_accelerate
 @pytest.mark.ranks  # its ranks come through getfixturevalue, which the marker's hook does not see
 @pytest.mark.parametrize(
-    "sizes", [dict(cp=2), dict(fsdp=2, cp=2), dict(cp=2, tp=2)], ids=["cp2", "fsdp2xcp2", "cp2xtp2"]
+    "sizes, rows",
+    [(dict(cp=2), ROWS), (dict(fsdp=2, cp=2), ROWS), (dict(cp=2, tp=2), ROWS), (dict(fsdp=2, cp=2), 23)],
+    ids=["cp2", "fsdp2xcp2", "cp2xtp2", "fsdp2xcp2-mid-epoch-repeat"],
 )
-def test_a_checkpoint_resumes_as_the_uninterrupted_run(request, tmp_path, sizes):
+def test_a_checkpoint_resumes_as_the_uninterrupted_run(request, tmp_path, sizes, rows):
+    """23 rows over two dp groups: three steps an epoch, so the step-2 checkpoint resumes mid-epoch, and the
+    epoch's last batch holds a repeat (its labels dropped in the resumed run too)."""
     ranks = request.getfixturevalue("ranks4" if len(sizes) > 1 else "ranks2")
-    for result in ranks.run(resumed_run, str(tmp_path), sizes):
+    for result in ranks.run(resumed_run, str(tmp_path), sizes, rows):
         whole, resumed = result["losses"]
         assert len(whole) == len(resumed) == 4 and result["weights"] <= 1e-6, result
         assert max(abs(a - b) for a, b in zip(whole, resumed)) <= 1e-6, result

@@ -177,7 +177,8 @@ def check_same_arguments(arguments: str | None, group, failed: Exception | None)
             f"cpshard.generate: ranks {refused} refused their arguments (each says why)"
             if refused
             else f"cpshard.generate: ranks {differing} were called otherwise than rank 0 (this rank: "
-            f"{arguments}); every rank generates with the same max_new_tokens, sampling, eos and generator"
+            f"{arguments}); every rank generates with the same max_new_tokens, sampling and eos, each "
+            "with a generator or none"
         )
 
 
@@ -219,7 +220,7 @@ def generate(
         eos_ids = None if eos is None else eos.tolist()
         arguments = f"max_new_tokens={max_new_tokens}, {sampling}, eos {eos_ids}, pad {pad}"
         arguments, failed = f"{arguments}, a generator given: {generator is not None}", None
-    except ValueError as raised:
+    except (TypeError, ValueError) as raised:  # a value of the wrong type fails in the resolving
         arguments, failed = None, raised
     check_same_arguments(arguments, group, failed)
     cp_prefill, cp_decode = make_cp_prefill(model), make_cp_decode(model)

@@ -24,11 +24,12 @@ model's (DTensors like its sharded parameters) is saved by every rank, its own s
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 try:
     import accelerate  # noqa: F401 - transformers' Trainer runs on it
@@ -100,26 +101,49 @@ def _repeats_ignored(batch: dict, sampler: DistributedSampler, first: int, rows:
     return {**batch, **{key: batch[key].index_fill(0, torch.tensor(repeated), IGNORE_INDEX) for key in keys}}
 
 
+class _RowsAfter(Sampler):
+    """The shard's rows after its first ``skipped`` (a resumed epoch's, whose first batches were trained); its
+    epoch is the shard's (set before each pass, so that the rows skipped are that epoch's)."""
+
+    def __init__(self, shard: DistributedSampler, skipped: int):
+        self.shard, self.skipped = shard, skipped
+
+    def __iter__(self):
+        return itertools.islice(iter(self.shard), self.skipped, None)
+
+    def __len__(self) -> int:
+        return max(len(self.shard) - self.skipped, 0)
+
+
 class _EpochLoader(DataLoader):
-    """A data loader whose ``set_epoch`` (which Trainer calls at each epoch) reshuffles its sampler, which
-    serves the rows its sampler repeats without labels (:func:`_repeats_ignored`), and which says how many
-    rows its last batch holds while it serves that batch."""
+    """A data loader over a dp group's shard of the rows (from row ``skipped`` of it on, where a resumed
+    epoch skips what it trained): its ``set_epoch`` (which Trainer calls at each epoch) reshuffles the shard,
+    it serves the rows the shard repeats without labels (:func:`_repeats_ignored`), and it says how many rows
+    its last batch holds while it serves that batch."""
 
     #: the rows of the batch being served where it is the last (it may hold fewer than the batch size)
     final_rows: int | None = None
 
+    def __init__(self, dataset, shard: DistributedSampler, skipped: int = 0, **options):
+        super().__init__(dataset, sampler=_RowsAfter(shard, skipped), **options)
+        self.shard, self.skipped = shard, skipped
+
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        self.shard.set_epoch(epoch)
 
     def __iter__(self):
         batches = len(self)
         for number, batch in enumerate(super().__iter__()):
-            last = number == batches - 1
             first = number * self.batch_size
             left = len(self.sampler) - first
-            self.final_rows = left if last else None
-            yield _repeats_ignored(batch, self.sampler, first, min(self.batch_size, left))
+            self.final_rows = left if number == batches - 1 else None
+            yield _repeats_ignored(batch, self.shard, self.skipped + first, min(self.batch_size, left))
         self.final_rows = None
+
+    def resumed(self, batches: int) -> _EpochLoader:
+        """This loader without its first ``batches`` batches, their rows not read."""
+        options = dict(batch_size=self.batch_size, collate_fn=self.collate_fn, drop_last=self.drop_last)
+        return _EpochLoader(self.dataset, self.shard, self.skipped + batches * self.batch_size, **options)
 
 
 class CPTrainer(Trainer):
@@ -167,8 +191,8 @@ class CPTrainer(Trainer):
         collator = self._get_collator_with_removed_columns(self.data_collator, description="cp")
         return _EpochLoader(
             dataset,
+            sampler,
             batch_size=batch_size,
-            sampler=sampler,
             collate_fn=functools.partial(_collated, collator),
             drop_last=self.args.dataloader_drop_last,
         )
@@ -178,7 +202,31 @@ class CPTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("CPTrainer: training requires a train_dataset")
         shuffle = self.args.train_sampling_strategy != "sequential"
-        return self._data_loader(self.train_dataset, self._train_batch_size, shuffle)
+        loader = self._data_loader(self.train_dataset, self._train_batch_size, shuffle)
+        if len(self.train_dataset) % dp_group_of(self.mesh)[1]:
+            self._check_rows_keep_their_labels(loader)
+        return loader
+
+    def _check_rows_keep_their_labels(self, loader: _EpochLoader) -> None:
+        """Where the dp groups do not divide the rows, the repeats go without labels: a ValueError (on every
+        rank alike, before training) unless a batch of the collator's keeps a label row per data row (a
+        padding-free collator packs its rows into one, whose repeated part cannot be told apart)."""
+        rows = min(2, loader.batch_size, len(loader.dataset))
+        batch = loader.collate_fn([loader.dataset[i] for i in range(rows)])
+        labels = next((batch[key] for key in ("labels", "shift_labels") if batch.get(key) is not None), None)
+        if labels is None or labels.shape[0] != rows:
+            count = dp_group_of(self.mesh)[1]
+            raise ValueError(
+                f"{type(self).__name__}: {len(loader.dataset)} training rows do not divide over {count} dp "
+                "groups, whose shards the sampler evens out with repeated rows, served without labels; this "
+                f"collator gives {rows} rows {'no labels' if labels is None else 'packed in one'}, so the "
+                f"repeats would be trained twice: use a multiple of {count} rows"
+            )
+
+    def get_resumed_dataloader(self, dataloader: DataLoader, num_batches: int) -> DataLoader:
+        """The training loader without the batches a resumed epoch trained (accelerate's skip would make a
+        plain loader: the shard's repeats then trained with their labels, and its epoch never set)."""
+        return dataloader.resumed(num_batches)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset

@@ -155,7 +155,8 @@ class CPDPOTrainer(_CPTRLTrainer, DPOTrainer):
     def get_train_dataloader(self):
         """``CPTrainer``'s, refused where the dp groups do not divide the pairs: TRL's loss is each group's
         mean over its pairs, and a pair the sampler repeats cannot be taken out of it by its labels."""
-        self._check_dp_groups_divide(self.train_dataset, "training pairs", "trained twice")
+        if self.train_dataset is not None:  # else CPTrainer's own message
+            self._check_dp_groups_divide(self.train_dataset, "training pairs", "trained twice")
         return super().get_train_dataloader()
 
     def _forward_options(self, args, forward: dict) -> dict:

@@ -52,7 +52,8 @@ def fingerprint(batch) -> torch.Tensor:
         index = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
         # two bounded weightings: together they tell apart values swapped between any two positions
         sums = [float((flat * weights).sum()) for weights in (index % 997 + 1, index // 997 + 1)]
-        entries.extend([1.0, float(value.dim()), *map(float, shape), *sums])
+        # present (1), or present and requiring a gradient (2): its gradient's all-reduce runs where it does
+        entries.extend([1.0 + value.requires_grad, float(value.dim()), *map(float, shape), *sums])
     return torch.tensor(entries, dtype=torch.float64)
 
 
