@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from cpshard.comm.collectives import all_gather_rows
 from cpshard.comm.record import serving
 from cpshard.parallel.mesh import group_over
-from cpshard.runtime.batch import differing_ranks
+from cpshard.runtime.batch import differing_ranks, failed_elsewhere
 
 #: elements summed at a time: a sum widens its input into a copy first, so the copy stays small
 _CHUNK = 1 << 22
@@ -72,10 +72,7 @@ def check_agreement(
     if failed is not None:
         raise failed
     if failing:
-        raise ValueError(
-            f"ranks {failing} failed cp_forward's checks of the model and its params (each says why: a "
-            "params dict of another model, or missing entries); every rank stops, so none waits for them"
-        )
+        raise failed_elsewhere(failing)
     made_otherwise = differing_ranks(every[:, :1], ranks)
     if made_otherwise:
         raise ValueError(

@@ -306,6 +306,15 @@ def _dp_groups(mesh) -> list[list[int]]:
 _CHECKS_FAILED = float("-inf")
 
 
+def failed_elsewhere(failing: list[int]) -> ValueError:
+    """What the other ranks raise where ``failing`` ranks' checks of the call's model and params failed (a
+    collective carried the failure; each failing rank raises its own error)."""
+    return ValueError(
+        f"ranks {failing} failed cp_forward's checks of the model and its params (each says why: a "
+        "params dict of another model, or missing entries); every rank stops, so none waits for them"
+    )
+
+
 def check_batch(
     batch,
     mesh,
@@ -351,10 +360,7 @@ def check_batch(
     index = {rank: i for i, rank in enumerate(ranks)}
     failing = [rank for rank in ranks if every[index[rank], 0] == _CHECKS_FAILED]
     if failing:
-        raise ValueError(
-            f"ranks {failing} failed cp_forward's checks of the model and its params (each says why: a "
-            "params dict of another model, or missing entries); every rank stops, so none waits for them"
-        )
+        raise failed_elsewhere(failing)
     differing = {
         tuple(m): d for m in _dp_groups(mesh) if (d := differing_ranks(every[[index[r] for r in m]], m))
     }
