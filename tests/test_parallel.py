@@ -252,6 +252,8 @@ def bad_parallel(kind: str):
         model = tiny_model("qwen3") if kind == "tp-per-head-unsplit" else model
         edited = TP_EDITS[kind](resolve_layout(model))
         cpshard.parallelize(model, cpshard.make_mesh(cp=2, tp=2), layout=edited)
+    elif kind == "tp-colwise-rows":
+        cpshard.parallelize(tiny_model("llama", intermediate_size=6), cpshard.make_mesh(cp=2, tp=2))
     elif kind in ("tp-derived-olmo2", "tp-derived-stablelm"):
         cpshard.parallelize(tiny_model(kind.rsplit("-", 1)[1]), cpshard.make_mesh(cp=2, tp=2))
     elif kind == "moe-tp-without-ep":
@@ -335,6 +337,12 @@ BAD = {
     "tp-derived-stablelm": (
         "ValueError",
         "model.layers.0.self_attn: its forward reshapes by self.num_heads, the whole model's head count",
+    ),
+    # a column-wise weight's strided FSDP shards (3 rows of each tp rank's 6 over cp=2) must be even
+    "tp-colwise-rows": (
+        "ValueError",
+        "model.layers.0.mlp.gate_proj.weight has 6 rows on dim 0; split 2 ways (colwise) and then 2 ways over "
+        "fsdp_cp they must divide evenly",
     ),
     "moe-tp-without-ep": (
         "NotImplementedError",

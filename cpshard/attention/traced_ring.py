@@ -22,8 +22,7 @@ def _ring_of(mask, scale: float, softcap, uniform_rows: bool, channel: Channel, 
     return Ring(blocks, scale, softcap, channel.groups[axis], channel.path + name)
 
 
-@torch.library.custom_op("cpshard::ring_attention", mutates_args=())
-def _ring(
+def _ring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -44,8 +43,16 @@ def _ring(
     return output, out.contiguous(), lse.contiguous()
 
 
+_ring = torch.library.custom_op("cpshard::ring_attention", _ring_forward, mutates_args=())
+#: the backward takes its own tensors (the output's gradient, the forward's ``out`` and ``lse``), then the
+#: forward's arguments: its schema is the forward's, inferred from its annotations, after those three
+_BACKWARD_SCHEMA = "(Tensor grad, Tensor out, Tensor lse, " + torch.library.infer_schema(
+    _ring_forward, mutates_args=()
+).removeprefix("(")
+
+
 @_ring.register_fake
-def _(q, k, v, mask, scale, softcap, uniform_rows, channel, axis, name):
+def _(q, k, v, *config):
     batch, heads, rows, dim = q.shape
     grouped = (batch, k.shape[1], heads // k.shape[1], rows)
     return (
@@ -55,23 +62,9 @@ def _(q, k, v, mask, scale, softcap, uniform_rows, channel, axis, name):
     )
 
 
-@torch.library.custom_op("cpshard::ring_attention_backward", mutates_args=())
-def _ring_back(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    softcap: float | None,
-    uniform_rows: bool,
-    channel: Channel,
-    axis: str,
-    name: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ring = _ring_of(mask, scale, softcap, uniform_rows, channel, axis, name)
+@torch.library.custom_op("cpshard::ring_attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+def _ring_back(grad, out, lse, q, k, v, mask, *config):
+    ring = _ring_of(mask, *config)
     with autocast_off():
         grad_q, grad_k, grad_v = ring_backward(q, k, v, out, lse, grad, ring)
     # contiguous, as the fake says; dk and dv may be views of one buffer, and an op's outputs may not alias
@@ -81,7 +74,7 @@ def _ring_back(
 
 
 @_ring_back.register_fake
-def _(grad, q, k, v, out, lse, mask, scale, softcap, uniform_rows, channel, axis, name):
+def _(grad, out, lse, q, k, v, *config):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -92,7 +85,7 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, grad, _out, _lse):
     q, k, v, out, lse, mask = ctx.saved_tensors
-    return *_ring_back(grad, q, k, v, out, lse, mask, *ctx.config), *([None] * 7)
+    return *_ring_back(grad, out, lse, q, k, v, mask, *ctx.config), *([None] * 7)
 
 
 _ring.register_autograd(_backward, setup_context=_save)

@@ -67,8 +67,13 @@ class Placed:
     mesh: DeviceMesh
     placements: tuple
     gather_axis: int
-    #: how many ways dim 0 is split besides the FSDP axis (tp for colwise, ep for experts)
-    inner_split: int = 1
+
+    @property
+    def inner_split(self) -> int:
+        """How many ways dim 0 is split besides the FSDP axis (tp for colwise, ep for experts): the split
+        factor of the FSDP axis's strided shard."""
+        shard = self.placements[self.gather_axis]
+        return shard.split_factor if isinstance(shard, _StridedShard) else 1
 
 
 def style_of(name: str, layout: Layout | None) -> str:
@@ -91,15 +96,15 @@ def placed(style: str, mesh: DeviceMesh) -> Placed:
         target = expert_mesh(mesh)
         names, ep = target.mesh_dim_names, expert_degree(mesh)
         inner = {"efsdp": _StridedShard(0, split_factor=ep), "ep": Shard(0)}
-        return Placed(target, tuple(inner.get(n, Replicate()) for n in names), names.index("efsdp"), ep)
+        return Placed(target, tuple(inner.get(n, Replicate()) for n in names), names.index("efsdp"))
     target = param_mesh(mesh)
     names, tp = target.mesh_dim_names, mesh_size(mesh, "tp")
     by_style = {
-        "colwise": ({"fsdp_cp": _StridedShard(0, split_factor=tp), "tp": Shard(0)}, tp),
-        "rowwise": ({"fsdp_cp": Shard(0), "tp": Shard(1)}, 1),
+        "colwise": {"fsdp_cp": _StridedShard(0, split_factor=tp), "tp": Shard(0)},
+        "rowwise": {"fsdp_cp": Shard(0), "tp": Shard(1)},
     }
-    inner, split = by_style.get(style, ({"fsdp_cp": Shard(0)}, 1)) if tp > 1 else ({"fsdp_cp": Shard(0)}, 1)
-    return Placed(target, tuple(inner.get(n, Replicate()) for n in names), names.index("fsdp_cp"), split)
+    inner = by_style.get(style, {"fsdp_cp": Shard(0)}) if tp > 1 else {"fsdp_cp": Shard(0)}
+    return Placed(target, tuple(inner.get(n, Replicate()) for n in names), names.index("fsdp_cp"))
 
 
 def placement_problem(name: str, shape: tuple, style: str, where: Placed) -> str | None:
