@@ -131,13 +131,17 @@ def test_what_cp_cannot_serve_is_refused_naming_module_and_reason(model_type, wo
     ],
 )
 def test_a_recurrent_kernel_mode_cp_cannot_run_is_refused_saying_which_to_set(mode, words):
-    """xLSTM's train modes: before, its recording run on 13 tokens failed in the model's kernel, and the
-    refusal said the model does not run on token ids alone."""
-    with pytest.raises(LayoutError) as info:
-        derive_layout(tiny_model("xlstm", attn_implementation="auto", mode=mode))
-    missing = [word for word in [*words, "set config.mode = 'inference'"] if word not in str(info.value)]
-    assert not missing, f"{info.value} lacks {missing}"
-    assert any(row.kernel == "mlstm" for row in derive_layout(tiny_model("xlstm")).recurrent)
+    """xLSTM's train modes, derived or given a layout: before, the derivation's recording run on 13 tokens
+    failed in the model's kernel, and the refusal said the model does not run on token ids alone; a layout
+    given explicitly was refused by the probe's "its own forward raised", naming the chunk error."""
+    served = derive_layout(tiny_model("xlstm"))
+    assert any(row.kernel == "mlstm" for row in served.recurrent)
+    model = tiny_model("xlstm", attn_implementation="auto", mode=mode)
+    for refused in (lambda: derive_layout(model), lambda: cpshard.make_cp_forward(model, layout=served)):
+        with pytest.raises(LayoutError) as info:
+            refused()
+        missing = [word for word in [*words, "set config.mode = 'inference'"] if word not in str(info.value)]
+        assert not missing, f"{info.value} lacks {missing}"
 
 
 class _UnreadCompressedAttention(DeepseekV4Attention):

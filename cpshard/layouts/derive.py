@@ -48,6 +48,7 @@ from cpshard.layouts.structure import (
     calls_attention_registry,
     kernel_slots,
     recurrent_module,
+    refuse_kernel_config,
     serves,
     submodule,
     taken_inputs,
@@ -156,24 +157,6 @@ def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
                 rows[name, kernel] = Recurrent(name, kernel, conv, decay=RECURRENT_KERNELS[kernel])
                 hooked = name if kernel in HOOKED else hooked
     return tuple(rows.values())
-
-
-def _refuse_kernel_config(config, rows: tuple[Recurrent, ...]) -> None:
-    """A :class:`LayoutError` where the config sets a recurrent kernel to a mode cp cannot run: xLSTM's
-    ``mode="train"`` takes sequences of whole chunks only (``train_with_padding`` returns no last state),
-    and every rank's slice, and the checks' short sequences, would have to be."""
-    mode = getattr(config, "mode", None)
-    if any(row.kernel == "mlstm" for row in rows) and isinstance(mode, str) and "train" in mode:
-        why = (
-            "returns no last state for a rank to hand on"
-            if mode == "train_with_padding"
-            else f"takes sequences of whole chunks only (chunk_size={getattr(config, 'chunk_size', '?')})"
-        )
-        raise LayoutError(
-            f"xLSTM's mode={mode!r} {why}; cpshard serves mode='inference' (the config's default), which "
-            "runs the same chunkwise kernel, and a recurrence for the rest, on any length, and trains "
-            "alike: set config.mode = 'inference'"
-        )
 
 
 def _holds_attention(layer: nn.Module, rows) -> bool:
@@ -344,7 +327,7 @@ def derive_layout(model: nn.Module) -> Layout:
     inner, layers = _decoder_layers(decoder, getattr(config, "num_hidden_layers", None))
     layers_path = _join(decoder_path, inner)
     recurrent = _recurrent_rows(layers)
-    _refuse_kernel_config(config, recurrent)
+    refuse_kernel_config(config, recurrent)
     with_attention = [(i, layer) for i, layer in enumerate(layers) if _holds_attention(layer, recurrent)]
     attention, pointwise = _attention_name(with_attention, layers_path)
     with_attention = [

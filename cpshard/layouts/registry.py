@@ -24,7 +24,7 @@ from cpshard.layouts.derive import derive_layout
 from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import check_unchanged
 from cpshard.layouts.layout import Layout
-from cpshard.layouts.structure import structure_problems
+from cpshard.layouts.structure import refuse_kernel_config, structure_problems, text_config
 from cpshard.streams import forked_streams
 
 _FILES = (
@@ -90,6 +90,7 @@ def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
             f"unknown layout {layout!r}; name one of {', '.join(sorted(BY_NAME))}, a model type of "
             f"{', '.join(sorted(REGISTERED))}, or 'auto'"
         )
+    refuse_kernel_config(text_config(model), chosen.recurrent)
     problems = structure_problems(model, chosen)
     if problems:
         way_out = (

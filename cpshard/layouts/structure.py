@@ -10,6 +10,7 @@ import inspect
 
 from torch import nn
 
+from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.family_attention import rewritten
 from cpshard.layouts.layout import (
     HEAD_SPLIT_ATTENTION,
@@ -153,3 +154,22 @@ def _unnamed_mixers(layers: nn.ModuleList, layout: Layout) -> list[str]:
         if path not in named and any(serves(module, kernel) for kernel in RECURRENT_KERNELS)
     }
     return sorted(found)
+
+
+def refuse_kernel_config(config, rows: tuple[Recurrent, ...]) -> None:
+    """A :class:`LayoutError` where the config sets a recurrent kernel to a mode cp cannot run: xLSTM's
+    ``mode="train"`` takes sequences of whole chunks only (``train_with_padding`` returns no last state),
+    and every rank's slice, and the checks' short sequences, would have to be. The derivation asks before its
+    recording run (which such a mode fails), the registry of every layout it resolves."""
+    mode = getattr(config, "mode", None)
+    if any(row.kernel == "mlstm" for row in rows) and isinstance(mode, str) and "train" in mode:
+        why = (
+            "returns no last state for a rank to hand on"
+            if mode == "train_with_padding"
+            else f"takes sequences of whole chunks only (chunk_size={getattr(config, 'chunk_size', '?')})"
+        )
+        raise LayoutError(
+            f"xLSTM's mode={mode!r} {why}; cpshard serves mode='inference' (the config's default), which "
+            "runs the same chunkwise kernel, and a recurrence for the rest, on any length, and trains "
+            "alike: set config.mode = 'inference'"
+        )
