@@ -2,10 +2,13 @@
 otherwise or hold other weights are refused on every rank, on the first call, by one small all-gather."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import cpshard
+from cpshard.call import split_call
 from cpshard.comm.record import recording
+from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
@@ -75,14 +78,19 @@ def test_the_ranks_agree_once_per_cp_forward(ranks2):
     assert ranks2.run(agreement_gathers) == [[1, 0], [1, 0]]
 
 
+def _lacking_on_the_last_rank(params: dict) -> dict:
+    """``params`` without the final norm's weight on the last rank, whole on the others."""
+    if dist.get_rank() < dist.get_world_size() - 1:
+        return params
+    return {name: value for name, value in params.items() if name != "model.norm.weight"}
+
+
 def params_lacking_one_on_the_last_rank(on_call: int) -> str:
     """The last rank leaves a parameter out of its params (the others give them all) on a cp forward's call
     ``on_call`` (0: the first)."""
     model = tiny_model("llama")
     params = cpshard.params_of(model)
-    lacking = {name: value for name, value in params.items() if name != "model.norm.weight"}
-    if dist.get_rank() < dist.get_world_size() - 1:
-        lacking = params
+    lacking = _lacking_on_the_last_rank(params)
     forward, batch = cpshard.make_cp_forward(model), tiny_batch(model.config.vocab_size, 2, 16)
     mesh = cpshard.make_mesh(cp=dist.get_world_size())
     try:
@@ -110,3 +118,45 @@ def test_params_that_fail_their_checks_on_a_later_call_at_cp1_are_refused():
     with cpshard.LocalRanks(1, timeout=120) as ranks:
         (message,) = ranks.run(params_lacking_one_on_the_last_rank, 2)
     assert message.startswith("params lacks 1 of LlamaForCausalLM's parameters"), message
+
+
+def _raising_under_cp(module, args):
+    if split_call() is not None:
+        raise TypeError("a layer that fails on a cp slice")
+
+
+def retried_after_a_failed_probe() -> str:
+    """A first call whose probe fails on every rank (a layer raising under cp), retried once the user took
+    that layer's hook away, with a misshapen final norm on the last rank."""
+    model = tiny_model("llama", attn_implementation="auto")
+    hook = model.model.layers[1].register_forward_pre_hook(_raising_under_cp)
+    forward = cpshard.make_cp_forward(model, layout=DECODER.with_rows(name="renamed"))
+    params, batch, mesh = (
+        cpshard.params_of(model),
+        tiny_batch(model.config.vocab_size, 2, 9),
+        cpshard.make_mesh(cp=2),
+    )
+    try:
+        forward(params, batch, mesh)
+    except cpshard.LayoutError:
+        hook.remove()
+    if dist.get_rank() == 1:
+        params = {**params, "model.norm.weight": torch.ones(model.config.hidden_size + 1)}
+    try:
+        forward(params, batch, mesh)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_call_retried_after_a_failed_probe_agrees_again(ranks2):
+    """The retry probed again, rank 1 with its failing params: its one-process run raised there, and every
+    rank blamed the model ("fix the model or its config; this is not cp's doing"). Until a probe passes every
+    call is a first call: the agreement carries the failure, before any rank probes."""
+    messages = ranks2.run(retried_after_a_failed_probe)
+    assert messages[1].startswith("params differ in shape from LlamaForCausalLM's: model.norm.weight"), (
+        messages
+    )
+    assert messages[0].startswith("ranks [1] failed cp_forward's checks of the model and its params"), (
+        messages
+    )

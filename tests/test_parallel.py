@@ -341,8 +341,8 @@ BAD = {
     # a column-wise weight's strided FSDP shards (3 rows of each tp rank's 6 over cp=2) must be even
     "tp-colwise-rows": (
         "ValueError",
-        "model.layers.0.mlp.gate_proj.weight has 6 rows on dim 0; split 2 ways (colwise) and then 2 ways over "
-        "fsdp_cp they must divide evenly",
+        "model.layers.0.mlp.gate_proj.weight has 6 rows on dim 0; split 2 ways (colwise) and then 2 ways "
+        "over fsdp_cp they must divide evenly",
     ),
     "moe-tp-without-ep": (
         "NotImplementedError",

@@ -27,7 +27,6 @@ from cpshard.runtime.batch import BatchError, validate
 from cpshard.runtime.forward import CPForward, running_call
 from cpshard.runtime.install import attention_modules, ensure_installed
 from cpshard.runtime.plan import CPOptions, plan_call
-from cpshard.runtime.probe import verify_once
 from cpshard.spec.sequence import chunk_positions, positions
 
 #: the cache layers of transformers' DynamicCache that a split cache serves (and "linear_attention", whose
@@ -217,7 +216,6 @@ class CPPrefill:
         except BatchError as raised:
             prompt, mask, error = batch, None, raised
         failed = self.training_forward.check_call(params, mesh)
-        verify_once(self.training_forward, params, mesh)
         names = self.training_forward.module_names
         options = self.training_forward.options
         call, padded = plan_call(self.model, self.layout, options, names, params, prompt, mesh, failed)

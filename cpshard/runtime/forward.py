@@ -58,7 +58,7 @@ from cpshard.runtime.plan import (
     parameter_aliases,
     plan_call,
 )
-from cpshard.runtime.probe import verify_once
+from cpshard.runtime.probe import probe_pending, verify_once
 from cpshard.runtime.recompute import recompute_in
 from cpshard.runtime.tiled_mlp import check_mlp_tile
 from cpshard.runtime.tokens import sequence_sharded
@@ -141,7 +141,6 @@ class CPForward:
         run takes them: ``reduced``, their gradients summed over the ranks that hold other tokens and
         DTensors made whole."""
         failed = self.check_call(params, mesh)
-        verify_once(self, params, mesh)
         plan_inputs = (self.model, self.layout, self.options, self.module_names)
         call, padded = plan_call(*plan_inputs, params, batch, mesh, failed)
         ensure_installed(self.model, self.layout, mesh_size(mesh, "tp"))
@@ -154,18 +153,22 @@ class CPForward:
         """The model's modules as set up and ``params`` its own, on this rank (every call: what differs there
         says more than that the weights differ); on the first call, every rank made this cp forward alike and
         holds the same plain weights (:mod:`cpshard.runtime.agreement`), and every rank raises where one
-        failed. On a later call, what failed on this rank, which the call's batch check carries to every
-        rank (:func:`~cpshard.runtime.plan.plan_call`'s ``failed``): no rank waits for this one."""
+        failed; then the layout's probe (:func:`~cpshard.runtime.probe.verify_once`). Until a probe has
+        passed, every call is a first call (one retried after a failed probe agrees again: a rank whose
+        checks fail must not probe alone). On a later call, what failed on this rank, which the call's batch
+        check carries to every rank (:func:`~cpshard.runtime.plan.plan_call`'s ``failed``): no rank waits
+        for this one."""
         try:
             check_modules_unchanged(self.model, self.module_names)
             check_params(self.model, params)
             failed = None
         except (TypeError, ValueError) as raised:
             failed = raised
-        if not self.agreed:  # every rank raises where one failed (it its own error): none waits for it
+        if not self.agreed or probe_pending(self, mesh):  # every rank raises where one failed: none waits
             description = repr((self.layout.name, self.options))
             check_agreement(description, parameter_aliases(self.model), params, mesh, failed)
-            self.agreed = True
+            self.agreed = True  # before the probe, whose own cp call must not agree again
+            verify_once(self, params, mesh)
             return None
         return failed
 

@@ -131,17 +131,28 @@ def _tested_file(layout, model) -> bool:
     return _own_file(layout, model) and transformers.__version__ == WRITTEN_FOR
 
 
+def _probe_key(cp_forward):
+    """What a probe verifies: the whole layout (an edited one keeps its name) and the implementation (ring
+    may differ from Ulysses)."""
+    return repr(cp_forward.layout), cp_forward.options.implementation
+
+
+def probe_pending(cp_forward, mesh) -> bool:
+    """Whether a call of ``cp_forward`` on ``mesh`` would probe its layout (:func:`verify_once`): a layout
+    that is not the model's own tested file, at cp > 1, not yet verified on this model."""
+    model, layout = cp_forward.model, cp_forward.layout
+    if _tested_file(layout, model) or cp_size(mesh) == 1:
+        return False
+    return _probe_key(cp_forward) not in _VERIFIED.get(model, set())
+
+
 def verify_once(cp_forward, params: dict, mesh) -> None:
     """Probe a layout that is not the model's own registered file, once per model; a LayoutError on every
     rank if cp differs from one process, and on each rank where the probe's cp run fails."""
-    model, layout = cp_forward.model, cp_forward.layout
-    if _tested_file(layout, model) or cp_size(mesh) == 1:
+    if not probe_pending(cp_forward, mesh):
         return
+    model, layout, key = cp_forward.model, cp_forward.layout, _probe_key(cp_forward)
     verified = _VERIFIED.setdefault(model, set())
-    # the whole layout (an edited one keeps its name), the implementation (ring may differ from Ulysses)
-    key = (repr(layout), cp_forward.options.implementation)
-    if key in verified:
-        return
     if any(isinstance(value, DTensor) for value in params.values()):
         raise LayoutError(
             f"cpshard cannot vouch for layout {layout.name!r} on {type(model).__name__}: "
