@@ -12,10 +12,11 @@ from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
-def first_call(seeds: tuple[int, int], forwards: tuple[dict, dict], generate: bool = False) -> str:
-    """One call of a cp forward made on each rank with that rank's seed and options; what it raised."""
+def first_call(models: tuple[dict, dict], forwards: tuple[dict, dict], generate: bool = False) -> str:
+    """One call of a cp forward made on each rank with that rank's model (``tiny_model``'s arguments) and
+    options; what it raised."""
     rank = dist.get_rank()
-    model = tiny_model("llama", seed=seeds[rank])
+    model = tiny_model("llama", **models[rank])
     batch = tiny_batch(model.config.vocab_size, 2, 16)
     mesh = cpshard.make_mesh(cp=2)
     try:
@@ -34,7 +35,7 @@ def test_weights_that_differ_across_the_ranks_are_refused_on_every_rank(ranks2):
     """A model built with another seed on each rank (its norms alike, all ones): each rank's tokens ran with
     its own weights, the loss and gradients of no one model (the batch was checked, the weights were not)."""
     for generate in (False, True):
-        messages = ranks2.run(first_call, (0, 1), ({}, {}), generate)
+        messages = ranks2.run(first_call, ({"seed": 0}, {"seed": 1}), ({}, {}), generate)
         assert messages[0] == messages[1], messages
         assert messages[0].startswith(
             "the parameters differ across the mesh: ranks [1] hold other values than rank 0 for 16 of them "
@@ -52,13 +53,33 @@ def test_weights_that_differ_across_the_ranks_are_refused_on_every_rank(ranks2):
     ],
 )
 def test_a_cp_forward_made_otherwise_on_a_rank_is_refused_on_every_rank(ranks2, forwards, rank_1_s):
-    messages = ranks2.run(first_call, (0, 0), forwards)
+    messages = ranks2.run(first_call, ({}, {}), forwards)
     for rank, message in enumerate(messages):
         assert message.startswith(
             "the cp forward differs across the mesh: ranks [1] made it with another layout or other options "
             f"than rank 0 (rank {rank}: ('llama', CPOptions("
         ), message
     assert rank_1_s in messages[1] and rank_1_s not in messages[0], messages
+
+
+@pytest.mark.parametrize(
+    "models, counts",
+    [
+        (({}, {"num_hidden_layers": 3}), "rank 0: 21, rank 1: 30"),
+        (({}, {"intermediate_size": 96}), "rank 0: 21, rank 1: 21"),
+    ],
+    ids=["layers", "widths"],
+)
+def test_models_built_otherwise_on_a_rank_are_refused_on_every_rank(ranks2, models, counts):
+    """A config differing on rank 1: its agreement row (a digest per parameter) was longer than rank 0's,
+    and gloo aborted rank 0 in the all-gather (SIGABRT); one of other widths was blamed on the weights."""
+    for generate in (False, True):
+        messages = ranks2.run(first_call, models, ({}, {}), generate)
+        assert messages[0] == messages[1], messages
+        assert messages[0] == (
+            "the model differs across the mesh: ranks [1] built one of other parameters (names or shapes) "
+            f"than rank 0 (parameters: {counts}); every rank builds the same model from the same config"
+        ), messages[0]
 
 
 def agreement_gathers() -> list[int]:

@@ -4,15 +4,16 @@ cp computes each rank's tokens with that rank's weights and sums the gradients, 
 collectives its own options choose. Weights that differ across ranks (a model built without one seed on
 every rank) would give a loss and gradients of no one model, without a word; options that differ (Ulysses
 on one rank, ring on another) would have the ranks wait in different collectives. The batch is checked on
-every call (:func:`cpshard.runtime.batch.check_batch`); what a cp forward was made with and the weights it
-first runs on are checked once, by one all-gather of a few numbers per parameter over the whole mesh,
-before any other collective of the call (bit patterns summed as integers: a digest that no order of
-summation or thread count changes). Later calls run on what an update made of these weights, the same
-on every rank.
+every call (:func:`cpshard.runtime.batch.check_batch`); what a cp forward was made with, the model's
+parameters (names and shapes) and the weights it first runs on are checked once, by one all-gather of a
+few numbers over the whole mesh, before any other collective of the call (the weights' digest from bit
+patterns summed as integers: no order of summation or thread count changes it). Later calls run on what an
+update made of these weights, the same on every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 
 import torch
@@ -47,14 +48,21 @@ def parameter_digest(tensor) -> list[int]:
     ]
 
 
+def _hashed(text: str) -> int:
+    """A 56-bit hash of ``text`` (an int64 row's entry, never negative)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+
+
 def check_agreement(
     description: str, aliases: list[tuple[str, ...]], params: dict, mesh, failed: Exception | None = None
 ) -> None:
     """Raise on every rank unless every rank of ``mesh`` made its cp forward as ``description`` says (its
-    layout and options) and holds the same values of the model's plain parameters in ``params`` (each
-    under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`). ``failed``: this rank's
-    own checks of the model and ``params`` raised it; the all-gather carries the failure, so that every
-    rank raises (this one its own error) and none waits in the next collective for it."""
+    layout and options), of a model of the same parameters (names and shapes), and holds the same values of
+    them in ``params`` (each under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`).
+    ``failed``: this rank's own checks of the model and ``params`` raised it; the all-gather carries the
+    failure, so that every rank raises (this one its own error) and none waits in the next collective for
+    it. One all-gather of a row of the same length on every rank, whatever its model; a second, of a digest
+    per parameter, only to name the parameters whose values differ."""
     group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))
     if group is None:
         if failed is not None:
@@ -62,9 +70,9 @@ def check_agreement(
         return
     names = [next(name for name in names if name in params) for names in aliases] if failed is None else []
     digests = [value for name in names for value in parameter_digest(params[name])]
-    digests += [0] * (3 * len(aliases) - len(digests))  # a failed rank's row as long as the others'
     mark = _FAILED if failed is not None else zlib.crc32(description.encode())
-    row = torch.tensor([mark, *digests], dtype=torch.int64)
+    structure = _hashed(repr([(alias, tuple(params[name].shape)) for alias, name in zip(aliases, names)]))
+    row = torch.tensor([mark, len(aliases), structure, _hashed(repr(digests))], dtype=torch.int64)
     with serving("other"):
         every = all_gather_rows(row, group, name="cp forward agreement")
     ranks = dist.get_process_group_ranks(group)
@@ -80,9 +88,19 @@ def check_agreement(
             f"other options than rank {ranks[0]} (rank {dist.get_rank()}: {description}); every rank makes "
             "the same cp forward (each rank's options choose the collectives it waits in)"
         )
-    weights = every[:, 1:].reshape(len(ranks), len(names), -1)
-    holders = {i: found for i in range(len(names)) if (found := differing_ranks(weights[:, i], ranks))}
-    if holders:
+    built_otherwise = differing_ranks(every[:, 1:3], ranks)
+    if built_otherwise:
+        counts = ", ".join(f"rank {rank}: {count}" for rank, count in zip(ranks, every[:, 1].tolist()))
+        raise ValueError(
+            f"the model differs across the mesh: ranks {built_otherwise} built one of other parameters "
+            f"(names or shapes) than rank {ranks[0]} (parameters: {counts}); every rank builds the same "
+            "model from the same config"
+        )
+    if differing_ranks(every[:, 3:], ranks):
+        with serving("other"):
+            weights = all_gather_rows(torch.tensor(digests, dtype=torch.int64), group, "cp forward weights")
+        weights = weights.reshape(len(ranks), len(names), -1)
+        holders = {i: found for i in range(len(names)) if (found := differing_ranks(weights[:, i], ranks))}
         raise ValueError(
             f"the parameters differ across the mesh: ranks {sorted(set().union(*holders.values()))} hold "
             f"other values than rank {ranks[0]} for {len(holders)} of them (e.g. "
