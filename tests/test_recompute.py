@@ -45,6 +45,23 @@ def test_checkpointed_layers_recompute_inside_the_call(ranks2, implementation, l
         )
 
 
+def parity_of_nested_checkpoints():
+    """Zamba2 under checkpointing: each hybrid layer, checkpointed, holds a checkpointed Mamba layer."""
+    model = tiny_model("zamba2", layers_block_type=["hybrid", "mamba", "hybrid"], num_hidden_layers=3)
+    model.train().activation_checkpointing_enable()
+    batch = tiny_batch(model.config.vocab_size, 2, 19, pad="left")
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    return check_parity(model, batch, mesh, cpshard.make_cp_forward(model))
+
+
+def test_checkpoints_nested_in_a_checkpointed_layer_recompute_as_they_ran(ranks2):
+    """The hybrid layer's recompute, after the call's wrapping of the checkpoint functions had ended, ran the
+    Mamba layer's checkpoint unwrapped, without the parameters it took as inputs in the forward: torch
+    refused ("a different number of tensors was saved", 48 and 39). The recompute wraps them again."""
+    for parity in ranks2.run(parity_of_nested_checkpoints):
+        assert parity.worst <= TOLERANCE, parity.diffs
+
+
 def gradients_of_other_params() -> float:
     """A functional step on parameters that are not the module's own (an optimizer's output): the
     recompute must use them, not the stale weights the module holds. Returns the largest relative

@@ -36,8 +36,9 @@ def _in_call(
     call: CallPlan | None, module: nn.Module, names: tuple[str, ...], fn, count: int, *inputs, **kwargs
 ):
     """``fn`` on the first ``count`` inputs, inside ``call``, with the rest of the inputs as ``module``'s
-    parameters ``names``."""
-    with running(call), _reparametrize_module(module, dict(zip(names, inputs[count:]))):
+    parameters ``names``, and the checkpoints nested in ``module`` wrapped as in the forward (a recompute
+    runs after :func:`recompute_in` has ended: a nested checkpoint must take the inputs it took then)."""
+    with running(call), _reparametrize_module(module, dict(zip(names, inputs[count:]))), recompute_in(module):
         return fn(*inputs[:count], **kwargs)
 
 
@@ -64,11 +65,20 @@ def _checkpoint_in_running_call(checkpoint, module: nn.Module, fn, *args, **kwar
     return checkpoint_in_call(checkpoint, current_call(), module, fn, *args, **kwargs)
 
 
+def _in_running_call(function) -> bool:
+    """Whether a module's checkpoint function is :func:`recompute_in`'s wrapper."""
+    return isinstance(function, partial) and function.func is _checkpoint_in_running_call
+
+
 @contextmanager
 def recompute_in(model: nn.Module):
     """While the block runs, checkpointed modules recompute inside the call that ran their forward;
-    afterwards, as they were."""
-    patched = [(module, module.__dict__.get(_FUNC)) for module in checkpointing_modules(model)]
+    afterwards, as they were (modules wrapped already, by an enclosing block, stay as they are)."""
+    patched = [
+        (module, module.__dict__.get(_FUNC))
+        for module in checkpointing_modules(model)
+        if not _in_running_call(getattr(module, _FUNC))
+    ]
     for module, _ in patched:
         setattr(module, _FUNC, partial(_checkpoint_in_running_call, getattr(module, _FUNC), module))
     try:
