@@ -5,9 +5,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import cpshard
 from cpshard.comm.redistribute import plan
+from cpshard.layouts.errors import LayoutError
 from cpshard.layouts.layout import Recurrent, specs
 from cpshard.layouts.llama import LAYOUT as LLAMA
 from cpshard.layouts.registry import (
@@ -86,6 +89,21 @@ def test_models_that_do_not_fit_are_refused(models, model, model_type, why):
     assert f"model type {model_type}" in message
     assert why in message
     assert f"Layout files: {', '.join(FILES)}" in message
+
+
+@pytest.mark.parametrize("base", ["llama", "bert"])
+def test_a_model_without_a_language_model_head_is_refused_naming_the_class_to_load(base):
+    """A base model (AutoModel's): BertModel derived a layout whose final norm was its first layer and
+    crashed installing hooks on its head (None); LlamaModel was told only that it had no decoder layers."""
+    config = tiny_model(base).config
+    model = transformers.AutoModel.from_config(config)
+    with pytest.raises(LayoutError) as info:
+        cpshard.make_cp_forward(model)
+    assert str(info.value) == (
+        f"{type(model).__name__} has no language-model head (its get_output_embeddings() is None): cp "
+        "computes a causal LM's loss and logits; load it with AutoModelForCausalLM (e.g. LlamaForCausalLM, "
+        "not LlamaModel)"
+    )
 
 
 def test_registry():

@@ -74,9 +74,22 @@ def model_type_of(model: nn.Module) -> str:
     return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
+def _check_language_model(model) -> None:
+    """A :class:`LayoutError` where ``model`` is a transformers model without a language-model head: cp's
+    loss and logits come of the head (a base model, ``AutoModel``'s, has none)."""
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    if callable(output_embeddings) and output_embeddings() is None:
+        raise LayoutError(
+            f"{type(model).__name__} has no language-model head (its get_output_embeddings() is None): cp "
+            "computes a causal LM's loss and logits; load it with AutoModelForCausalLM (e.g. "
+            "LlamaForCausalLM, not LlamaModel)"
+        )
+
+
 def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
     """The layout for ``model``: the one given, the one registered for its type, else one derived from it
     (a model whose code cpshard rewrites is checked first: it must be the code its rewrite was made for)."""
+    _check_language_model(model)
     check_unchanged(model)
     model_type = model_type_of(model)
     if isinstance(layout, Layout):

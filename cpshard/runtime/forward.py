@@ -137,8 +137,8 @@ class CPForward:
 
     def _prepare(self, params: dict, batch: dict, mesh, reduced: bool):
         """This call's checks and, for a layout that is not a tested file, its probe until one passes
-        (:meth:`check_call`), the plan of this call, the model's install checked again, and the parameters as the
-        run takes them: ``reduced``, their gradients summed over the ranks that hold other tokens and
+        (:meth:`check_call`), the plan of this call, the model's install checked again, and the parameters
+        as the run takes them: ``reduced``, their gradients summed over the ranks that hold other tokens and
         DTensors made whole."""
         failed = self.check_call(params, mesh)
         plan_inputs = (self.model, self.layout, self.options, self.module_names)
