@@ -198,6 +198,8 @@ def bad_call(kind: str):
     mesh = cpshard.make_mesh(cp=2)
     if kind == "no-cp-axis":
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    elif kind == "mesh-as-size":  # an AttributeError on 'mesh_dim_names' before
+        mesh = 2
     elif kind == "both-inputs":
         batch["inputs_embeds"] = torch.zeros(2, 8, model.config.hidden_size)
     elif kind == "no-inputs":
@@ -240,11 +242,18 @@ def bad_call(kind: str):
         params = {name: value for name, value in params.items() if name != "model.norm.weight"}
     elif kind == "params-generator":
         params = model.named_parameters()
+    if kind == "grad-of-model":  # before, the embedding's TypeError: "indices ... must be Tensor, not dict"
+        cp_forward = cpshard.value_and_grad(model)
     cp_forward(params, batch, mesh)
 
 
 BAD_INPUTS = {
     "no-cp-axis": ("ValueError", "no 'cp' dimension (its dimensions: dp)"),
+    "mesh-as-size": ("TypeError", "the mesh is int 2, not a DeviceMesh: build it with cpshard.make_mesh"),
+    "grad-of-model": (
+        "TypeError",
+        "value_and_grad takes a cp forward, not the model: value_and_grad(cpshard.make_cp_forward(model))",
+    ),
     "heads": ("ValueError", "num_attention_heads=3 is not divisible by cp=2; cp sizes that work: 1, 3"),
     "hybrid-degree": (
         "ValueError",

@@ -128,7 +128,12 @@ def mesh_size(mesh: DeviceMesh, name: str) -> int:
 
 
 def cp_size(mesh: DeviceMesh) -> int:
-    """The size of the mesh's ``cp`` dimension; a clear error when it has none."""
+    """The size of the mesh's ``cp`` dimension; a clear error when it has none, or is no mesh."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"the mesh is {type(mesh).__name__} {mesh!r}, not a DeviceMesh: build it with "
+            "cpshard.make_mesh(cp=N)"
+        )
     names = mesh.mesh_dim_names or ()
     if "cp" not in names:
         raise ValueError(

@@ -44,7 +44,7 @@ from cpshard.loss.head import head_matches, own_logits
 from cpshard.loss.router import adds_router_loss
 from cpshard.loss.streams import check_stream_options, stream_logits
 from cpshard.parallel.fsdp import gather_params
-from cpshard.parallel.mesh import cp_rank, mesh_size
+from cpshard.parallel.mesh import cp_rank, cp_size, mesh_size
 from cpshard.runtime.agreement import check_agreement
 from cpshard.runtime.call_loss import CallLoss
 from cpshard.runtime.compiled import compile_layers, compile_options
@@ -158,6 +158,7 @@ class CPForward:
         checks fail must not probe alone). On a later call, what failed on this rank, which the call's batch
         check carries to every rank (:func:`~cpshard.runtime.plan.plan_call`'s ``failed``): no rank waits
         for this one."""
+        cp_size(mesh)  # what is no mesh, or has no cp axis, raises here (alike on every rank)
         try:
             check_modules_unchanged(self.model, self.module_names)
             check_params(self.model, params)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from cpshard.comm.collectives import sum_many_grads_over_group, sum_now_over_group
@@ -87,6 +88,11 @@ def value_and_grad(cp_forward):
     plain parameters), each rank differentiates its share of the loss and one all-reduce per dtype sums the
     gradients and the loss together, as a data-parallel step does, instead of one for the loss in the
     forward and one for the gradients."""
+    if isinstance(cp_forward, nn.Module):
+        raise TypeError(
+            "value_and_grad takes a cp forward, not the model: "
+            f"value_and_grad(cpshard.make_cp_forward(model)) (it was given a {type(cp_forward).__name__})"
+        )
 
     def run(params: dict, batch: dict, mesh):
         leaves = {name: value.detach().requires_grad_(True) for name, value in params.items()}
