@@ -316,7 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: the process's arguments) and run the command; its exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # a command's own error names its help (the top level's lists no command's options)
+    owner = args.run.keywords["parser"] if hasattr(args, "run") else parser
+    if unknown:
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not hasattr(args, "run"):
         parser.error("choose a command: demo, check, bench, layout")
     try:

@@ -68,7 +68,11 @@ def test_console_script_is_the_cli():
         (["bogus"], "invalid choice: 'bogus'"),
         (["demo", "--seq", "ten"], "--seq"),
         (["demo", "--nprocs", "3"], "--nprocs=3 must divide --heads=8"),
-        (["demo", "--unknown"], "unrecognized arguments"),
+        # the top level's error named its own help, which lists no option of demo's
+        (["demo", "--unknown"], "cpshard demo: error: unrecognized arguments: --unknown (see cpshard demo"),
+        (["--unknown"], "cpshard: error: unrecognized arguments: --unknown (see cpshard --help)"),
+        # it ran, and printed "loss nan nan FAIL"
+        (["demo", "--seq", "1"], "--seq=1 leaves no token to predict"),
     ],
 )
 def test_bad_usage_exits_2_with_one_line(capsys, argv, says):

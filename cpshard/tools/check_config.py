@@ -10,7 +10,7 @@ import torch
 
 from cpshard.attention.choice import IMPLEMENTATIONS
 from cpshard.tools.parity import RTOL
-from cpshard.tools.usage import UsageError
+from cpshard.tools.usage import UsageError, check_predicts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: per dtype, the largest difference a row may have, relative to the row's reference scale
@@ -50,11 +50,7 @@ class CheckConfig:
         for name in ("cp", "seq", "batch"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name}={getattr(self, name)} must be at least 1")
-        if self.seq < 2:  # the loss would be one process's 0 / 0 (NaN) and cp's 0: nothing to compare
-            raise UsageError(
-                "--seq=1 leaves no token to predict (a causal LM's loss reads each token's next): give 2 or "
-                "more"
-            )
+        check_predicts(self.seq)
         for name, allowed in (
             ("implementation", IMPLEMENTATIONS),
             ("dtype", DTYPES),

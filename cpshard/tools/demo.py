@@ -26,7 +26,7 @@ from cpshard.runtime.grad import value_and_grad
 from cpshard.tools.memory import current_rss, peak_rss, reset_peak_rss
 from cpshard.tools.parity import RTOL, Parity, check_parity, failing_rows, format_rows
 from cpshard.tools.tiny import tiny_batch, tiny_model
-from cpshard.tools.usage import llama_sizes, say
+from cpshard.tools.usage import check_predicts, llama_sizes, say
 
 
 def flag(name: str) -> str:
@@ -58,6 +58,7 @@ class DemoConfig:
         for name in ("seq", "batch", "steps", "nprocs", "layers", "hidden", "heads", "kv_heads", "vocab"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)}={getattr(self, name)} must be at least 1")
+        check_predicts(self.seq)
         if self.vocab < 4:
             raise ValueError(f"--vocab={self.vocab} must be at least 4 (ids 0, 1, 2 are the special tokens)")
         if not self.lr > 0:

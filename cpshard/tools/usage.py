@@ -8,6 +8,16 @@ class UsageError(ValueError):
     (cpshard refusing a model it can build, a ``LayoutError``, is exit status 1, as a failed check.)"""
 
 
+def check_predicts(seq: int) -> None:
+    """A UsageError for a ``--seq`` of one token: the loss would be one process's 0 / 0 (NaN) and cp's 0,
+    nothing to compare."""
+    if seq < 2:
+        raise UsageError(
+            f"--seq={seq} leaves no token to predict (a causal LM's loss reads each token's next): give 2 or "
+            "more"
+        )
+
+
 def say(text: str) -> None:
     """Print at once, even into a pipe: progress comes before the ranks' own lines."""
     print(text, flush=True)
