@@ -270,7 +270,12 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
             {"recurrent": "head_split"},
             ["mixer mamba_chunk_scan_combined", "splits 3 heads in 1 groups of B and C over cp=2"],
         ),
-        ("jamba", {"recurrent": "state_passing"}, ["mamba selective_scan_fn", "split of its 128 channels"]),
+        # it said "a split of its 128 channels over cp=2 ranks ..., which cp must divide": 2 divides 128
+        (
+            "jamba",
+            {"recurrent": "state_passing"},
+            ["mamba selective_scan_fn", "takes no incoming state", "(recurrent='auto' or 'head_split')"],
+        ),
         (
             "recurrent_gemma",
             {"recurrent": "head_split"},
@@ -278,6 +283,12 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
         ),
         ("rwkv", {"recurrent": "head_split"}, ["blocks.0.attention: cp serves RWKV's WKV", "state passing"]),
         ("nemotron_h", {"packed": True}, ["packed documents", "(mixer) carry", "one document per row"]),
+        # it said the layers "carry a state along the sequence": LFM2's short convolutions carry none
+        (
+            "lfm2_moe",
+            {"sequence_order": "head_tail"},
+            ["sequence_order='head_tail'", "short convolutions read the tokens just before", "contiguous"],
+        ),
     ],
     ids=[
         "mamba2-head-split-of-3-heads",
@@ -285,6 +296,7 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
         "rg-lru-head-split",
         "rwkv-head-split",
         "mamba2-packed",
+        "convolution-order",
     ],
 )
 def test_what_state_space_layers_do_not_serve_is_refused_on_every_rank(ranks2, name, options, words):

@@ -80,6 +80,10 @@ def test_tiles_that_cannot_serve_are_refused():
     assert "mlp_tile=True is not a positive number of tokens" in refused("llama", True)
     assert "mlp_tile tiles dense MLPs; 'mlp' holds the experts ['mlp.experts']" in refused("qwen3_moe", 4)
     assert "layout 'xlm' names none (its decoder has no MLP module per layer)" in refused("xlm", 4)
+    # a model naming its MLP otherwise: "not every layer has 'mlp'" said neither where it was nor what to do
+    error = refused("bamba", 4)
+    assert "at the layout's mlp row ('mlp'), which 2 of 2 layers lack (layer 0, a BambaDecoderLayer" in error
+    assert "feed_forward (BambaMLP)" in error and "that name in its mlp row and pass it as layout=" in error
     # experts a layout does not name, found in the modules: a derived layout's, and Qwen3-Next's (whose table
     # serves its dense and MoE variants); Qwen3-Next's ran tiled and crashed inside its MoE block at batch 2
     blocks = {"mixtral": "MixtralSparseMoeBlock", "qwen3_next": "Qwen3NextSparseMoeBlock"}

@@ -188,10 +188,15 @@ class ChannelSplit(Slot):
     def serve(self, call, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
         group = cp_group(call)
         size, rank, channels = dist.get_world_size(group), dist.get_rank(group), hidden_states.shape[1]
-        if call.recurrent == "state_passing" or channels % size:
+        if call.recurrent == "state_passing":
+            raise ValueError(
+                f"{self.path}: Mamba1's selective scan takes no incoming state, so cp cannot pass it one: it "
+                "is served by a split of its channels over the cp ranks (recurrent='auto' or 'head_split')"
+            )
+        if channels % size:
             raise ValueError(
                 f"{self.path}: Mamba1's selective scan is served by a split of its {channels} channels over "
-                f"cp={size} ranks (recurrent='auto' or 'head_split'), which cp must divide"
+                f"cp={size} ranks, which cp must divide"
             )
         if kwargs.pop("return_last_state", False):
             raise ValueError(f"{self.path}: a cp call hands on its state only to cp decode (cp_prefill)")

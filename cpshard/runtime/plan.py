@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
 from cpshard.call import CallPlan
-from cpshard.layouts.layout import Layout
+from cpshard.layouts.layout import RECURRENT_KERNELS, Layout
 from cpshard.layouts.registry import BY_NAME
 from cpshard.layouts.structure import text_config
 from cpshard.loss.statistics import check_statistics
@@ -180,6 +180,11 @@ def _packed_refusal(layout: Layout) -> str | None:
 
 def _contiguous_only(layout: Layout) -> str | None:
     """Why ``layout`` runs in contiguous order only (None: it takes any)."""
+    if layout.recurrent and all(RECURRENT_KERNELS[row.kernel] == "none" for row in layout.recurrent):
+        return (
+            "the model's short convolutions read the tokens just before each rank's slice, a halo handed on "
+            "from rank to rank in contiguous order"
+        )
     if layout.recurrent:
         return (
             "the model's recurrent layers carry a state along the sequence, passed from rank to rank "

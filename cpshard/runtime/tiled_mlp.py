@@ -73,9 +73,19 @@ def check_mlp_tile(layers: nn.ModuleList, layout: Layout, tile: int | None) -> N
             f"mlp_tile tiles each decoder layer's MLP module, and layout {layout.name!r} names none (its "
             "decoder has no MLP module per layer): make the cp forward without mlp_tile"
         )
-    if not all(isinstance(submodule(layer, layout.mlp), nn.Module) for layer in layers):
+    lacking = [
+        index for index, layer in enumerate(layers) if not isinstance(submodule(layer, layout.mlp), nn.Module)
+    ]
+    if lacking:
+        first = layers[lacking[0]]
+        kind = type(first).__name__
+        children = ", ".join(f"{name} ({type(child).__name__})" for name, child in first.named_children())
         raise LayoutError(
-            f"mlp_tile needs every decoder layer's MLP module; not every layer has {layout.mlp!r}"
+            f"mlp_tile tiles each decoder layer's MLP module, at the layout's mlp row ({layout.mlp!r}), "
+            f"which {len(lacking)} of {len(layers)} layers lack (layer {lacking[0]}, a {kind}, "
+            f"holds {children}): where the model names its MLP otherwise, save `cpshard layout MODEL`'s file "
+            "with that name in its mlp row and pass it as layout=; where some layers hold none, make the cp "
+            "forward without mlp_tile"
         )
     experts = [path for path in layout.experts if path.startswith(f"{layout.mlp}.")]
     if experts:
