@@ -316,10 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: the process's arguments) and run the command; its exit status."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
-    # a command's own error names its help (the top level's lists no command's options)
-    owner = args.run.keywords["parser"] if hasattr(args, "run") else parser
-    if unknown:
+    if unknown:  # a command's own error names its help (the top level's lists no command's options)
+        after_command = hasattr(args, "run") and argv.index(unknown[0]) > argv.index(args.command)
+        owner = args.run.keywords["parser"] if after_command else parser
         owner.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not hasattr(args, "run"):
         parser.error("choose a command: demo, check, bench, layout")

@@ -67,8 +67,9 @@ def test_a_cp_forward_made_otherwise_on_a_rank_is_refused_on_every_rank(ranks2, 
     [
         (({}, {"num_hidden_layers": 3}), "rank 0: 21, rank 1: 30"),
         (({}, {"intermediate_size": 96}), "rank 0: 21, rank 1: 21"),
+        (({}, {"dtype": torch.bfloat16}), "rank 0: 21, rank 1: 21"),  # blamed on the seed before
     ],
-    ids=["layers", "widths"],
+    ids=["layers", "widths", "dtypes"],
 )
 def test_models_built_otherwise_on_a_rank_are_refused_on_every_rank(ranks2, models, counts):
     """A config differing on rank 1: its agreement row (a digest per parameter) was longer than rank 0's,
@@ -77,8 +78,9 @@ def test_models_built_otherwise_on_a_rank_are_refused_on_every_rank(ranks2, mode
         messages = ranks2.run(first_call, models, ({}, {}), generate)
         assert messages[0] == messages[1], messages
         assert messages[0] == (
-            "the model differs across the mesh: ranks [1] built one of other parameters (names or shapes) "
-            f"than rank 0 (parameters: {counts}); every rank builds the same model from the same config"
+            "the model differs across the mesh: ranks [1] built a model whose parameters differ in name, "
+            f"shape or dtype from rank 0's (parameters: {counts}); every rank builds the same model from the "
+            "same config, in the same dtype"
         ), messages[0]
 
 

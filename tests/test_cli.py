@@ -71,6 +71,7 @@ def test_console_script_is_the_cli():
         # the top level's error named its own help, which lists no option of demo's
         (["demo", "--unknown"], "cpshard demo: error: unrecognized arguments: --unknown (see cpshard demo"),
         (["--unknown"], "cpshard: error: unrecognized arguments: --unknown (see cpshard --help)"),
+        (["--unknown", "layout", "llama"], "cpshard: error: unrecognized arguments: --unknown (see cpshard"),
         # it ran, and printed "loss nan nan FAIL"
         (["demo", "--seq", "1"], "--seq=1 leaves no token to predict"),
     ],

@@ -289,6 +289,7 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
             {"sequence_order": "head_tail"},
             ["sequence_order='head_tail'", "short convolutions read the tokens just before", "contiguous"],
         ),
+        ("lfm2_moe", {"packed": True}, ["packed documents", "short convolutions (conv) read", "per row"]),
     ],
     ids=[
         "mamba2-head-split-of-3-heads",
@@ -297,6 +298,7 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2, length, options, wo
         "rwkv-head-split",
         "mamba2-packed",
         "convolution-order",
+        "convolution-packed",
     ],
 )
 def test_what_state_space_layers_do_not_serve_is_refused_on_every_rank(ranks2, name, options, words):

@@ -16,7 +16,7 @@ TOLERANCE = 1e-5
 
 
 #: each model's first MLP projection, whose inputs show the blocks
-FIRST_PROJECTION = {"llama": "mlp.gate_proj", "gpt2": "mlp.c_fc"}
+FIRST_PROJECTION = {"llama": "mlp.gate_proj", "gpt2": "mlp.c_fc", "bamba": "feed_forward.gate_proj"}
 
 
 def tiled_against_one_process(
@@ -54,6 +54,8 @@ CASES = {  # mlp_tile, make_cp_forward options, batch options, activation checkp
     "ulysses-checkpointed": (3, {}, {}, True),
     # GPT-2's Conv1D views its input: a block of a batch's positions is strided, and ran into it
     "gpt2": (3, {}, {}, False, "gpt2"),
+    # a derived layout's MLP by another name: Bamba's feed_forward (the derived row said 'mlp': none there)
+    "bamba": (3, {}, {}, False, "bamba"),
 }
 
 
@@ -80,9 +82,12 @@ def test_tiles_that_cannot_serve_are_refused():
     assert "mlp_tile=True is not a positive number of tokens" in refused("llama", True)
     assert "mlp_tile tiles dense MLPs; 'mlp' holds the experts ['mlp.experts']" in refused("qwen3_moe", 4)
     assert "layout 'xlm' names none (its decoder has no MLP module per layer)" in refused("xlm", 4)
-    # a model naming its MLP otherwise: "not every layer has 'mlp'" said neither where it was nor what to do
-    error = refused("bamba", 4)
-    assert "at the layout's mlp row ('mlp'), which 2 of 2 layers lack (layer 0, a BambaDecoderLayer" in error
+    # a layout whose mlp row the layers lack: "not every layer has 'mlp'" said neither where nor what to do
+    model = tiny_model("bamba")
+    with pytest.raises(LayoutError) as caught:
+        cpshard.make_cp_forward(model, layout=resolve_layout(model).with_rows(mlp="ffn"), mlp_tile=4)
+    error = str(caught.value)
+    assert "at the layout's mlp row ('ffn'), which 2 of 2 layers lack (layer 0, a BambaDecoderLayer" in error
     assert "feed_forward (BambaMLP)" in error and "that name in its mlp row and pass it as layout=" in error
     # experts a layout does not name, found in the modules: a derived layout's, and Qwen3-Next's (whose table
     # serves its dense and MoE variants); Qwen3-Next's ran tiled and crashed inside its MoE block at batch 2

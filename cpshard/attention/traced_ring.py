@@ -45,10 +45,10 @@ def _ring_forward(
 
 _ring = torch.library.custom_op("cpshard::ring_attention", _ring_forward, mutates_args=())
 #: the backward takes its own tensors (the output's gradient, the forward's ``out`` and ``lse``), then the
-#: forward's arguments: its schema is the forward's, inferred from its annotations, after those three
-_BACKWARD_SCHEMA = "(Tensor grad, Tensor out, Tensor lse, " + torch.library.infer_schema(
-    _ring_forward, mutates_args=()
-).removeprefix("(")
+#: forward's arguments (their schema the forward's, inferred from its annotations), and gives dq, dk, dv
+_FORWARD_ARGUMENTS = torch.library.infer_schema(_ring_forward, mutates_args=()).split(" -> ")[0]
+_BACKWARD_SCHEMA = "(Tensor grad, Tensor out, Tensor lse, " + _FORWARD_ARGUMENTS.removeprefix("(")
+_BACKWARD_SCHEMA += " -> (Tensor, Tensor, Tensor)"
 
 
 @_ring.register_fake
@@ -85,7 +85,7 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, grad, _out, _lse):
     q, k, v, out, lse, mask = ctx.saved_tensors
-    return *_ring_back(grad, out, lse, q, k, v, mask, *ctx.config), *([None] * 7)
+    return *_ring_back(grad, out, lse, q, k, v, mask, *ctx.config), None, *(None for _ in ctx.config)
 
 
 _ring.register_autograd(_backward, setup_context=_save)

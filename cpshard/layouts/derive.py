@@ -159,6 +159,20 @@ def _recurrent_rows(layers: nn.ModuleList) -> tuple[Recurrent, ...]:
     return tuple(rows.values())
 
 
+def _mlp_name(layers: nn.ModuleList) -> str | None:
+    """The name every decoder layer gives its MLP module: the generic layout's, else the one child of every
+    layer whose class is an MLP (Bamba's and Jamba's ``feed_forward``); None where no name serves every
+    layer (hybrids whose MLPs sit in some layers only)."""
+    if all(isinstance(getattr(layer, DECODER.mlp, None), nn.Module) for layer in layers):
+        return DECODER.mlp
+    named = [
+        {name for name, child in layer.named_children() if "mlp" in type(child).__name__.lower()}
+        for layer in layers
+    ]
+    common = set.intersection(*named)
+    return common.pop() if len(common) == 1 else None
+
+
 def _holds_attention(layer: nn.Module, rows) -> bool:
     """Whether ``layer`` holds attention: it holds no recurrent mixer, or something that looks like
     attention beside it (Falcon-H1's layers run both side by side)."""
@@ -384,7 +398,7 @@ def derive_layout(model: nn.Module) -> Layout:
         DECODER,
         name=f"derived:{top_config.model_type}", model_types=(top_config.model_type,),
         decoder=decoder_path, decoder_layers=layers_path, attention=attention, final_norm=final,
-        kv_heads=kv_heads, mlp_width=width, hidden=recording.hidden,
+        kv_heads=kv_heads, mlp_width=width, mlp=_mlp_name(layers), hidden=recording.hidden,
         cut_at_entry=at_entry, layer_inputs=() if at_entry else recording.layer_inputs,
         head_transforms=transforms, labels_shifted=recording.labels_shifted, restores_length=restores,
         tensor_parallel=plan, tensor_parallel_inputs=tuple(entries) if plan else (),

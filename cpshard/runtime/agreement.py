@@ -5,10 +5,11 @@ collectives its own options choose. Weights that differ across ranks (a model bu
 every rank) would give a loss and gradients of no one model, without a word; options that differ (Ulysses
 on one rank, ring on another) would have the ranks wait in different collectives. The batch is checked on
 every call (:func:`cpshard.runtime.batch.check_batch`); what a cp forward was made with, the model's
-parameters (names and shapes) and the weights it first runs on are checked once, by one all-gather of a
-few numbers over the whole mesh, before any other collective of the call (the weights' digest from bit
-patterns summed as integers: no order of summation or thread count changes it). Later calls run on what an
-update made of these weights, the same on every rank.
+parameters (names, shapes, dtypes) and the weights it first runs on are checked on its first call (and on
+each call until its layout's probe has passed), by one all-gather of four numbers over the whole mesh,
+before any other collective of the call (the weights' digest from bit patterns summed as integers: no order
+of summation or thread count changes it), and a second, of a digest per parameter, only to name weights
+that differ. Later calls run on what an update made of these weights, the same on every rank.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def check_agreement(
     description: str, aliases: list[tuple[str, ...]], params: dict, mesh, failed: Exception | None = None
 ) -> None:
     """Raise on every rank unless every rank of ``mesh`` made its cp forward as ``description`` says (its
-    layout and options), of a model of the same parameters (names and shapes), and holds the same values of
-    them in ``params`` (each under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`).
+    layout and options), of a model of the same parameters (names, shapes, dtypes), and holds the same values
+    of them in ``params`` (each under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`).
     ``failed``: this rank's own checks of the model and ``params`` raised it; the all-gather carries the
     failure, so that every rank raises (this one its own error) and none waits in the next collective for
     it. One all-gather of a row of the same length on every rank, whatever its model; a second, of a digest
@@ -71,7 +72,8 @@ def check_agreement(
     names = [next(name for name in names if name in params) for names in aliases] if failed is None else []
     digests = [value for name in names for value in parameter_digest(params[name])]
     mark = _FAILED if failed is not None else zlib.crc32(description.encode())
-    structure = _hashed(repr([(alias, tuple(params[name].shape)) for alias, name in zip(aliases, names)]))
+    kinds = [(alias, tuple(params[name].shape), params[name].dtype) for alias, name in zip(aliases, names)]
+    structure = _hashed(repr(kinds))
     row = torch.tensor([mark, len(aliases), structure, _hashed(repr(digests))], dtype=torch.int64)
     with serving("other"):
         every = all_gather_rows(row, group, name="cp forward agreement")
@@ -92,9 +94,9 @@ def check_agreement(
     if built_otherwise:
         counts = ", ".join(f"rank {rank}: {count}" for rank, count in zip(ranks, every[:, 1].tolist()))
         raise ValueError(
-            f"the model differs across the mesh: ranks {built_otherwise} built one of other parameters "
-            f"(names or shapes) than rank {ranks[0]} (parameters: {counts}); every rank builds the same "
-            "model from the same config"
+            f"the model differs across the mesh: ranks {built_otherwise} built a model whose parameters "
+            f"differ in name, shape or dtype from rank {ranks[0]}'s (parameters: {counts}); every rank "
+            "builds the same model from the same config, in the same dtype"
         )
     if differing_ranks(every[:, 3:], ranks):
         with serving("other"):

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from cpshard.attention.choice import IMPLEMENTATIONS, choose_implementation
 from cpshard.call import CallPlan
-from cpshard.layouts.layout import RECURRENT_KERNELS, Layout
+from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import BY_NAME
 from cpshard.layouts.structure import text_config
 from cpshard.loss.statistics import check_statistics
@@ -170,6 +170,13 @@ def _packed_refusal(layout: Layout) -> str | None:
     if not layout.recurrent:
         return None
     mixers = ", ".join(sorted({row.module for row in layout.recurrent}))
+    if _convolutions_only(layout):
+        return (
+            f"packed documents (position_ids that restart): the model's short convolutions ({mixers}) read "
+            "the tokens before each one across document boundaries (transformers keeps documents apart "
+            "there, where it does at all, only through its GPU kernels' sequence indices); cp refuses rather "
+            "than hand a document's tokens into the next one's: pass one document per row"
+        )
     return (
         f"packed documents (position_ids that restart): the model's recurrent layers ({mixers}) carry "
         "their state across document boundaries (transformers keeps documents apart there, where it does at "
@@ -178,9 +185,14 @@ def _packed_refusal(layout: Layout) -> str | None:
     )
 
 
+def _convolutions_only(layout: Layout) -> bool:
+    """Whether the layout's recurrent layers are short convolutions alone (their kernels keep no state)."""
+    return bool(layout.recurrent) and all(row.decay == "none" for row in layout.recurrent)
+
+
 def _contiguous_only(layout: Layout) -> str | None:
     """Why ``layout`` runs in contiguous order only (None: it takes any)."""
-    if layout.recurrent and all(RECURRENT_KERNELS[row.kernel] == "none" for row in layout.recurrent):
+    if _convolutions_only(layout):
         return (
             "the model's short convolutions read the tokens just before each rank's slice, a halo handed on "
             "from rank to rank in contiguous order"
