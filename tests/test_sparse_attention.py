@@ -7,6 +7,7 @@ ReLU), the bytes those of the key side alone; what it does not serve, refused on
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention
 
 import cpshard
@@ -367,20 +368,22 @@ def refusals(model_type: str) -> list[str]:
             cpshard.params_of(model), batch, cpshard.make_mesh(cp=4)
         ),
     ]
+    counters.clear()
     for attempt in attempts:
         try:
             attempt(_model(model_type, 4))
             messages.append("no error")
         except (ValueError, cpshard.LayoutError) as error:
             messages.append(str(error))
-    return messages
+    return [*messages, counters["frames"]["total"]]  # frames compiled: refused before the probe compiled
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "deepseek_v4"])
 def test_what_sparse_attention_does_not_serve_is_refused_on_every_rank(ranks4, model_type):
     results = ranks4.run(refusals, model_type)
     assert all(result == results[0] for result in results), results
-    tp, generation, compiled, ring = results[0]
+    tp, generation, compiled, ring, frames_compiled = results[0]
+    assert frames_compiled == 0, frames_compiled  # the probe compiled a dozen frames (12 s) first before
     assert tp.startswith("tp=2, ep=1, compile=False: cp serves the sparse attention of ('self_attn',)"), tp
     assert compiled.startswith("tp=1, ep=1, compile='aot_eager': cp serves the sparse attention"), compiled
     if model_type == "deepseek_v32":

@@ -11,9 +11,11 @@ from __future__ import annotations
 import zlib
 
 import torch
+import torch.distributed as dist
 from transformers import GenerationConfig
 
 from cpshard.comm.collectives import all_gather_rows
+from cpshard.comm.consensus import differing_ranks, gather_checked, gather_texts, named_texts
 from cpshard.generation.decode import make_cp_decode
 from cpshard.generation.prefill import make_cp_prefill
 from cpshard.generation.sampling import Sampling, next_tokens
@@ -166,30 +168,32 @@ def check_same_arguments(arguments: str | None, group, failed: Exception | None)
     """Every rank raises unless every rank's call resolved to the same ``arguments`` (each rank's loop runs
     its own count of decode steps: ranks that stopped apart would mismatch in a collective, as a gloo abort
     or a hang); ``failed``: this rank's arguments were refused (it raises that, the others name it)."""
-    mark = _REFUSED if failed is not None else zlib.crc32(arguments.encode())
-    every = all_gather_rows(torch.tensor([mark], dtype=torch.int64), group, name="generate arguments")
-    if failed is not None:
-        raise failed
-    refused = [rank for rank, value in enumerate(every[:, 0].tolist()) if value == _REFUSED]
-    differing = [rank for rank, value in enumerate(every[:, 0].tolist()) if value != every[0, 0]]
-    if refused or differing:
+    row = torch.tensor([zlib.crc32((arguments or "").encode())])
+    every, refused = gather_checked(row, group, "generate arguments", failed, _REFUSED)
+    if refused:
+        raise ValueError(f"cpshard.generate: ranks {refused} refused their arguments (each says why)")
+    ranks = dist.get_process_group_ranks(group)
+    differing = differing_ranks(every, ranks)
+    if differing:
+        called = named_texts(
+            gather_texts(arguments, group, "generate's arguments"), ranks, [ranks[0], differing[0]]
+        )
         raise ValueError(
-            f"cpshard.generate: ranks {refused} refused their arguments (each says why)"
-            if refused
-            else f"cpshard.generate: ranks {differing} were called otherwise than rank 0 (this rank: "
-            f"{arguments}); every rank generates with the same max_new_tokens, sampling and eos, each "
-            "with a generator or none"
+            f"cpshard.generate: ranks {differing} were called otherwise than rank {ranks[0]} ({called}); "
+            "every rank generates with the same max_new_tokens, sampling and eos, each with a generator or "
+            "none"
         )
 
 
 def check_same_everywhere(tokens: torch.Tensor, group) -> None:
     """Every rank raises unless every rank generated the same tokens."""
     every = all_gather_rows(tokens, group, name="generated tokens")
-    differing = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
+    ranks = dist.get_process_group_ranks(group)
+    differing = differing_ranks(every, ranks)
     if differing:
         raise ValueError(
-            f"cpshard.generate: ranks {differing} generated other tokens than rank 0; seed the generators "
-            "alike on every rank (or pass generator=None)"
+            f"cpshard.generate: ranks {differing} generated other tokens than rank {ranks[0]}; seed the "
+            "generators alike on every rank (or pass generator=None)"
         )
 
 

@@ -8,8 +8,9 @@ every call (:func:`cpshard.runtime.batch.check_batch`); what a cp forward was ma
 parameters (names, shapes, dtypes) and the weights it first runs on are checked on its first call (and on
 each call until its layout's probe has passed), by one all-gather of four numbers over the whole mesh,
 before any other collective of the call (the weights' digest from bit patterns summed as integers: no order
-of summation or thread count changes it), and a second, of a digest per parameter, only to name weights
-that differ. Later calls run on what an update made of these weights, the same on every rank.
+of summation or thread count changes it), and a second only to name what differs: a digest per
+parameter, or each rank's options as text. Later calls run on what an update made of these weights, the
+same on every rank.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from cpshard.comm.collectives import all_gather_rows
+from cpshard.comm.consensus import differing_ranks, gather_checked, gather_texts, named_texts
 from cpshard.comm.record import serving
 from cpshard.parallel.mesh import group_over
-from cpshard.runtime.batch import differing_ranks, failed_elsewhere
+from cpshard.runtime.batch import failed_elsewhere
 
 #: elements summed at a time: a sum widens its input into a copy first, so the copy stays small
 _CHUNK = 1 << 22
@@ -71,24 +73,24 @@ def check_agreement(
         return
     names = [next(name for name in names if name in params) for names in aliases] if failed is None else []
     digests = [value for name in names for value in parameter_digest(params[name])]
-    mark = _FAILED if failed is not None else zlib.crc32(description.encode())
     kinds = [(alias, tuple(params[name].shape), params[name].dtype) for alias, name in zip(aliases, names)]
     structure = _hashed(repr(kinds))
-    row = torch.tensor([mark, len(aliases), structure, _hashed(repr(digests))], dtype=torch.int64)
+    row = torch.tensor([zlib.crc32(description.encode()), len(aliases), structure, _hashed(repr(digests))])
     with serving("other"):
-        every = all_gather_rows(row, group, name="cp forward agreement")
-    ranks = dist.get_process_group_ranks(group)
-    failing = [rank for rank, value in zip(ranks, every[:, 0].tolist()) if value == _FAILED]
-    if failed is not None:
-        raise failed
+        every, failing = gather_checked(row, group, "cp forward agreement", failed, _FAILED)
     if failing:
         raise failed_elsewhere(failing)
+    ranks = dist.get_process_group_ranks(group)
     made_otherwise = differing_ranks(every[:, :1], ranks)
     if made_otherwise:
+        with serving("other"):
+            made = named_texts(
+                gather_texts(description, group, "cp forward options"), ranks, [ranks[0], made_otherwise[0]]
+            )
         raise ValueError(
             f"the cp forward differs across the mesh: ranks {made_otherwise} made it with another layout or "
-            f"other options than rank {ranks[0]} (rank {dist.get_rank()}: {description}); every rank makes "
-            "the same cp forward (each rank's options choose the collectives it waits in)"
+            f"other options than rank {ranks[0]} ({made}); every rank makes the same cp forward (each "
+            "rank's options choose the collectives it waits in)"
         )
     built_otherwise = differing_ranks(every[:, 1:3], ranks)
     if built_otherwise:

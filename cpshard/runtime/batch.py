@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cpshard.comm.consensus import differing_ranks, gather_checked
+from cpshard.comm.record import serving
 from cpshard.loss.cross_entropy import IGNORE_INDEX
 from cpshard.parallel.mesh import SAME_BATCH_AXES
 from cpshard.spec.sequence import padded_length_for, positions
@@ -279,12 +281,6 @@ def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None, order: str = "c
     return PaddedBatch(inputs, labels, length, length + extra, batch.get(COUNT_KEY))
 
 
-def differing_ranks(rows: torch.Tensor, ranks: list[int]) -> list[int]:
-    """The ranks whose row is not bit for bit the first one's (so that a NaN equals itself)."""
-    every = rows.view(torch.int64)
-    return [ranks[i] for i in range(every.shape[0]) if not torch.equal(every[i], every[0])]
-
-
 def _differs_message(differing: list[int], first: int) -> str:
     return (
         f"the batch differs across the cp group: ranks {differing} hold other keys, shapes or values than "
@@ -332,8 +328,6 @@ def check_batch(
     collective, carries each rank's fingerprint and whether its batch is valid. A check within the cp
     group alone would let the other dp groups go on into the loss and gradient all-reduces, where they
     would wait for the failed ranks until the process group's timeout."""
-    from cpshard.comm.collectives import all_gather_rows
-    from cpshard.comm.record import serving
     from cpshard.parallel.mesh import group_over
 
     try:
@@ -348,17 +342,12 @@ def check_batch(
             raise failed or error
         return shape
     row = fingerprint(batch)
-    if failed is not None:  # marked in the key count (never negative there), so that no byte is added
-        row[0] = _CHECKS_FAILED
-    elif error is not None:
+    if error is not None:  # a key count below 0 (not -inf: that is a failed rank's), so no byte is added
         row[0] = -1.0 - row[0]
     with serving("other"):
-        every = all_gather_rows(row, group, name="batch fingerprint")
-    if failed is not None:
-        raise failed
+        every, failing = gather_checked(row, group, "batch fingerprint", failed, _CHECKS_FAILED)
     ranks = dist.get_process_group_ranks(group)
     index = {rank: i for i, rank in enumerate(ranks)}
-    failing = [rank for rank in ranks if every[index[rank], 0] == _CHECKS_FAILED]
     if failing:
         raise failed_elsewhere(failing)
     differing = {

@@ -55,6 +55,7 @@ from cpshard.runtime.plan import (
     CPOptions,
     check_modules_unchanged,
     check_params,
+    choose_strategy,
     parameter_aliases,
     plan_call,
 )
@@ -153,8 +154,9 @@ class CPForward:
         """The model's modules as set up and ``params`` its own, on this rank (every call: what differs there
         says more than that the weights differ); on the first call, every rank made this cp forward alike and
         holds the same plain weights (:mod:`cpshard.runtime.agreement`), and every rank raises where one
-        failed; then the layout's probe (:func:`~cpshard.runtime.probe.verify_once`). Until a probe has
-        passed, every call is a first call (one retried after a failed probe agrees again: a rank whose
+        failed; then what the mesh and options refuse (:func:`~cpshard.runtime.plan.choose_strategy`, alike
+        on every rank), then the layout's probe (:func:`~cpshard.runtime.probe.verify_once`). Until a probe
+        has passed, every call is a first call (one retried after a failed probe agrees again: a rank whose
         checks fail must not probe alone). On a later call, what failed on this rank, which the call's batch
         check carries to every rank (:func:`~cpshard.runtime.plan.plan_call`'s ``failed``): no rank waits
         for this one."""
@@ -169,6 +171,8 @@ class CPForward:
             description = repr((self.layout.name, self.options))
             check_agreement(description, parameter_aliases(self.model), params, mesh, failed)
             self.agreed = True  # before the probe, whose own cp call must not agree again
+            # what the mesh and options refuse is refused before the probe's work (compiling, under compile)
+            choose_strategy(self.model, self.layout, self.options, mesh, params)
             verify_once(self, params, mesh)
             return None
         return failed

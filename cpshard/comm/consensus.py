@@ -1,0 +1,57 @@
+"""Checks that every rank decides alike: rows of the same length gathered from every rank, so that each
+rank sees what the others hold and all of them raise, or none does (a rank that raised alone would leave
+the others waiting in its next collective until the process group's timeout).
+
+Not differentiable and off the hot path: each runs once per call at most, before the call's collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cpshard.comm.collectives import all_gather_rows
+
+
+def gather_checked(
+    row: torch.Tensor, group, name: str, failed: Exception | None, mark
+) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's ``row`` (one dimension) stacked and the global ranks whose own checks failed.
+    A rank that failed (``failed``: what it raised) sends ``mark`` as its row's first entry, a value no
+    passing rank sends, and raises ``failed`` once the rows are gathered: every rank learns of it in the same
+    collective, and the others name it (the rows stay of one length whatever each rank holds)."""
+    if failed is not None:
+        row = row.clone()
+        row[0] = mark
+    every = all_gather_rows(row, group, name=name)
+    if failed is not None:
+        raise failed
+    ranks = dist.get_process_group_ranks(group)
+    return every, [rank for rank, value in zip(ranks, every[:, 0].tolist()) if value == mark]
+
+
+def differing_ranks(rows: torch.Tensor, ranks: list[int]) -> list[int]:
+    """The ranks whose row is not bit for bit the first one's (so that a NaN equals itself)."""
+    every = rows.view(torch.int64)
+    return [ranks[i] for i in range(every.shape[0]) if not torch.equal(every[i], every[0])]
+
+
+#: the bytes of each rank's text that :func:`gather_texts` carries
+TEXT_BYTES = 1024
+
+
+def gather_texts(text: str, group, name: str) -> list[str]:
+    """Every rank's ``text`` (its first :data:`TEXT_BYTES` bytes), in group order: one all-gather of a row of
+    fixed length, so that each rank may hold a text of its own length. For messages that name what the other
+    ranks hold, once the ranks know they differ."""
+    data = text.encode()[:TEXT_BYTES]
+    row = torch.zeros(TEXT_BYTES + 1, dtype=torch.int32)  # the length, then the bytes
+    row[0] = len(data)
+    row[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = all_gather_rows(row, group, name=name)
+    return [bytes(r[1 : 1 + int(r[0])].to(torch.uint8).tolist()).decode(errors="ignore") for r in every]
+
+
+def named_texts(texts: list[str], ranks: list[int], shown: list[int]) -> str:
+    """``"rank 0: ...; rank 2: ..."`` for the ``shown`` ranks of ``ranks`` (whose ``texts`` are in order)."""
+    return "; ".join(f"rank {rank}: {text}" for rank, text in zip(ranks, texts) if rank in shown)
