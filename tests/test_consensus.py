@@ -5,7 +5,14 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.comm.consensus import TEXT_BYTES, differing_ranks, gather_checked, gather_texts, named_texts
+from cpshard.comm.consensus import (
+    TEXT_BYTES,
+    differing_ranks,
+    gather_checked,
+    gather_texts,
+    items_text,
+    what_differs,
+)
 
 
 def _text(rank: int) -> str:
@@ -28,7 +35,6 @@ def _consensus_cases() -> dict:
     return {
         "ranks": ranks,
         "texts": texts,
-        "named": named_texts(texts, ranks, [ranks[1]]),
         "every": every.tolist(),
         "failing": failing,
         "differing": differing_ranks(every[:, 2:], ranks),
@@ -46,7 +52,16 @@ def test_rows_and_texts_gathered_name_global_ranks(ranks4):
             expected[1] = _text(3).encode()[:TEXT_BYTES].decode(errors="ignore")
             assert _text(3).startswith(expected[1]) and len(expected[1].encode()) == TEXT_BYTES - 1
         assert case["texts"] == expected
-        assert case["named"] == f"rank {ranks[1]}: {expected[1]}"
         assert case["every"] == [[7, r // 2, r % 2] for r in ranks]
         assert case["failing"] == [] and case["differing"] == [ranks[1]]
         assert case["failing here"] == {0: [], 1: [], 2: [3], 3: "rank 3's own error"}[rank]
+
+
+def test_what_differs_names_the_lines_that_differ_each_rank_s():
+    first = items_text({"layout": "llama", "implementation": "ulysses", "mlp_tile": None})
+    assert first == "layout='llama'\nimplementation='ulysses'\nmlp_tile=None"
+    other = items_text({"layout": "llama", "implementation": "ring", "mlp_tile": 4, "extra": ()})
+    texts, ranks = [first, first, other], [4, 5, 6]
+    assert what_differs(texts, ranks, 6) == (
+        "rank 4: implementation='ulysses', mlp_tile=None; rank 6: implementation='ring', mlp_tile=4, extra=()"
+    )

@@ -125,6 +125,33 @@ def test_kv_replication_and_an_extra_collective(ranks4):
         assert not matches
 
 
+def traced_step_under_tp():
+    """A cp=2 x tp=2 step on parallelized parameters: each tp rank's q, k, v and output all-to-alls."""
+    model = tiny_model("llama")
+    batch = tiny_batch(model.config.vocab_size, 1, 12)
+    mesh = cpshard.make_mesh(cp=2, tp=2)
+    params = cpshard.params_of(cpshard.parallelize(model, mesh))
+    report = trace_comms(cpshard.value_and_grad(cpshard.make_cp_forward(model)), params, batch, mesh)
+    attention = {
+        (g.module, g.phase): (g.count, g.nbytes, g.verdict) for g in report.groups if g.op == "all_to_all"
+    }
+    return attention, report.matches_optimum
+
+
+def test_tp_splits_the_heads_that_the_optimum_counts(ranks4):
+    """Each tp rank exchanges its own 2 q heads and 1 kv head (cp=2 repeats it): the optimum counted every
+    head of the model, and a correct run was reported as differing."""
+    local, heads, kv_heads = 12 // 2, H // 2, KV // 2 * 2
+    per_module = 2 * local * heads * HD * F32 + 2 * local * kv_heads * HD * F32
+    for attention, matches in ranks4.run(traced_step_under_tp):
+        assert attention == {
+            (f"model.layers.{i}.self_attn", phase): (4, per_module, "ok")
+            for i in range(LAYERS)
+            for phase in ("forward", "backward")
+        }
+        assert matches
+
+
 def test_split_name_and_nothing_launched():
     modules = {"model.layers.0.self_attn", "lm_head"}
     assert split_name("model.layers.0.self_attn q", modules) == ("model.layers.0.self_attn", "q")

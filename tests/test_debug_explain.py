@@ -88,6 +88,52 @@ def test_generic_layout_and_heads_that_do_not_divide(ranks2):
         )
 
 
+def explained_under_tp() -> tuple:
+    """llama on cp=2 x tp=2: what each tp rank's heads imply."""
+    found = explain(tiny_model("llama"), cpshard.make_mesh(cp=2, tp=2))
+    moves = {s.tensor: s.bytes_per_token for s in found.attention}
+    return found.implementation, found.kv_replication, moves, str(found)
+
+
+def test_tp_splits_the_heads_that_ulysses_splits_over_cp(ranks4):
+    """Each tp rank holds 2 of the 4 q heads and 1 of the 2 kv heads, repeated for cp=2 (the model's whole
+    heads were explained before: 2 heads a rank, each kv head held once)."""
+    for implementation, replicas, moves, text in ranks4.run(explained_under_tp):
+        assert (implementation, replicas) == ("ulysses", 2)
+        assert moves == {
+            "q": H // 2 * HD * F32,
+            "k": HD * F32 * 2,
+            "v": HD * F32 * 2,
+            "out": H // 2 * HD * F32,
+        }
+        said = "the 2 heads each tp rank holds (tp=2) divide over cp=2, so each rank attends whole sequences"
+        assert f"{said} over 1 heads" in text, text
+
+
+def misused() -> list[str]:
+    model, mesh = tiny_model("llama"), cpshard.make_mesh(cp=dist.get_world_size())
+    messages = []
+    for attempt in (
+        lambda: explain(model, mesh, implementation="bogus"),
+        lambda: explain(model, None),
+        lambda: explain(model, mesh, ulysses_degree=2),
+    ):
+        try:
+            attempt()
+            messages.append("no error")
+        except (TypeError, ValueError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
+
+
+def test_what_make_cp_forward_refuses_explain_refuses(ranks2):
+    """An unknown implementation was explained as Ulysses, and no mesh failed deep inside."""
+    for bogus, no_mesh, degree in ranks2.run(misused):
+        assert bogus == "ValueError: implementation='bogus'; choose one of auto, ulysses, ring, hybrid", bogus
+        assert no_mesh.startswith("TypeError: the mesh is NoneType None, not a DeviceMesh"), no_mesh
+        assert degree.startswith("ValueError: ulysses_degree"), degree
+
+
 def test_kv_heads_repeated_on_cp4(ranks4):
     for _, _, replicas, moves, _, text in ranks4.run(explained, "llama"):
         # 2 kv heads over 4 ranks: each repeated twice so that every rank gets one

@@ -462,9 +462,10 @@ def test_what_is_not_served_is_refused_on_every_rank(ranks2):
     ]
     every_rank = ranks2.run(_refusals)
     check_refused([messages[:-1] for messages in every_rank], expected)
-    steps = [messages[-2] for messages in every_rank]  # each rank names both ranks' arguments
-    assert steps[0] == steps[1] and "(rank 0: max_new_tokens=3, " in steps[0], steps
-    assert "; rank 1: max_new_tokens=6, " in steps[0], steps
+    steps = [messages[-2] for messages in every_rank]  # each rank names the arguments that differ
+    assert steps[0] == steps[1] and "(rank 0: max_new_tokens=3; rank 1: max_new_tokens=6); " in steps[0], (
+        steps
+    )
     assert "ranks [1] refused their arguments" in every_rank[0][-1], every_rank[0][-1]
     assert "beam search (num_beams=2)" in every_rank[1][-1], every_rank[1][-1]
 

@@ -87,3 +87,25 @@ def test_the_rounding_allowance_keeps_a_wrong_cp_run_wrong(ranks2, dtype, rtol):
         assert result["right"] == [] and grads, result
         assert result["beyond rounding"] == result["wrong"], result
         assert result["beyond, cp in float64 too"] == result["wrong"], result
+
+
+def parity_of_placed_params() -> str:
+    model = tiny_model("llama")
+    mesh = cpshard.make_mesh(cp=1, fsdp=2)
+    cp_forward = cpshard.make_cp_forward(cpshard.parallelize(model, mesh))
+    try:
+        check_parity(model, tiny_batch(model.config.vocab_size, 2, 12), mesh, cp_forward)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_parameters_placed_on_a_mesh_are_refused(ranks2):
+    """Parallelized parameters failed inside the plain model's embedding ("mixed torch.Tensor and DTensor"),
+    reported as the model's own failure."""
+    for message in ranks2.run(parity_of_placed_params):
+        assert message.startswith(
+            "check_parity compares cp with the plain model run on this process alone, which parameters "
+            "placed on a mesh cannot run ("
+        ), message
+        assert "e.g. 'model.embed_tokens.weight'" in message, message

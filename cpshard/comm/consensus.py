@@ -52,6 +52,16 @@ def gather_texts(text: str, group, name: str) -> list[str]:
     return [bytes(r[1 : 1 + int(r[0])].to(torch.uint8).tolist()).decode(errors="ignore") for r in every]
 
 
-def named_texts(texts: list[str], ranks: list[int], shown: list[int]) -> str:
-    """``"rank 0: ...; rank 2: ..."`` for the ``shown`` ranks of ``ranks`` (whose ``texts`` are in order)."""
-    return "; ".join(f"rank {rank}: {text}" for rank, text in zip(ranks, texts) if rank in shown)
+def items_text(items: dict) -> str:
+    """``items`` as a text of one ``name=repr(value)`` line each, which :func:`what_differs` compares."""
+    return "\n".join(f"{name}={value!r}" for name, value in items.items())
+
+
+def what_differs(texts: list[str], ranks: list[int], other: int) -> str:
+    """``"rank 0: a=1; rank 3: a=2"``: the lines (:func:`items_text`) in which rank ``other``'s text differs
+    from the first rank's, each rank's own (``texts`` in the order of ``ranks``)."""
+    first, theirs = texts[0].split("\n"), texts[ranks.index(other)].split("\n")
+    lines = range(max(len(first), len(theirs)))
+    differ = [i for i in lines if first[i : i + 1] != theirs[i : i + 1]]
+    said = [", ".join(text[i] for i in differ if i < len(text)) for text in (first, theirs)]
+    return f"rank {ranks[0]}: {said[0]}; rank {other}: {said[1]}"

@@ -20,11 +20,12 @@ from torch.distributed.tensor import DTensor
 
 from cpshard.call import CallPlan
 from cpshard.comm.record import CommEvent, Expected, recording
-from cpshard.debug.analytic import attention_paths, head_dim, value_head_dim
+from cpshard.debug.analytic import attention_paths, head_dim, tp_rank_heads, value_head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
 from cpshard.layouts.layout import gathers_keys
 from cpshard.layouts.structure import text_config
+from cpshard.parallel.mesh import mesh_size
 
 PHASES = ("forward", "backward")
 #: the names cpshard's forward and :func:`cpshard.value_and_grad` give their reductions
@@ -74,13 +75,14 @@ class _Run:
             return None
         params, config, layout = list(model.parameters()), text_config(model), call.layout
         floating = [p for p in params if p.is_floating_point()]
+        heads, kv_heads = tp_rank_heads(config, layout, mesh_size(call.mesh, "tp"))
         optimum = ulysses_optimum(
             batch=inputs.shape[0],
             length=inputs.shape[1],
             cp=call.cp_size,
             layers=1,
-            heads=layout.head_counts(config)[0],
-            kv_heads=layout.head_counts(config)[1],
+            heads=heads,
+            kv_heads=kv_heads,
             head_dim=head_dim(config, layout),
             value_head_dim=value_head_dim(config, layout),
             param_bytes=sum(p.numel() * p.element_size() for p in params),
@@ -191,7 +193,7 @@ class CommsReport:
             for g in self.groups
         ]
         rows.append(("total", "", "", len(self.events), grouped(self.total_bytes), "", "", ""))
-        header = ("module", "op", "phase", "count", "bytes", "optimum count", "optimum bytes", "")
+        header = ("module", "op", "phase", "count", "bytes", "optimum count", "optimum bytes", "verdict")
         return table(rows, header, right=frozenset({3, 4, 5, 6}))
 
 

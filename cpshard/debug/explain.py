@@ -11,13 +11,21 @@ from dataclasses import dataclass
 
 from cpshard.attention.choice import choose_implementation
 from cpshard.attention.ulysses import kv_replication
-from cpshard.debug.analytic import Step, attention_paths, attention_steps, cut_steps, mesh_sizes
+from cpshard.debug.analytic import (
+    Step,
+    attention_paths,
+    attention_steps,
+    cut_steps,
+    mesh_sizes,
+    tp_rank_heads,
+)
 from cpshard.debug.table import grouped, table
 from cpshard.debug.typeof import dtype_name
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.layouts.structure import text_config
 from cpshard.parallel.mesh import cp_size
+from cpshard.runtime.plan import CPOptions
 
 
 @dataclass(frozen=True)
@@ -118,21 +126,22 @@ def _layout_reason(model, layout, chosen: Layout) -> str:
 
 
 def _implementation(
-    config, layout: Layout, cp: int, requested: str, degree: int | None
+    config, layout: Layout, cp: int, tp: int, requested: str, degree: int | None
 ) -> tuple[str, str, int | None]:
-    """What ``make_cp_forward(implementation=requested)`` runs on ``cp`` ranks, why, and (for Ulysses)
-    how often each kv head is repeated."""
-    heads, kv_heads = layout.head_counts(config)
+    """What ``make_cp_forward(implementation=requested)`` runs on ``cp`` ranks (each tp rank's heads), why,
+    and (for Ulysses) how often each kv head is repeated."""
+    heads, kv_heads = tp_rank_heads(config, layout, tp)
+    held = f"{layout.heads}={heads}" if tp == 1 else f"the {heads} heads each tp rank holds (tp={tp})"
+    divides, does_not = (
+        ("divides over", "is not divisible by") if tp == 1 else ("divide over", "do not divide")
+    )
     try:
         name, degree = choose_implementation(requested, heads, cp, degree)
     except ValueError as error:
         return "none", f"cp_forward would raise at its first call: {error}", None
     if name == "ulysses":
         replicas = kv_replication(heads, kv_heads, cp)
-        reason = (
-            f"{layout.heads}={heads} divides over cp={cp}, "
-            f"so each rank attends whole sequences over {heads // cp} heads"
-        )
+        reason = f"{held} {divides} cp={cp}, so each rank attends whole sequences over {heads // cp} heads"
         return (
             name,
             ("auto picks Ulysses where cp divides the heads; " if requested == "auto" else "") + reason,
@@ -143,7 +152,7 @@ def _implementation(
         if name == "hybrid"
         else f"k and v travel a ring of {cp} ranks"
     )
-    why = f"{layout.heads}={heads} is not divisible by cp={cp}; " if requested == "auto" else ""
+    why = f"{held} {does_not} cp={cp}; " if requested == "auto" else ""
     return (
         name,
         f"{why}{how}, sequence in head-tail order (per-tensor costs below are shown for Ulysses only)",
@@ -154,9 +163,13 @@ def _implementation(
 def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree=None) -> Explanation:
     """The layout as applied to ``model`` on ``mesh``: choices, reasons, and every move's collective
     and cost."""
+    cp = cp_size(mesh)  # what is no mesh, or has no cp axis, raises here as cp_forward says it
+    CPOptions(implementation=implementation, ulysses_degree=ulysses_degree)  # what make_cp_forward refuses
     chosen = resolve_layout(model, layout)
     config, sizes = text_config(model), mesh_sizes(mesh)
-    name, reason, replicas = _implementation(config, chosen, cp_size(mesh), implementation, ulysses_degree)
+    name, reason, replicas = _implementation(
+        config, chosen, cp, sizes.get("tp", 1), implementation, ulysses_degree
+    )
     attention = attention_steps(config, chosen, sizes, model.dtype) if replicas else ()
     return Explanation(
         f"{type(model).__name__} (model type {getattr(config, 'model_type', '?')!r})",

@@ -9,13 +9,14 @@ generation config other than temperature, top-k and top-p.
 from __future__ import annotations
 
 import zlib
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
 
 from cpshard.comm.collectives import all_gather_rows
-from cpshard.comm.consensus import differing_ranks, gather_checked, gather_texts, named_texts
+from cpshard.comm.consensus import differing_ranks, gather_checked, gather_texts, items_text, what_differs
 from cpshard.generation.decode import make_cp_decode
 from cpshard.generation.prefill import make_cp_prefill
 from cpshard.generation.sampling import Sampling, next_tokens
@@ -175,9 +176,7 @@ def check_same_arguments(arguments: str | None, group, failed: Exception | None)
     ranks = dist.get_process_group_ranks(group)
     differing = differing_ranks(every, ranks)
     if differing:
-        called = named_texts(
-            gather_texts(arguments, group, "generate's arguments"), ranks, [ranks[0], differing[0]]
-        )
+        called = what_differs(gather_texts(arguments, group, "generate's arguments"), ranks, differing[0])
         raise ValueError(
             f"cpshard.generate: ranks {differing} were called otherwise than rank {ranks[0]} ({called}); "
             "every rank generates with the same max_new_tokens, sampling and eos, each with a generator or "
@@ -222,8 +221,9 @@ def generate(
     try:
         sampling, eos, pad = _resolved(model, max_new_tokens, given, eos_token_id, unsupported)
         eos_ids = None if eos is None else eos.tolist()
-        arguments = f"max_new_tokens={max_new_tokens}, {sampling}, eos {eos_ids}, pad {pad}"
-        arguments, failed = f"{arguments}, a generator given: {generator is not None}", None
+        resolved = {"max_new_tokens": max_new_tokens, **asdict(sampling), "eos_token_id": eos_ids}
+        resolved.update(pad_token_id=pad, generator_given=generator is not None)
+        arguments, failed = items_text(resolved), None
     except (TypeError, ValueError) as raised:  # a value of the wrong type fails in the resolving
         arguments, failed = None, raised
     check_same_arguments(arguments, group, failed)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from cpshard.comm.collectives import all_gather_rows
-from cpshard.comm.consensus import differing_ranks, gather_checked, gather_texts, named_texts
+from cpshard.comm.consensus import differing_ranks, gather_checked, gather_texts, what_differs
 from cpshard.comm.record import serving
 from cpshard.parallel.mesh import group_over
 from cpshard.runtime.batch import failed_elsewhere
@@ -60,12 +60,13 @@ def check_agreement(
     description: str, aliases: list[tuple[str, ...]], params: dict, mesh, failed: Exception | None = None
 ) -> None:
     """Raise on every rank unless every rank of ``mesh`` made its cp forward as ``description`` says (its
-    layout and options), of a model of the same parameters (names, shapes, dtypes), and holds the same values
-    of them in ``params`` (each under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`).
-    ``failed``: this rank's own checks of the model and ``params`` raised it; the all-gather carries the
-    failure, so that every rank raises (this one its own error) and none waits in the next collective for
-    it. One all-gather of a row of the same length on every rank, whatever its model; a second, of a digest
-    per parameter, only to name the parameters whose values differ."""
+    layout and options, one per line: :func:`~cpshard.comm.consensus.items_text`), of a model of the same
+    parameters (names, shapes, dtypes), and holds the same values of them in ``params`` (each under one of
+    its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`). ``failed``: this rank's own checks of
+    the model and ``params`` raised it; the all-gather carries the failure, so that every rank raises (this
+    one its own error) and none waits in the next collective for it. One all-gather of a row of the same
+    length on every rank, whatever its model; a second only to name what differs: a digest per parameter,
+    or each rank's description (the lines that differ)."""
     group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))
     if group is None:
         if failed is not None:
@@ -84,9 +85,8 @@ def check_agreement(
     made_otherwise = differing_ranks(every[:, :1], ranks)
     if made_otherwise:
         with serving("other"):
-            made = named_texts(
-                gather_texts(description, group, "cp forward options"), ranks, [ranks[0], made_otherwise[0]]
-            )
+            texts = gather_texts(description, group, "cp forward options")
+        made = what_differs(texts, ranks, made_otherwise[0])
         raise ValueError(
             f"the cp forward differs across the mesh: ranks {made_otherwise} made it with another layout or "
             f"other options than rank {ranks[0]} ({made}); every rank makes the same cp forward (each "

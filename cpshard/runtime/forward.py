@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
 from cpshard.call import CallPlan, running
+from cpshard.comm.consensus import items_text
 from cpshard.comm.record import note_call
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
@@ -168,7 +169,7 @@ class CPForward:
         except (TypeError, ValueError) as raised:
             failed = raised
         if not self.agreed or probe_pending(self, mesh):  # every rank raises where one failed: none waits
-            description = repr((self.layout.name, self.options))
+            description = items_text({"layout": self.layout.name, **vars(self.options)})
             check_agreement(description, parameter_aliases(self.model), params, mesh, failed)
             self.agreed = True  # before the probe, whose own cp call must not agree again
             # what the mesh and options refuse is refused before the probe's work (compiling, under compile)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
@@ -130,8 +131,18 @@ def _cp_run(params: dict, batch: dict, mesh, cp_forward):
 
 def check_parity(model, batch: dict, mesh, cp_forward, params: dict | None = None) -> Parity:
     """Run ``cp_forward`` and the plain model on ``batch``; compare loss, logits and every gradient. What the
-    plain model raises is raised as :class:`~cpshard.runtime.probe.OneProcessFailed`: the model's own."""
+    plain model raises is raised as :class:`~cpshard.runtime.probe.OneProcessFailed`: the model's own.
+    ``params`` placed on a mesh (``parallelize``'s DTensors) are refused: the plain model cannot run them."""
     params = params if params is not None else params_of(model)
+    placed = [name for name, value in params.items() if isinstance(value, DTensor)]
+    if placed:  # alike on every rank: each holds the same names placed
+        raise ValueError(
+            f"check_parity compares cp with the plain model run on this process alone, which parameters "
+            f"placed on a mesh cannot run ({len(placed)} are DTensors, e.g. {placed[0]!r}: "
+            "cpshard.parallelize's): check parity on the plain model and its params_of before parallelize "
+            "(cp runs the same layout), or compare the parallel run's loss and gradients (their "
+            "full_tensor()) with a plain twin model's"
+        )
     with one_process():
         one = reference(model, params, batch)
     with recording() as log:
