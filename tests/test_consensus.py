@@ -16,8 +16,9 @@ from cpshard.comm.consensus import (
 
 
 def _text(rank: int) -> str:
-    """A text of each rank's own length; rank 3's longer than what is carried, cut inside a character."""
-    return f"rank {rank} " + "é" * (600 if rank == 3 else 100 * rank)
+    """A text of each rank's own length: rank 0's empty, rank 3's longer than what is carried (cut inside a
+    character)."""
+    return f"rank {rank} " + "é" * (600 if rank == 3 else 100 * rank) if rank else ""
 
 
 def _consensus_cases() -> dict:
@@ -57,11 +58,19 @@ def test_rows_and_texts_gathered_name_global_ranks(ranks4):
         assert case["failing here"] == {0: [], 1: [], 2: [3], 3: "rank 3's own error"}[rank]
 
 
-def test_what_differs_names_the_lines_that_differ_each_rank_s():
+def test_what_differs_names_the_items_that_differ_each_rank_s():
     first = items_text({"layout": "llama", "implementation": "ulysses", "mlp_tile": None})
     assert first == "layout='llama'\nimplementation='ulysses'\nmlp_tile=None"
     other = items_text({"layout": "llama", "implementation": "ring", "mlp_tile": 4, "extra": ()})
     texts, ranks = [first, first, other], [4, 5, 6]
     assert what_differs(texts, ranks, 6) == (
-        "rank 4: implementation='ulysses', mlp_tile=None; rank 6: implementation='ring', mlp_tile=4, extra=()"
+        "rank 4: implementation='ulysses', mlp_tile=None, extra=<absent>; "
+        "rank 6: implementation='ring', mlp_tile=4, extra=()"
+    )
+    # an item more at the start (another release's options) shifts no other item into the message
+    shifted = items_text({"new": 1, "layout": "llama", "implementation": "ulysses", "mlp_tile": None})
+    assert what_differs([first, shifted], [0, 1], 1) == "rank 0: new=<absent>; rank 1: new=1"
+    # texts that differ only beyond what was carried
+    assert what_differs([first, first], [0, 1], 1) == (
+        f"rank 0 and rank 1 differ beyond the first {TEXT_BYTES} bytes of their texts"
     )

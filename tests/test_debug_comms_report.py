@@ -1,5 +1,6 @@
 """trace_comms: totals against bytes worked out by hand, groups against the layout's optimum."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -125,25 +126,37 @@ def test_kv_replication_and_an_extra_collective(ranks4):
         assert not matches
 
 
-def traced_step_under_tp():
-    """A cp=2 x tp=2 step on parallelized parameters: each tp rank's q, k, v and output all-to-alls."""
-    model = tiny_model("llama")
+def traced_step_under_tp(model_type: str):
+    """A cp=2 x tp=2 step on parallelized parameters (a cp forward made, and its layout probed, before
+    parallelizing: as a derived layout asks): the attention modules' all-to-alls."""
+    model = tiny_model(model_type)
     batch = tiny_batch(model.config.vocab_size, 1, 12)
+    cp_forward = cpshard.make_cp_forward(model)
+    cp_forward(cpshard.params_of(model), batch, cpshard.make_mesh(cp=4))  # a derived layout's probe
     mesh = cpshard.make_mesh(cp=2, tp=2)
     params = cpshard.params_of(cpshard.parallelize(model, mesh))
-    report = trace_comms(cpshard.value_and_grad(cpshard.make_cp_forward(model)), params, batch, mesh)
+    report = trace_comms(cpshard.value_and_grad(cp_forward), params, batch, mesh)
     attention = {
         (g.module, g.phase): (g.count, g.nbytes, g.verdict) for g in report.groups if g.op == "all_to_all"
     }
     return attention, report.matches_optimum
 
 
-def test_tp_splits_the_heads_that_the_optimum_counts(ranks4):
-    """Each tp rank exchanges its own 2 q heads and 1 kv head (cp=2 repeats it): the optimum counted every
-    head of the model, and a correct run was reported as differing."""
-    local, heads, kv_heads = 12 // 2, H // 2, KV // 2 * 2
+@pytest.mark.parametrize(
+    "model_type, heads, kv_heads",
+    [
+        # llama's plan splits q, k and v over tp: each tp rank's 2 q heads and 1 kv head (repeated for cp)
+        ("llama", H // 2, KV // 2 * 2),
+        # Phi-3's fused qkv_proj: its derived plan leaves attention whole, every head on every tp rank
+        ("phi3", H, KV),
+    ],
+)
+def test_tp_splits_the_heads_that_the_optimum_counts(ranks4, model_type, heads, kv_heads):
+    """The optimum counted every head of the model, and a correct llama step under tp was reported as
+    differing."""
+    local = 12 // 2
     per_module = 2 * local * heads * HD * F32 + 2 * local * kv_heads * HD * F32
-    for attention, matches in ranks4.run(traced_step_under_tp):
+    for attention, matches in ranks4.run(traced_step_under_tp, model_type):
         assert attention == {
             (f"model.layers.{i}.self_attn", phase): (4, per_module, "ok")
             for i in range(LAYERS)

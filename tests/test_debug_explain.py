@@ -88,17 +88,18 @@ def test_generic_layout_and_heads_that_do_not_divide(ranks2):
         )
 
 
-def explained_under_tp() -> tuple:
-    """llama on cp=2 x tp=2: what each tp rank's heads imply."""
-    found = explain(tiny_model("llama"), cpshard.make_mesh(cp=2, tp=2))
+def explained_under_tp(model_type: str) -> tuple:
+    """``model_type`` on cp=2 x tp=2: what each tp rank's heads imply."""
+    found = explain(tiny_model(model_type), cpshard.make_mesh(cp=2, tp=2))
     moves = {s.tensor: s.bytes_per_token for s in found.attention}
     return found.implementation, found.kv_replication, moves, str(found)
 
 
 def test_tp_splits_the_heads_that_ulysses_splits_over_cp(ranks4):
-    """Each tp rank holds 2 of the 4 q heads and 1 of the 2 kv heads, repeated for cp=2 (the model's whole
-    heads were explained before: 2 heads a rank, each kv head held once)."""
-    for implementation, replicas, moves, text in ranks4.run(explained_under_tp):
+    """Each tp rank holds 2 of llama's 4 q heads and 1 of its 2 kv heads, repeated for cp=2 (the model's
+    whole heads were explained before: 2 heads a rank, each kv head held once); Phi-3's derived tp plan
+    leaves its fused attention whole, every head on every tp rank."""
+    for implementation, replicas, moves, text in ranks4.run(explained_under_tp, "llama"):
         assert (implementation, replicas) == ("ulysses", 2)
         assert moves == {
             "q": H // 2 * HD * F32,
@@ -108,6 +109,10 @@ def test_tp_splits_the_heads_that_ulysses_splits_over_cp(ranks4):
         }
         said = "the 2 heads each tp rank holds (tp=2) divide over cp=2, so each rank attends whole sequences"
         assert f"{said} over 1 heads" in text, text
+    for implementation, replicas, moves, text in ranks4.run(explained_under_tp, "phi3"):
+        assert (implementation, replicas) == ("ulysses", 1)
+        assert moves == {"q": H * HD * F32, "k": KV * HD * F32, "v": KV * HD * F32, "out": H * HD * F32}
+        assert "num_attention_heads=4 divides over cp=2, so each rank attends whole sequences over 2" in text
 
 
 def misused() -> list[str]:

@@ -253,12 +253,9 @@ def test_a_rank_dying_after_the_others_reported_ends_the_group():
 
 
 def test_a_stalled_rank_ends_the_launch_at_its_timeout(tmp_path):
-    # the ranks start in about 8 s on an idle machine; on a loaded one rank 0 may not have finished either
-    timeout = 12.0
+    timeout = 30.0  # room for the ranks to start on a loaded machine (about 8 s on an idle one)
     start = time.monotonic()
-    with pytest.raises(
-        TimeoutError, match=r"ranks \[(0, )?1\] did not finish within 12 s; the group was ended"
-    ):
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 30 s; the group was ended"):
         launch(_write_pid_then_stall, str(tmp_path), nprocs=2, timeout=timeout)
     assert timeout <= time.monotonic() - start < timeout + 20
     assert not _left_behind(tmp_path), "a rank was left running"

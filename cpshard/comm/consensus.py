@@ -42,14 +42,14 @@ TEXT_BYTES = 1024
 
 def gather_texts(text: str, group, name: str) -> list[str]:
     """Every rank's ``text`` (its first :data:`TEXT_BYTES` bytes), in group order: one all-gather of a row of
-    fixed length, so that each rank may hold a text of its own length. For messages that name what the other
-    ranks hold, once the ranks know they differ."""
+    fixed length (two bytes of length, then the text's), so that each rank may hold a text of its own
+    length. For messages that name what the other ranks hold, once the ranks know they differ."""
     data = text.encode()[:TEXT_BYTES]
-    row = torch.zeros(TEXT_BYTES + 1, dtype=torch.int32)  # the length, then the bytes
-    row[0] = len(data)
-    row[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    every = all_gather_rows(row, group, name=name)
-    return [bytes(r[1 : 1 + int(r[0])].to(torch.uint8).tolist()).decode(errors="ignore") for r in every]
+    row = torch.tensor(
+        [len(data) >> 8, len(data) & 255, *data, *[0] * (TEXT_BYTES - len(data))], dtype=torch.uint8
+    )
+    every = all_gather_rows(row, group, name=name).tolist()
+    return [bytes(r[2 : 2 + (r[0] << 8 | r[1])]).decode(errors="ignore") for r in every]
 
 
 def items_text(items: dict) -> str:
@@ -58,10 +58,15 @@ def items_text(items: dict) -> str:
 
 
 def what_differs(texts: list[str], ranks: list[int], other: int) -> str:
-    """``"rank 0: a=1; rank 3: a=2"``: the lines (:func:`items_text`) in which rank ``other``'s text differs
-    from the first rank's, each rank's own (``texts`` in the order of ``ranks``)."""
-    first, theirs = texts[0].split("\n"), texts[ranks.index(other)].split("\n")
-    lines = range(max(len(first), len(theirs)))
-    differ = [i for i in lines if first[i : i + 1] != theirs[i : i + 1]]
-    said = [", ".join(text[i] for i in differ if i < len(text)) for text in (first, theirs)]
+    """``"rank 0: a=1; rank 3: a=2"``: the items (:func:`items_text`'s lines) in which rank ``other``'s text
+    differs from the first rank's, each rank's own (an item one of them lacks: ``<absent>``); ``texts`` in
+    the order of ``ranks``."""
+    first, theirs = (
+        dict(line.partition("=")[::2] for line in text.split("\n"))
+        for text in (texts[0], texts[ranks.index(other)])
+    )
+    names = [name for name in {**first, **theirs} if first.get(name) != theirs.get(name)]
+    if not names:
+        return f"rank {ranks[0]} and rank {other} differ beyond the first {TEXT_BYTES} bytes of their texts"
+    said = [", ".join(f"{name}={items.get(name, '<absent>')}" for name in names) for items in (first, theirs)]
     return f"rank {ranks[0]}: {said[0]}; rank {other}: {said[1]}"

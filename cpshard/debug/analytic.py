@@ -91,18 +91,11 @@ def value_head_dim(config, layout: Layout) -> int:
     return width if isinstance(width, int) else head_dim(config, layout)
 
 
-def tp_rank_heads(config, layout: Layout, tp: int) -> tuple[int, int]:
-    """The attention heads and kv heads one tp rank holds (tp splits both: cp_forward refuses a tp that does
-    not divide them), which Ulysses splits over cp."""
-    heads, kv_heads = layout.head_counts(config)
-    return heads // tp, kv_heads // tp
-
-
 def attention_steps(config, layout: Layout, sizes: dict[str, int], dtype: torch.dtype) -> tuple[Step, ...]:
     """q, k, v in and the output back, for one attention module, of the heads one tp rank holds. k and v
     carry their kv heads repeated as Ulysses needs (``kv_replication``); raises its ValueError when cp does
     not divide the heads."""
-    heads, kv_heads = tp_rank_heads(config, layout, sizes.get("tp", 1))
+    heads, kv_heads = layout.tp_rank_head_counts(config, sizes.get("tp", 1))
     kv_total = kv_heads * kv_replication(heads, kv_heads, sizes["cp"])
     itemsize = torch.empty((), dtype=dtype).element_size()
     qk, v = head_dim(config, layout), value_head_dim(config, layout)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from cpshard.call import CallPlan
 from cpshard.comm.record import CommEvent, Expected, recording
-from cpshard.debug.analytic import attention_paths, head_dim, tp_rank_heads, value_head_dim
+from cpshard.debug.analytic import attention_paths, head_dim, value_head_dim
 from cpshard.debug.optimum import CommOptimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
 from cpshard.layouts.layout import gathers_keys
@@ -75,7 +75,7 @@ class _Run:
             return None
         params, config, layout = list(model.parameters()), text_config(model), call.layout
         floating = [p for p in params if p.is_floating_point()]
-        heads, kv_heads = tp_rank_heads(config, layout, mesh_size(call.mesh, "tp"))
+        heads, kv_heads = layout.tp_rank_head_counts(config, mesh_size(call.mesh, "tp"))
         optimum = ulysses_optimum(
             batch=inputs.shape[0],
             length=inputs.shape[1],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpshard.attention.choice import choose_implementation
 from cpshard.attention.ulysses import kv_replication
 from cpshard.debug.analytic import (
     Step,
@@ -17,7 +16,6 @@ from cpshard.debug.analytic import (
     attention_steps,
     cut_steps,
     mesh_sizes,
-    tp_rank_heads,
 )
 from cpshard.debug.table import grouped, table
 from cpshard.debug.typeof import dtype_name
@@ -25,7 +23,8 @@ from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import REGISTERED, resolve_layout
 from cpshard.layouts.structure import text_config
 from cpshard.parallel.mesh import cp_size
-from cpshard.runtime.plan import CPOptions
+from cpshard.parallel.tensor import check_tensor_parallel
+from cpshard.runtime.plan import CPOptions, implementation_for
 
 
 @dataclass(frozen=True)
@@ -126,17 +125,17 @@ def _layout_reason(model, layout, chosen: Layout) -> str:
 
 
 def _implementation(
-    config, layout: Layout, cp: int, tp: int, requested: str, degree: int | None
+    config, layout: Layout, cp: int, tp: int, options: CPOptions
 ) -> tuple[str, str, int | None]:
-    """What ``make_cp_forward(implementation=requested)`` runs on ``cp`` ranks (each tp rank's heads), why,
-    and (for Ulysses) how often each kv head is repeated."""
-    heads, kv_heads = tp_rank_heads(config, layout, tp)
-    held = f"{layout.heads}={heads}" if tp == 1 else f"the {heads} heads each tp rank holds (tp={tp})"
-    divides, does_not = (
-        ("divides over", "is not divisible by") if tp == 1 else ("divide over", "do not divide")
-    )
+    """What ``make_cp_forward`` with ``options`` runs on ``cp`` ranks (over the heads each tp rank holds),
+    why, and (for Ulysses) how often each kv head is repeated."""
+    heads, kv_heads = layout.tp_rank_head_counts(config, tp)
+    whole = heads == layout.head_counts(config)[0]
+    held = f"{layout.heads}={heads}" if whole else f"the {heads} heads each tp rank holds (tp={tp})"
+    divides, does_not = ("divides over", "is not divisible by") if whole else ("divide over", "do not divide")
+    requested = options.implementation
     try:
-        name, degree = choose_implementation(requested, heads, cp, degree)
+        name, degree = implementation_for(config, layout, options, cp, tp)
     except ValueError as error:
         return "none", f"cp_forward would raise at its first call: {error}", None
     if name == "ulysses":
@@ -164,12 +163,11 @@ def explain(model, mesh, *, layout="auto", implementation="auto", ulysses_degree
     """The layout as applied to ``model`` on ``mesh``: choices, reasons, and every move's collective
     and cost."""
     cp = cp_size(mesh)  # what is no mesh, or has no cp axis, raises here as cp_forward says it
-    CPOptions(implementation=implementation, ulysses_degree=ulysses_degree)  # what make_cp_forward refuses
+    options = CPOptions(implementation=implementation, ulysses_degree=ulysses_degree)  # as make_cp_forward
     chosen = resolve_layout(model, layout)
     config, sizes = text_config(model), mesh_sizes(mesh)
-    name, reason, replicas = _implementation(
-        config, chosen, cp, sizes.get("tp", 1), implementation, ulysses_degree
-    )
+    check_tensor_parallel(model, chosen, sizes.get("tp", 1))  # a tp that does not divide: cp_forward's error
+    name, reason, replicas = _implementation(config, chosen, cp, sizes.get("tp", 1), options)
     attention = attention_steps(config, chosen, sizes, model.dtype) if replicas else ()
     return Explanation(
         f"{type(model).__name__} (model type {getattr(config, 'model_type', '?')!r})",

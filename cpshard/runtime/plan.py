@@ -125,8 +125,16 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
             "cpshard.params_of(cpshard.parallelize(model, mesh)): each rank computes with its "
             "own tp and ep blocks"
         )
-    heads = layout.head_counts(text_config(model))[0] // tp  # the heads this tp rank holds
-    if tp > 1 and options.implementation == "ulysses" and heads % cp:
+    return implementation_for(text_config(model), layout, options, cp, tp)
+
+
+def implementation_for(config, layout: Layout, options: CPOptions, cp: int, tp: int) -> tuple[str, int]:
+    """``(implementation, Ulysses degree)`` for the heads one tp rank holds
+    (:meth:`~cpshard.layouts.layout.Layout.tp_rank_head_counts`) over ``cp`` ranks, or the ValueError
+    saying why the options cannot serve them."""
+    heads = layout.tp_rank_head_counts(config, tp)[0]
+    split = heads != layout.head_counts(config)[0]
+    if split and options.implementation == "ulysses" and heads % cp:
         raise ValueError(
             f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: "
             "num_attention_heads="
@@ -136,7 +144,7 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
     try:
         return choose_implementation(options.implementation, heads, cp, options.ulysses_degree)
     except ValueError as error:
-        if tp == 1:
+        if not split:
             raise
         raise ValueError(f"{error} (under tp={tp}: the {heads} heads each tp rank holds)") from None
 
