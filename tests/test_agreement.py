@@ -87,6 +87,21 @@ def test_models_built_otherwise_on_a_rank_are_refused_on_every_rank(ranks2, mode
         ), messages[0]
 
 
+def test_a_config_differing_where_no_parameter_shows_it_is_refused_on_every_rank(ranks2):
+    """Rank 1's model has another rotary base and norm epsilon, every parameter alike: each rank's tokens
+    ran through its own model, the loss and gradients of no one model, without a word."""
+    other = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "rms_norm_eps": 1e-5}
+    for generate in (False, True):
+        messages = ranks2.run(first_call, ({}, other), ({}, {}), generate)
+        assert messages[0] == messages[1], messages
+        assert messages[0] == (
+            "the model's config differs across the mesh: ranks [1] built the model from another config than "
+            "rank 0's (rank 0: rms_norm_eps=1e-06, rope_parameters={'rope_theta': 10000.0, 'rope_type': "
+            "'default'}; rank 1: rms_norm_eps=1e-05, rope_parameters={'rope_theta': 500000.0, 'rope_type': "
+            "'default'}); every rank builds the same model from the same config"
+        ), messages[0]
+
+
 def agreement_gathers() -> list[int]:
     """The agreement's all-gathers in a cp forward's first call and in its second."""
     model = tiny_model("llama")

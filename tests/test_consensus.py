@@ -18,7 +18,7 @@ from cpshard.comm.consensus import (
 def _text(rank: int) -> str:
     """A text of each rank's own length: rank 0's empty, rank 3's longer than what is carried (cut inside a
     character)."""
-    return f"rank {rank} " + "é" * (600 if rank == 3 else 100 * rank) if rank else ""
+    return f"rank {rank} " + "é" * (2100 if rank == 3 else 100 * rank) if rank else ""
 
 
 def _consensus_cases() -> dict:

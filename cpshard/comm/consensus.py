@@ -37,7 +37,7 @@ def differing_ranks(rows: torch.Tensor, ranks: list[int]) -> list[int]:
 
 
 #: the bytes of each rank's text that :func:`gather_texts` carries
-TEXT_BYTES = 1024
+TEXT_BYTES = 4096
 
 
 def gather_texts(text: str, group, name: str) -> list[str]:

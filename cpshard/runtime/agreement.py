@@ -5,17 +5,19 @@ collectives its own options choose. Weights that differ across ranks (a model bu
 every rank) would give a loss and gradients of no one model, without a word; options that differ (Ulysses
 on one rank, ring on another) would have the ranks wait in different collectives. The batch is checked on
 every call (:func:`cpshard.runtime.batch.check_batch`); what a cp forward was made with, the model's
-parameters (names, shapes, dtypes) and the weights it first runs on are checked on its first call (and on
-each call until its layout's probe has passed), by one all-gather of four numbers over the whole mesh,
-before any other collective of the call (the weights' digest from bit patterns summed as integers: no order
-of summation or thread count changes it), and a second only to name what differs: a digest per
-parameter, or each rank's options as text. Later calls run on what an update made of these weights, the
+parameters (names, shapes, dtypes), its config (a ``rope_theta`` differing across ranks shapes no
+parameter) and the weights it first runs on are checked on its first call (and on each call until its
+layout's probe has passed), by one all-gather of five numbers over the whole mesh, before any other
+collective of the call (the weights' digest from bit patterns summed as integers: no order of summation or
+thread count changes it), and a second only to name what differs: a digest per parameter, or each rank's
+options or config as text. Later calls run on what an update made of these weights, the
 same on every rank.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import zlib
 
 import torch
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from cpshard.comm.collectives import all_gather_rows
-from cpshard.comm.consensus import differing_ranks, gather_checked, gather_texts, what_differs
+from cpshard.comm.consensus import differing_ranks, gather_checked, gather_texts, items_text, what_differs
 from cpshard.comm.record import serving
 from cpshard.parallel.mesh import group_over
 from cpshard.runtime.batch import failed_elsewhere
@@ -56,17 +58,30 @@ def _hashed(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
 
 
+def config_text(config) -> str:
+    """The config's fields that differ from its class's defaults, one per line (:func:`items_text`), as
+    ``save_pretrained`` would write them: what the model is beside its parameters (a ``rope_theta`` or a
+    window differing across ranks changes the model without changing a parameter's shape)."""
+    return items_text(json.loads(config.to_json_string(use_diff=True)))
+
+
 def check_agreement(
-    description: str, aliases: list[tuple[str, ...]], params: dict, mesh, failed: Exception | None = None
+    description: str,
+    aliases: list[tuple[str, ...]],
+    params: dict,
+    mesh,
+    failed: Exception | None = None,
+    config: str = "",
 ) -> None:
     """Raise on every rank unless every rank of ``mesh`` made its cp forward as ``description`` says (its
     layout and options, one per line: :func:`~cpshard.comm.consensus.items_text`), of a model of the same
     parameters (names, shapes, dtypes), and holds the same values of them in ``params`` (each under one of
-    its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`). ``failed``: this rank's own checks of
+    its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`), built from the same ``config``
+    (:func:`config_text`; empty: not checked). ``failed``: this rank's own checks of
     the model and ``params`` raised it; the all-gather carries the failure, so that every rank raises (this
     one its own error) and none waits in the next collective for it. One all-gather of a row of the same
     length on every rank, whatever its model; a second only to name what differs: a digest per parameter,
-    or each rank's description (the lines that differ)."""
+    or each rank's description or config (the items that differ)."""
     group = group_over(mesh, tuple(mesh.mesh_dim_names or ()))
     if group is None:
         if failed is not None:
@@ -76,7 +91,8 @@ def check_agreement(
     digests = [value for name in names for value in parameter_digest(params[name])]
     kinds = [(alias, tuple(params[name].shape), params[name].dtype) for alias, name in zip(aliases, names)]
     structure = _hashed(repr(kinds))
-    row = torch.tensor([zlib.crc32(description.encode()), len(aliases), structure, _hashed(repr(digests))])
+    checks = [zlib.crc32(description.encode()), len(aliases), structure, _hashed(config)]
+    row = torch.tensor([*checks, _hashed(repr(digests))])
     with serving("other"):
         every, failing = gather_checked(row, group, "cp forward agreement", failed, _FAILED)
     if failing:
@@ -100,7 +116,16 @@ def check_agreement(
             f"differ in name, shape or dtype from rank {ranks[0]}'s (parameters: {counts}); every rank "
             "builds the same model from the same config, in the same dtype"
         )
-    if differing_ranks(every[:, 3:], ranks):
+    configured_otherwise = differing_ranks(every[:, 3:4], ranks)
+    if configured_otherwise:
+        with serving("other"):
+            texts = gather_texts(config, group, "model configs")
+        raise ValueError(
+            f"the model's config differs across the mesh: ranks {configured_otherwise} built the model from "
+            f"another config than rank {ranks[0]}'s ({what_differs(texts, ranks, configured_otherwise[0])}); "
+            "every rank builds the same model from the same config"
+        )
+    if differing_ranks(every[:, 4:], ranks):
         with serving("other"):
             weights = all_gather_rows(torch.tensor(digests, dtype=torch.int64), group, "cp forward weights")
         weights = weights.reshape(len(ranks), len(names), -1)

@@ -46,7 +46,7 @@ from cpshard.loss.router import adds_router_loss
 from cpshard.loss.streams import check_stream_options, stream_logits
 from cpshard.parallel.fsdp import gather_params
 from cpshard.parallel.mesh import cp_rank, cp_size, mesh_size
-from cpshard.runtime.agreement import check_agreement
+from cpshard.runtime.agreement import check_agreement, config_text
 from cpshard.runtime.call_loss import CallLoss
 from cpshard.runtime.compiled import compile_layers, compile_options
 from cpshard.runtime.cut import held_rows_only
@@ -170,7 +170,8 @@ class CPForward:
             failed = raised
         if not self.agreed or probe_pending(self, mesh):  # every rank raises where one failed: none waits
             description = items_text({"layout": self.layout.name, **vars(self.options)})
-            check_agreement(description, parameter_aliases(self.model), params, mesh, failed)
+            aliases, config = parameter_aliases(self.model), config_text(self.model.config)
+            check_agreement(description, aliases, params, mesh, failed, config)
             self.agreed = True  # before the probe, whose own cp call must not agree again
             # what the mesh and options refuse is refused before the probe's work (compiling, under compile)
             choose_strategy(self.model, self.layout, self.options, mesh, params)
