@@ -30,7 +30,7 @@ def test_python_m_cpshard_demo_runs_and_reports_parity():
 def test_an_interrupted_command_says_so_in_one_line_and_ends_its_ranks():
     """^C in the middle of a demo's training: exit 130, one line, no traceback, no rank left running."""
     demo = subprocess.Popen(
-        [sys.executable, "-m", "cpshard", "demo", "--steps", "1000"],
+        [sys.executable, "-m", "cpshard", "demo", "--seq", "256", "--steps", "100000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
