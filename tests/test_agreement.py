@@ -9,6 +9,7 @@ import cpshard
 from cpshard.call import split_call
 from cpshard.comm.record import recording
 from cpshard.layouts.decoder import LAYOUT as DECODER
+from cpshard.runtime.agreement import config_text
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 
@@ -201,3 +202,17 @@ def test_a_call_retried_after_a_failed_probe_agrees_again(ranks2):
     assert messages[0].startswith("ranks [1] failed cp_forward's checks of the model and its params"), (
         messages
     )
+
+
+class _Unwritable:
+    def __repr__(self) -> str:
+        return "_Unwritable()"
+
+
+def test_a_config_field_json_cannot_write_is_compared_by_its_repr():
+    """``to_json_string`` raises on a custom object; the first call would have failed on it."""
+    config = tiny_model("llama").config
+    config.custom = _Unwritable()
+    with pytest.raises(TypeError):
+        config.to_json_string(use_diff=True)
+    assert "custom=_Unwritable()" in config_text(config).split("\n")

@@ -61,8 +61,12 @@ def _hashed(text: str) -> int:
 def config_text(config) -> str:
     """The config's fields that differ from its class's defaults, one per line (:func:`items_text`), as
     ``save_pretrained`` would write them: what the model is beside its parameters (a ``rope_theta`` or a
-    window differing across ranks changes the model without changing a parameter's shape)."""
-    return items_text(json.loads(config.to_json_string(use_diff=True)))
+    window differing across ranks changes the model without changing a parameter's shape); a field JSON
+    cannot write (a custom config's object) by its repr."""
+    try:
+        return items_text(json.loads(config.to_json_string(use_diff=True)))
+    except (TypeError, ValueError):
+        return items_text(config.to_diff_dict())
 
 
 def check_agreement(
