@@ -130,7 +130,7 @@ def _implementation(
     """What ``make_cp_forward`` with ``options`` runs on ``cp`` ranks (over the heads each tp rank holds),
     why, and (for Ulysses) how often each kv head is repeated."""
     heads, kv_heads = layout.tp_rank_head_counts(config, tp)
-    whole = heads == layout.head_counts(config)[0]
+    whole = tp == 1 or not layout.tp_splits_heads
     held = f"{layout.heads}={heads}" if whole else f"the {heads} heads each tp rank holds (tp={tp})"
     divides, does_not = ("divides over", "is not divisible by") if whole else ("divide over", "do not divide")
     requested = options.implementation

@@ -351,16 +351,21 @@ class Layout:
         kv_heads = attrgetter(self.kv_heads)(config) if self.kv_heads else None
         return heads, heads if kv_heads is None else kv_heads
 
-    def tp_rank_head_counts(self, config, tp: int) -> tuple[int, int]:
-        """``(heads, kv heads)`` one tp rank holds, which Ulysses splits over cp: a share of each where the tp
-        plan splits the attention's projections column-wise (tp must divide both), every head where it leaves
-        attention whole (a derived plan without ``q_proj``: Phi-3's fused qkv, latent attention)."""
-        heads, kv_heads = self.head_counts(config)
-        splits = any(
+    @property
+    def tp_splits_heads(self) -> bool:
+        """Whether the tp plan splits the attention's heads (its projections column-wise); a plan that leaves
+        attention whole (a derived plan without ``q_proj``: Phi-3's fused qkv, latent attention) runs every
+        head on every tp rank."""
+        return any(
             style == "colwise" and path.startswith(f"{self.attention}.")
             for path, style in self.tensor_parallel.items()
         )
-        return (heads // tp, kv_heads // tp) if splits else (heads, kv_heads)
+
+    def tp_rank_head_counts(self, config, tp: int) -> tuple[int, int]:
+        """``(heads, kv heads)`` one tp rank holds, which Ulysses splits over cp: a share of each where the tp
+        plan splits them (:attr:`tp_splits_heads`; tp must divide both), else every head."""
+        heads, kv_heads = self.head_counts(config)
+        return (heads // tp, kv_heads // tp) if self.tp_splits_heads else (heads, kv_heads)
 
 
 def attention_at(layer: nn.Module, path: str) -> list[nn.Module]:

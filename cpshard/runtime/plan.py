@@ -133,7 +133,7 @@ def implementation_for(config, layout: Layout, options: CPOptions, cp: int, tp: 
     (:meth:`~cpshard.layouts.layout.Layout.tp_rank_head_counts`) over ``cp`` ranks, or the ValueError
     saying why the options cannot serve them."""
     heads = layout.tp_rank_head_counts(config, tp)[0]
-    split = heads != layout.head_counts(config)[0]
+    split = tp > 1 and layout.tp_splits_heads
     if split and options.implementation == "ulysses" and heads % cp:
         raise ValueError(
             f"Ulysses under tp={tp} splits each tp rank's {heads} heads over cp={cp}: "
