@@ -88,6 +88,32 @@ def test_models_built_otherwise_on_a_rank_are_refused_on_every_rank(ranks2, mode
         ), messages[0]
 
 
+def plain_params_on_rank_1_beside_parallelized_ones() -> str:
+    """On a tp=2 mesh rank 0 passes its parallelized params (DTensors), rank 1 the plain model's."""
+    model, plain = tiny_model("llama"), cpshard.params_of(tiny_model("llama"))
+    mesh = cpshard.make_mesh(cp=1, tp=2)
+    parallel = cpshard.params_of(cpshard.parallelize(model, mesh))
+    try:
+        cpshard.value_and_grad(cpshard.make_cp_forward(model))(
+            plain if dist.get_rank() == 1 else parallel, tiny_batch(model.config.vocab_size, 2, 16), mesh
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_plain_params_beside_parallelized_ones_are_refused_by_their_placement(ranks2):
+    """A DTensor's digest is zeros (its shards differ by design), so the ranks were told that they "hold
+    other values", as if seeded otherwise, and not that one passed the plain model's params."""
+    messages = ranks2.run(plain_params_on_rank_1_beside_parallelized_ones)
+    assert messages[0] == messages[1], messages
+    assert messages[0] == (
+        "the params are placed otherwise across the mesh: ranks [1] pass parameters placed otherwise than "
+        "rank 0's (DTensors among them: rank 0: 21, rank 1: 0); every rank passes the same kind of params: "
+        "plain ones on every rank, or cpshard.params_of(cpshard.parallelize(model, mesh)) on every rank"
+    ), messages[0]
+
+
 def test_a_config_differing_where_no_parameter_shows_it_is_refused_on_every_rank(ranks2):
     """Rank 1's model has another rotary base and norm epsilon, every parameter alike: each rank's tokens
     ran through its own model, the loss and gradients of no one model, without a word."""

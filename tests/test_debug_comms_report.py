@@ -41,8 +41,8 @@ def traced_step(rows: int, length: int):
         str(report),
         report.total_bytes,
         fingerprint(batch).numel() * 8,
-        5 * 8,  # a first call agrees on the forward: its options, the parameters' count and kinds, the
-        # config, the values
+        7 * 8,  # a first call agrees on the forward: its options, the parameters' count and kinds, the
+        # config, how many are DTensors and their placements, the values
         output.loss.item(),
         sorted(grads) == sorted(cpshard.params_of(model)),
     )
@@ -59,7 +59,7 @@ def test_llama_cp2_bytes_by_hand(ranks2):
         traced_step, rows, length
     ):
         assert all_grads and loss > 0
-        checks = fingerprint_bytes + agreement  # the batch's fingerprint, the agreement's five integers
+        checks = fingerprint_bytes + agreement  # the batch's fingerprint, the agreement's seven integers
         assert total == as_dict["total_bytes"] == LAYERS * 2 * per_module + grads + F32 + checks
         assert as_dict["by_op"]["all_to_all"] == {"count": LAYERS * 2 * 4, "bytes": LAYERS * 2 * per_module}
         # value_and_grad: the loss rides with the gradients, one all-reduce after the backward

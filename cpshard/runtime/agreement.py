@@ -5,9 +5,9 @@ collectives its own options choose. Weights that differ across ranks (a model bu
 every rank) would give a loss and gradients of no one model, without a word; options that differ (Ulysses
 on one rank, ring on another) would have the ranks wait in different collectives. The batch is checked on
 every call (:func:`cpshard.runtime.batch.check_batch`); what a cp forward was made with, the model's
-parameters (names, shapes, dtypes), its config (a ``rope_theta`` differing across ranks shapes no
+parameters (names, shapes, dtypes, placements), its config (a ``rope_theta`` differing across ranks shapes no
 parameter) and the weights it first runs on are checked on its first call (and on each call until its
-layout's probe has passed), by one all-gather of five numbers over the whole mesh, before any other
+layout's probe has passed), by one all-gather of seven numbers over the whole mesh, before any other
 collective of the call (the weights' digest from bit patterns summed as integers: no order of summation or
 thread count changes it), and a second only to name what differs: a digest per parameter, or each rank's
 options or config as text. Later calls run on what an update made of these weights, the
@@ -53,6 +53,14 @@ def parameter_digest(tensor) -> list[int]:
     ]
 
 
+def placement(tensor) -> tuple | None:
+    """How a parameter is placed, alike on every rank that passes the same kind of params: a DTensor's mesh
+    axes and placements over them; None for a plain tensor."""
+    if not isinstance(tensor, DTensor):
+        return None
+    return tensor.device_mesh.mesh_dim_names, tuple(str(p) for p in tensor.placements)
+
+
 def _hashed(text: str) -> int:
     """A 56-bit hash of ``text`` (an int64 row's entry, never negative)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
@@ -79,8 +87,9 @@ def check_agreement(
 ) -> None:
     """Raise on every rank unless every rank of ``mesh`` made its cp forward as ``description`` says (its
     layout and options, one per line: :func:`~cpshard.comm.consensus.items_text`), of a model of the same
-    parameters (names, shapes, dtypes), and holds the same values of them in ``params`` (each under one of
-    its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`), built from the same ``config``
+    parameters (names, shapes, dtypes, DTensor placements), and holds the same values of them in ``params``
+    (each under one of its ``aliases``: :func:`cpshard.runtime.plan.parameter_aliases`), built from the same
+    ``config``
     (:func:`config_text`; empty: not checked). ``failed``: this rank's own checks of
     the model and ``params`` raised it; the all-gather carries the failure, so that every rank raises (this
     one its own error) and none waits in the next collective for it. One all-gather of a row of the same
@@ -95,7 +104,9 @@ def check_agreement(
     digests = [value for name in names for value in parameter_digest(params[name])]
     kinds = [(alias, tuple(params[name].shape), params[name].dtype) for alias, name in zip(aliases, names)]
     structure = _hashed(repr(kinds))
-    checks = [zlib.crc32(description.encode()), len(aliases), structure, _hashed(config)]
+    placed = [placement(params[name]) for name in names]
+    placements = [sum(where is not None for where in placed), _hashed(repr(placed))]
+    checks = [zlib.crc32(description.encode()), len(aliases), structure, _hashed(config), *placements]
     row = torch.tensor([*checks, _hashed(repr(digests))])
     with serving("other"):
         every, failing = gather_checked(row, group, "cp forward agreement", failed, _FAILED)
@@ -129,7 +140,16 @@ def check_agreement(
             f"another config than rank {ranks[0]}'s ({what_differs(texts, ranks, configured_otherwise[0])}); "
             "every rank builds the same model from the same config"
         )
-    if differing_ranks(every[:, 4:], ranks):
+    placed_otherwise = differing_ranks(every[:, 4:6], ranks)
+    if placed_otherwise:
+        counts = ", ".join(f"rank {rank}: {count}" for rank, count in zip(ranks, every[:, 4].tolist()))
+        raise ValueError(
+            f"the params are placed otherwise across the mesh: ranks {placed_otherwise} pass parameters "
+            f"placed otherwise than rank {ranks[0]}'s (DTensors among them: {counts}); every rank passes the "
+            "same kind of params: plain ones on every rank, or cpshard.params_of(cpshard.parallelize(model, "
+            "mesh)) on every rank"
+        )
+    if differing_ranks(every[:, 6:], ranks):
         with serving("other"):
             weights = all_gather_rows(torch.tensor(digests, dtype=torch.int64), group, "cp forward weights")
         weights = weights.reshape(len(ranks), len(names), -1)
