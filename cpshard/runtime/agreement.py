@@ -77,6 +77,11 @@ def config_text(config) -> str:
         return items_text(config.to_diff_dict())
 
 
+def _each(ranks: list[int], values: torch.Tensor) -> str:
+    """``values`` (one per rank of ``ranks``) as "rank 0: 21, rank 1: 30"."""
+    return ", ".join(f"rank {rank}: {value}" for rank, value in zip(ranks, values.tolist()))
+
+
 def check_agreement(
     description: str,
     aliases: list[tuple[str, ...]],
@@ -125,11 +130,11 @@ def check_agreement(
         )
     built_otherwise = differing_ranks(every[:, 1:3], ranks)
     if built_otherwise:
-        counts = ", ".join(f"rank {rank}: {count}" for rank, count in zip(ranks, every[:, 1].tolist()))
         raise ValueError(
             f"the model differs across the mesh: ranks {built_otherwise} built a model whose parameters "
-            f"differ in name, shape or dtype from rank {ranks[0]}'s (parameters: {counts}); every rank "
-            "builds the same model from the same config, in the same dtype"
+            f"differ in name, shape or dtype from rank {ranks[0]}'s (parameters: "
+            f"{_each(ranks, every[:, 1])}); every rank builds the same model from the same config, in the "
+            "same dtype"
         )
     configured_otherwise = differing_ranks(every[:, 3:4], ranks)
     if configured_otherwise:
@@ -142,12 +147,11 @@ def check_agreement(
         )
     placed_otherwise = differing_ranks(every[:, 4:6], ranks)
     if placed_otherwise:
-        counts = ", ".join(f"rank {rank}: {count}" for rank, count in zip(ranks, every[:, 4].tolist()))
         raise ValueError(
             f"the params are placed otherwise across the mesh: ranks {placed_otherwise} pass parameters "
-            f"placed otherwise than rank {ranks[0]}'s (DTensors among them: {counts}); every rank passes the "
-            "same kind of params: plain ones on every rank, or cpshard.params_of(cpshard.parallelize(model, "
-            "mesh)) on every rank"
+            f"placed otherwise than rank {ranks[0]}'s (DTensors among them: {_each(ranks, every[:, 4])}); "
+            "every rank passes the same kind of params: plain ones on every rank, or "
+            "cpshard.params_of(cpshard.parallelize(model, mesh)) on every rank"
         )
     if differing_ranks(every[:, 6:], ranks):
         with serving("other"):
