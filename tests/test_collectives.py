@@ -8,6 +8,7 @@ import torch.distributed as dist
 import cpshard
 from cpshard.comm.collectives import (
     all_gather_rows,
+    all_gather_shards,
     gather_shares,
     scatter_sums,
     share_rows,
@@ -144,6 +145,27 @@ def _reductions_case(group):
         sorted((e.op, e.name, e.phase, e.nbytes, e.group_size) for e in log.events),
         sorted(("all_reduce", "gradients", "backward", n, size) for n in (4 * 6 + 4 * 3, 8 * 4)),
     )
+    # reached (parameters): a tensor that no rank's backward reaches gets no gradient (None, as one process's
+    # autograd leaves it), one that some ranks' reach gets their sum on every rank; whether each rank reached
+    # each tensor rides in the first one's bucket
+    everywhere, first_only, nowhere = (_data(100 + i, 3).requires_grad_(True) for i in range(3))
+    with recording() as log:
+        same = sum_many_grads_over_group([everywhere, first_only, nowhere], group, "gradients", reached=True)
+        used = same[0].sum() + (same[1] * (rank + 1)).sum() if rank == members[0] else same[0].sum()
+        grads = torch.autograd.grad(used, [everywhere, first_only, nowhere], allow_unused=True)
+    checks["reached events"] = ([e.nbytes for e in log.events], [8 * (3 * 3 + 3)])
+    checks["reached nowhere"] = (grads[2] is None, True)
+    checks["reached on the first rank only"] = (
+        grads[1],
+        torch.full((3,), members[0] + 1.0, dtype=torch.float64),
+    )
+    checks["reached everywhere"] = (grads[0], torch.full((3,), float(size), dtype=torch.float64))
+    # the same for shards gathered whole (an FSDP parameter): the flags ride in each rank's block
+    shards = [_data(200 + i, 1, 2).requires_grad_(True) for i in range(2)]
+    used, unused = all_gather_shards(shards, [size, size], group, "parameters", reached=True)
+    grads = torch.autograd.grad(used.sum(), shards, allow_unused=True)
+    checks["gathered, reached"] = (grads[0], torch.full((1, 2), float(size), dtype=torch.float64))
+    checks["gathered, reached nowhere"] = (grads[1] is None, True)
 
     # scatter_sums: this rank's block of the sum over the group; the backward gathers the blocks' gradients
     whole = _data(2000 + rank, 2 * size, 3).requires_grad_(True)

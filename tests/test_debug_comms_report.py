@@ -94,6 +94,30 @@ def test_llama_cp2_bytes_by_hand(ranks2):
         assert lines[-1].split() == ["total", str(LAYERS * 8 + 3), f"{total:,}"]
 
 
+def traced_backward(rows: int, length: int) -> tuple[bool, dict, int]:
+    """A step by ``cp_forward(...).loss.backward()`` (the loss reduced in the forward): whether it meets the
+    optimum, its gradients' group, and the model's count of parameters."""
+    model = tiny_model("llama")
+    forward, mesh = cpshard.make_cp_forward(model), cpshard.make_mesh(cp=dist.get_world_size())
+
+    def step(params, batch, mesh):
+        forward(params, batch, mesh).loss.backward()
+
+    report = trace_comms(
+        step, cpshard.params_of(model), tiny_batch(model.config.vocab_size, rows, length), mesh
+    )
+    gradients = next(g for g in report.as_dict()["groups"] if g["module"] == "gradients")
+    return report.matches_optimum, gradients, len(list(model.parameters()))
+
+
+def test_backward_s_gradients_carry_which_ranks_reached_each_parameter(ranks2):
+    """One element per parameter rides with the gradients (cpshard.comm.collectives.reached_sums), so that a
+    parameter no rank reached keeps no gradient, as in one process; the optimum counts them."""
+    for matches, gradients, count in ranks2.run(traced_backward, 2, 13):
+        assert matches, gradients
+        assert (gradients["count"], gradients["nbytes"]) == (1, llama_param_count() * F32 + count * F32)
+
+
 def traced_forward_with_extra():
     """cp=4 over 2 kv heads (each repeated twice), forward only, plus one all-to-all the layout never
     asked for."""

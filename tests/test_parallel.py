@@ -51,12 +51,13 @@ def _events(log, name: str, op: str) -> int:
 
 def _gather_bytes(params: dict) -> tuple[int, int]:
     """What one rank sends to gather every parameter over its FSDP axis (each block's chunk, padded to the
-    largest) and to reduce-scatter the gradients back (the whole padded block)."""
+    largest) and to reduce-scatter the gradients back (the whole padded block, and in each rank's block one
+    element saying whether this rank's backward reached the parameter)."""
     gather = scatter = 0
     for p in params.values():
         block, shards = block_shape(p), p.device_mesh.size(gather_axis(p))
         chunk = -(-block[0] // shards) * math.prod(block[1:]) * p.element_size()
-        gather, scatter = gather + chunk, scatter + shards * chunk
+        gather, scatter = gather + chunk, scatter + shards * (chunk + p.element_size())
     return gather, scatter
 
 
@@ -110,7 +111,8 @@ def run_training(
                 **log.bytes_by_parallelism(),
                 "fsdp all-gather": _events(log, "parameters", "all_gather"),
                 "fsdp reduce-scatter": _events(log, "parameters", "reduce_scatter"),
-                "local": sum(p.to_local().numel() * 4 for p in params.values()),
+                # the local shards, and one element per parameter saying whether this rank reached it
+                "local": sum(p.to_local().numel() * 4 for p in params.values()) + 4 * len(params),
                 "padded": _gather_bytes(params),
             }
         params, state = adamw_update(params, grads, state, **ADAMW)

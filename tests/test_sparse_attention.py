@@ -350,6 +350,31 @@ def test_the_indexer_keeps_nothing_for_a_backward_under_cp(ranks2):
         assert not any(scores(shape) for shape in kept), [shape for shape in kept if scores(shape)]
 
 
+def without_gradient(fsdp: int) -> tuple[list[str], list[str]]:
+    """The parameters that keep no ``.grad`` after ``loss.backward()`` of DeepSeek-V3.2 (37 tokens,
+    left-padded) on this process alone, and under cp (its parameters sharded over ``fsdp`` ranks beside)."""
+    own, model = _model("deepseek_v32", 4), _model("deepseek_v32", 4)
+    batch = tiny_batch(own.config.vocab_size, 2, 37, pad="left")
+    own(**batch, use_cache=False).loss.backward()
+    forward = cpshard.make_cp_forward(model)
+    forward(cpshard.params_of(model), batch, cpshard.make_mesh(cp=2))  # the derived layout's probe
+    mesh = cpshard.make_mesh(fsdp=fsdp, cp=2 // fsdp)
+    parallel = cpshard.parallelize(model, mesh) if fsdp > 1 else model
+    forward(cpshard.params_of(parallel), batch, mesh).loss.backward()
+    none = lambda model: sorted(n for n, p in model.named_parameters() if p.grad is None)  # noqa: E731
+    return none(own), none(parallel)
+
+
+@pytest.mark.parametrize("fsdp", [1, 2], ids=["cp2", "fsdp2xcp1"])
+def test_parameters_no_loss_reaches_keep_no_gradient_as_in_one_process(ranks2, fsdp):
+    """DeepSeek-V3.2's indexer is reached by no loss (its top-k indices carry no gradient): one process leaves
+    its ``.grad`` None, and cp left zeros there, which AdamW's weight decay then moved (2e-3 after two steps,
+    every other weight within 7e-6), where one process's AdamW skips them."""
+    for own, under_cp in ranks2.run(without_gradient, fsdp):
+        assert own and all(".indexer." in name for name in own), own
+        assert under_cp == own, (under_cp, own)
+
+
 def refusals(model_type: str) -> list[str]:
     """The messages of tp, generation and compile beside the model's sparse attention, then of ring (for
     DeepSeek-V4, whose sliding layer has sinks: Ulysses only; its compressed layers gather their keys), each

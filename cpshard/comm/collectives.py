@@ -84,27 +84,58 @@ def _all_reduce_buckets(tensors: list[torch.Tensor], group, recorder, name: str)
 
 
 class _SumManyGradsOverGroup(torch.autograd.Function):
-    """The identity on many tensors; the backward sums their gradients over the group, a bucket per dtype."""
+    """The identity on many tensors; the backward sums their gradients over the group, a bucket per dtype
+    (with ``reached``, none to a tensor that no rank's backward reached: :func:`reached_sums`)."""
 
     @staticmethod
-    def forward(ctx, group, name, *xs):
-        ctx.group, ctx.name, ctx.recorder = group, name, active_recorder()
+    def forward(ctx, group, name, reached, *xs):
+        ctx.set_materialize_grads(False)  # a gradient that did not come is None, not zeros
+        ctx.group, ctx.name, ctx.recorder, ctx.reached = group, name, active_recorder(), reached
+        ctx.like = [(x.shape, x.dtype, x.device) for x in xs]
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
-        summed = dict(
-            zip(wanted, _all_reduce_buckets([grads[i] for i in wanted], ctx.group, ctx.recorder, ctx.name))
-        )
-        return (None, None, *(summed.get(i) for i in range(len(grads))))
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        given, like = [grads[i] for i in wanted], [ctx.like[i] for i in wanted]
+        if ctx.reached:
+            summed = reached_sums(given, like, ctx.group, ctx.recorder, ctx.name)
+        else:
+            summed = _all_reduce_buckets(_filled(given, like), ctx.group, ctx.recorder, ctx.name)
+        return (None, None, None, *(dict(zip(wanted, summed)).get(i) for i in range(len(grads))))
 
 
-def sum_many_grads_over_group(xs: list[torch.Tensor], group, name: str = "") -> list[torch.Tensor]:
+def _filled(grads: list, like: list[tuple]) -> list[torch.Tensor]:
+    """``grads`` with zeros of their ``like`` (a shape, dtype and device) where a gradient did not come."""
+    return [
+        torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
+        for grad, (shape, dtype, device) in zip(grads, like)
+    ]
+
+
+def reached_sums(grads: list, like: list[tuple], group, recorder, name: str) -> list:
+    """``grads`` summed over the group (None where this rank's backward did not reach a tensor: zeros of its
+    ``like``, a shape, dtype and device, in the sum), and None where no rank's reached it: one process's
+    autograd leaves such a parameter's ``.grad`` None (DeepSeek-V3.2's indexer, reached by no loss), and an
+    optimizer skips it, where a zero gradient would be decayed (AdamW) or move its momentum. Whether each
+    rank reached each tensor rides in the first gradient's bucket, one element each: no collective more."""
+    if not grads:
+        return []
+    filled = _filled(grads, like)
+    first = filled[0]
+    reached = torch.tensor([grad is not None for grad in grads], dtype=first.dtype, device=first.device)
+    *summed, reached = _all_reduce_buckets([*filled, reached], group, recorder, name)
+    return [total if anywhere else None for total, anywhere in zip(summed, (reached > 0).tolist())]
+
+
+def sum_many_grads_over_group(
+    xs: list[torch.Tensor], group, name: str = "", reached: bool = False
+) -> list[torch.Tensor]:
     """``xs`` as they are; their gradients summed over the group in one all-reduce per dtype, once every
-    gradient is in (the backward of :func:`sum_grads_over_group` for many tensors at once)."""
-    return list(_SumManyGradsOverGroup.apply(group, name, *xs))
+    gradient is in (the backward of :func:`sum_grads_over_group` for many tensors at once). ``reached``
+    (parameters): none to a tensor that no rank's backward reached (:func:`reached_sums`), else zeros."""
+    return list(_SumManyGradsOverGroup.apply(group, name, reached, *xs))
 
 
 def sum_now_over_group(tensors: list[torch.Tensor], group, name: str = "") -> list[torch.Tensor]:
@@ -155,10 +186,12 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class _GatherShards(torch.autograd.Function):
-    """All-gather of dim-0 shards into whole tensors; backward: the reduce-scatter of their gradients."""
+    """All-gather of dim-0 shards into whole tensors; backward: the reduce-scatter of their gradients (with
+    ``reached``, none to a tensor that no rank's backward reached, as :func:`reached_sums` decides it)."""
 
     @staticmethod
-    def forward(ctx, group, name, rows, *shards):
+    def forward(ctx, group, name, reached, rows, *shards):
+        ctx.set_materialize_grads(False)  # a gradient that did not come is None, not zeros
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         chunks = [-(-n // size) for n in rows]
         for shard, n, chunk in zip(shards, rows, chunks):
@@ -168,7 +201,8 @@ class _GatherShards(torch.autograd.Function):
                     f"torch.chunk cuts holds {_rows_of(rank, n, chunk)}"
                 )
         ctx.group, ctx.name, ctx.recorder, ctx.chunks = group, name, active_recorder(), chunks
-        ctx.local_rows = [shard.shape[0] for shard in shards]
+        ctx.local_rows, ctx.reached = [shard.shape[0] for shard in shards], reached
+        ctx.like = [((n, *s.shape[1:]), s.dtype, s.device) for s, n in zip(shards, rows)]
         flat = torch.cat([_padded(shard, chunk).reshape(-1) for shard, chunk in zip(shards, chunks)])
         out = _all_gathered(flat, group, ctx.recorder, name, "forward")
         pieces = out.view(size, -1).split([c * math.prod(s.shape[1:]) for c, s in zip(chunks, shards)], dim=1)
@@ -179,25 +213,36 @@ class _GatherShards(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, *grads):
-        size = dist.get_world_size(ctx.group)
-        send = torch.cat([_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)], dim=1)
-        out = _reduce_scattered(send, ctx.group, ctx.recorder, ctx.name, "backward")
-        pieces = out.split([c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)])
+    def backward(ctx, *given):
+        size, grads = dist.get_world_size(ctx.group), _filled(given, ctx.like)
+        blocks = [_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)]
+        widths = [c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)]
+        if ctx.reached:  # whether this rank reached each tensor, in every rank's block: the sum says how many
+            reached = [g is not None for g in given]
+            blocks.append(
+                torch.tensor(reached, dtype=grads[0].dtype, device=grads[0].device).expand(size, -1)
+            )
+            widths.append(len(grads))
+        out = _reduce_scattered(torch.cat(blocks, dim=1), ctx.group, ctx.recorder, ctx.name, "backward")
+        pieces = out.split(widths)
         local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, ctx.chunks, ctx.local_rows)]
-        return (None, None, None, *local)
+        if ctx.reached:
+            local = [g if anywhere else None for g, anywhere in zip(local, (pieces[-1] > 0).tolist())]
+        return (None, None, None, None, *local)
 
 
 def all_gather_shards(
-    shards: list[torch.Tensor], rows: list[int], group, name: str = ""
+    shards: list[torch.Tensor], rows: list[int], group, name: str = "", reached: bool = False
 ) -> list[torch.Tensor]:
     """Whole tensors from each rank's dim-0 shard (``rows``: their whole dim-0 sizes), in one all-gather;
-    the gradients come back reduce-scattered, each rank's rows summed over the group. One dtype only."""
+    the gradients come back reduce-scattered, each rank's rows summed over the group. One dtype only.
+    ``reached`` (parameters): none to a tensor that no rank's backward reached, as :func:`reached_sums`
+    decides it (one element per tensor in each rank's block), else zeros."""
     if len({s.dtype for s in shards}) > 1:
         raise ValueError(
             f"{name or 'all_gather_shards'}: one dtype per call, got {sorted({str(s.dtype) for s in shards})}"
         )
-    return list(_GatherShards.apply(group, name, tuple(rows), *shards))
+    return list(_GatherShards.apply(group, name, reached, tuple(rows), *shards))
 
 
 def gathered(

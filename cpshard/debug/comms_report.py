@@ -5,7 +5,8 @@ phase. The optimum comes from :mod:`cpshard.debug.optimum`, not from what ran: e
 function makes is seen at its model's forward (batch size, padded length, dtype, parameters), and
 for a Ulysses call that says, per attention module, one all-to-all each of q, k, v and the output
 forward, the same backward when a backward ran; every gradient once (one bucket per dtype) when
-gradients are reduced, and the fp32 loss once. Ring and hybrid calls get no optimum here. A
+gradients are reduced (in ``backward()``'s, with one element per parameter saying which ranks reached it),
+and the fp32 loss once. Ring and hybrid calls get no optimum here. A
 linear-attention layer declares its own (:func:`cpshard.comm.record.expect`: the analytic bytes of the
 scheme it chose, from its kernel's input shapes).
 """
@@ -64,6 +65,9 @@ class _Run:
     buckets: int | None
     #: the parameters' dtypes
     dtypes: frozenset = frozenset()
+    #: what rides with the gradients reduced in ``backward()``: whether each rank reached each parameter,
+    #: one element of the first one's dtype each (:func:`cpshard.comm.collectives.reached_sums`)
+    reached_bytes: int = 0
 
     @classmethod
     def of(cls, call: CallPlan, model, kwargs: dict) -> _Run | None:
@@ -93,7 +97,8 @@ class _Run:
         paths = [
             path for path in attention_paths(model, layout) if not gathers_keys(model.get_submodule(path))
         ]
-        return cls(tuple(paths), optimum, buckets, dtypes)
+        reached = len(params) * params[0].element_size() if params else 0
+        return cls(tuple(paths), optimum, buckets, dtypes, reached)
 
 
 def split_name(name: str, modules: set[str]) -> tuple[str, str]:
@@ -131,7 +136,11 @@ def optimum(runs: list[_Run], declared: list[Expected], groups: set[tuple]) -> d
         loss_apart = (LOSS, "all_reduce", "forward") in groups
         if run.buckets is not None and (GRADIENTS, "all_reduce", "backward") in groups:
             if loss_apart:
-                add((GRADIENTS, "all_reduce", "backward"), run.buckets, run.optimum.gradients)
+                add(
+                    (GRADIENTS, "all_reduce", "backward"),
+                    run.buckets,
+                    run.optimum.gradients + run.reached_bytes,
+                )
             else:  # value_and_grad sums the fp32 loss with the gradients
                 count = len(run.dtypes | {torch.float32})
                 add((GRADIENTS, "all_reduce", "backward"), count, run.optimum.gradients + run.optimum.loss)

@@ -124,7 +124,7 @@ def full_tensors(params: dict[str, DTensor], name: str = "parameters") -> dict[s
     for (mesh, axis, _), keys in buckets.items():
         shards = [params[key].to_local() for key in keys]
         rows = [block_shape(params[key])[0] for key in keys]
-        whole.update(zip(keys, all_gather_shards(shards, rows, mesh.get_group(axis), name)))
+        whole.update(zip(keys, all_gather_shards(shards, rows, mesh.get_group(axis), name, reached=True)))
     return {key: whole[key] for key in params}
 
 

@@ -35,7 +35,7 @@ def summed_in_backward(params: dict, mesh) -> dict:
             continue
         values = [params[n].to_local() if sharded else params[n] for n in names]
         with serving("replicas"):
-            summed = sum_many_grads_over_group(values, group, name="gradients")
+            summed = sum_many_grads_over_group(values, group, name="gradients", reached=True)
         for name, value in zip(names, summed):
             if sharded:
                 p = params[name]
