@@ -13,6 +13,7 @@ from cpshard.runtime.batch import (
     check_batch,
     continued_positions,
     fingerprint,
+    fingerprint_differences,
     packed_documents,
     pad_batch,
     shifted_labels,
@@ -226,6 +227,25 @@ DIFFERENT = {
 def test_fingerprint_differs(case):
     first, second = DIFFERENT[case]
     assert not torch.equal(fingerprint(first), fingerprint(second))
+
+
+SAID = {
+    "value": "other values of input_ids",
+    "shape": f"input_ids: shape [{B}, {L}] on rank 0, shape [{B}, {L + 1}] on rank 1",
+    "shape, same values": "input_ids: shape [2, 6] on rank 0, shape [3, 4] on rank 1",
+    "key": f"keys: 1 on rank 0, 2 on rank 1; labels: absent on rank 0, shape [{B}, {L}] on rank 1",
+    "key name": f"labels: shape [{B}, {L}] on rank 0, absent on rank 1; shift_labels: absent on rank 0",
+    "unknown key": "keys: 1 on rank 0, 2 on rank 1",
+    "embeds requiring a gradient": "inputs_embeds: requires a gradient on rank 1 only",
+}
+
+
+@pytest.mark.parametrize("case", SAID)
+def test_what_differs_is_read_off_the_fingerprints(case):
+    """A message that named only the ranks sent the user to print both batches to find a length off by one."""
+    first, second = DIFFERENT[case]
+    rows = {0: fingerprint(first), 1: fingerprint(second)}
+    assert fingerprint_differences(rows, 0, 1).startswith(SAID[case])
 
 
 def test_fingerprint_equal_for_equal_batches():

@@ -281,12 +281,49 @@ def pad_batch(batch: Mapping, cp: int, pad_token_id: int | None, order: str = "c
     return PaddedBatch(inputs, labels, length, length + extra, batch.get(COUNT_KEY))
 
 
-def _differs_message(differing: list[int], first: int) -> str:
+def _differs_message(differing: list[int], first: int, rows: dict[int, torch.Tensor]) -> str:
+    """``rows``: the fingerprints of ``first`` and ``differing[0]``, whose differences the message names."""
+    what = fingerprint_differences(rows, first, differing[0])
     return (
         f"the batch differs across the cp group: ranks {differing} hold other keys, shapes or values than "
-        f"rank {first}. Every rank of a cp group takes the same whole sequences (cpshard cuts them itself); "
-        "give different batches to different dp ranks only"
+        f"rank {first} ({what}). Every rank of a cp group takes the same whole sequences (cpshard cuts them "
+        "itself); give different batches to different dp ranks only"
     )
+
+
+def _described(entries: torch.Tensor) -> str:
+    """One key's fingerprint entries as what the message says of it: absent, or its shape."""
+    if entries[0] == 0:
+        return "absent"
+    dims = int(entries[1])
+    shape = [int(size) for size in entries[2 : 2 + min(dims, _FINGERPRINT_DIMS)]]
+    return f"shape {shape + ['...'] * (dims > _FINGERPRINT_DIMS)}"
+
+
+def fingerprint_differences(rows: dict[int, torch.Tensor], first: int, other: int) -> str:
+    """What differs between two ranks' batches, as their fingerprints (:func:`fingerprint`) tell it: each
+    key that one lacks or holds in another shape, each rank's ("input_ids: shape [2, 37] on rank 0, shape
+    [2, 36] on rank 1"), else the keys whose values differ."""
+    mine, theirs = rows[first], rows[other]
+    counts = [int(row[0]) if row[0] >= 0 else int(-1 - row[0]) for row in (mine, theirs)]  # see check_batch
+    said = (
+        [f"keys: {counts[0]} on rank {first}, {counts[1]} on rank {other}"] if counts[0] != counts[1] else []
+    )
+    values = []
+    for index, key in enumerate(BATCH_KEYS):
+        part = slice(1 + index * _FINGERPRINT_ENTRIES, 1 + (index + 1) * _FINGERPRINT_ENTRIES)
+        a, b = mine[part], theirs[part]
+        if torch.equal(a, b):
+            continue
+        if (a[0] == 0) != (b[0] == 0) or not torch.equal(a[1:-2], b[1:-2]):
+            said.append(f"{key}: {_described(a)} on rank {first}, {_described(b)} on rank {other}")
+        elif a[0] != b[0]:
+            said.append(f"{key}: requires a gradient on rank {first if a[0] > b[0] else other} only")
+        else:
+            values.append(key)
+    if values:
+        said.append(f"other values of {', '.join(values)}")
+    return "; ".join(said) or "other keys"
 
 
 def _dp_groups(mesh) -> list[list[int]]:
@@ -355,7 +392,8 @@ def check_batch(
     }
     if differing:  # this rank's own dp group first, else the first one
         members = next((m for m in differing if dist.get_rank() in m), next(iter(differing)))
-        message = _differs_message(differing[members], members[0])
+        rows = {rank: every[index[rank]] for rank in (members[0], differing[members][0])}
+        message = _differs_message(differing[members], members[0], rows)
         if dist.get_rank() not in members:
             message += (
                 f" (in the dp group of ranks {list(members)}; every rank stops, so none waits in a "

@@ -188,8 +188,8 @@ def _packed_refusal(layout: Layout) -> str | None:
     return (
         f"packed documents (position_ids that restart): the model's recurrent layers ({mixers}) carry "
         "their state across document boundaries (transformers keeps documents apart there, where it does at "
-        "all, only through cu_seqlens on fla's GPU kernels); cp refuses rather than pass a state from one "
-        "document into the next: pass one document per row"
+        "all, only through its GPU kernels' sequence indices: fla's cu_seqlens, mamba_ssm's seq_idx); cp "
+        "refuses rather than pass a state from one document into the next: pass one document per row"
     )
 
 
