@@ -233,8 +233,8 @@ SAID = {
     "value": "other values of input_ids",
     "shape": f"input_ids: shape [{B}, {L}] on rank 0, shape [{B}, {L + 1}] on rank 1",
     "shape, same values": "input_ids: shape [2, 6] on rank 0, shape [3, 4] on rank 1",
-    "key": f"keys: 1 on rank 0, 2 on rank 1; labels: absent on rank 0, shape [{B}, {L}] on rank 1",
-    "key name": f"labels: shape [{B}, {L}] on rank 0, absent on rank 1; shift_labels: absent on rank 0",
+    "key": f"keys: 1 on rank 0, 2 on rank 1; labels: absent (or not a tensor) on rank 0, shape [{B}, {L}] on",
+    "key name": f"labels: shape [{B}, {L}] on rank 0, absent (or not a tensor) on rank 1; shift_labels: ",
     "unknown key": "keys: 1 on rank 0, 2 on rank 1",
     "embeds requiring a gradient": "inputs_embeds: requires a gradient on rank 1 only",
 }
@@ -246,6 +246,19 @@ def test_what_differs_is_read_off_the_fingerprints(case):
     first, second = DIFFERENT[case]
     rows = {0: fingerprint(first), 1: fingerprint(second)}
     assert fingerprint_differences(rows, 0, 1).startswith(SAID[case])
+
+
+def test_the_same_nan_values_are_not_said_to_differ():
+    """``torch.equal`` finds a NaN unequal to itself; the fingerprints are compared bit for bit."""
+    embeds = torch.full((B, L, D), float("nan"))
+    rows = {
+        0: fingerprint({"inputs_embeds": embeds}),
+        1: fingerprint({"inputs_embeds": embeds, "labels": _ids(B, L)}),
+    }
+    assert fingerprint_differences(rows, 0, 1) == (
+        "keys: 1 on rank 0, 2 on rank 1; labels: absent (or not a tensor) on rank 0, "
+        f"shape [{B}, {L}] on rank 1"
+    )
 
 
 def test_fingerprint_equal_for_equal_batches():

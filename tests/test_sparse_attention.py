@@ -361,8 +361,11 @@ def without_gradient(fsdp: int) -> tuple[list[str], list[str]]:
     mesh = cpshard.make_mesh(fsdp=fsdp, cp=2 // fsdp)
     parallel = cpshard.parallelize(model, mesh) if fsdp > 1 else model
     forward(cpshard.params_of(parallel), batch, mesh).loss.backward()
-    none = lambda model: sorted(n for n, p in model.named_parameters() if p.grad is None)  # noqa: E731
-    return none(own), none(parallel)
+    return _without_grad(own), _without_grad(parallel)
+
+
+def _without_grad(model) -> list[str]:
+    return sorted(name for name, parameter in model.named_parameters() if parameter.grad is None)
 
 
 @pytest.mark.parametrize("fsdp", [1, 2], ids=["cp2", "fsdp2xcp1"])

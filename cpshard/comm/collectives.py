@@ -103,7 +103,8 @@ class _SumManyGradsOverGroup(torch.autograd.Function):
             summed = reached_sums(given, like, ctx.group, ctx.recorder, ctx.name)
         else:
             summed = _all_reduce_buckets(_filled(given, like), ctx.group, ctx.recorder, ctx.name)
-        return (None, None, None, *(dict(zip(wanted, summed)).get(i) for i in range(len(grads))))
+        by_index = dict(zip(wanted, summed))
+        return (None, None, None, *(by_index.get(i) for i in range(len(grads))))
 
 
 def _filled(grads: list, like: list[tuple]) -> list[torch.Tensor]:
@@ -112,6 +113,18 @@ def _filled(grads: list, like: list[tuple]) -> list[torch.Tensor]:
         torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
         for grad, (shape, dtype, device) in zip(grads, like)
     ]
+
+
+def _reached_flags(grads: list, like: torch.Tensor) -> torch.Tensor:
+    """1 where this rank's backward reached a tensor (its gradient came), else 0, in ``like``'s dtype and
+    device: summed over the ranks beside the gradients, the count of ranks that reached each one."""
+    return torch.tensor([grad is not None for grad in grads], dtype=like.dtype, device=like.device)
+
+
+def _kept_where_reached(summed: list[torch.Tensor], counts: torch.Tensor) -> list:
+    """``summed`` with None where the count of ranks that reached a tensor is 0 (read on the host: a
+    gradient or None is decided per tensor, so a GPU backward waits for the count once)."""
+    return [total if anywhere else None for total, anywhere in zip(summed, (counts != 0).tolist())]
 
 
 def reached_sums(grads: list, like: list[tuple], group, recorder, name: str) -> list:
@@ -123,10 +136,8 @@ def reached_sums(grads: list, like: list[tuple], group, recorder, name: str) -> 
     if not grads:
         return []
     filled = _filled(grads, like)
-    first = filled[0]
-    reached = torch.tensor([grad is not None for grad in grads], dtype=first.dtype, device=first.device)
-    *summed, reached = _all_reduce_buckets([*filled, reached], group, recorder, name)
-    return [total if anywhere else None for total, anywhere in zip(summed, (reached > 0).tolist())]
+    *summed, counts = _all_reduce_buckets([*filled, _reached_flags(grads, filled[0])], group, recorder, name)
+    return _kept_where_reached(summed, counts)
 
 
 def sum_many_grads_over_group(
@@ -218,17 +229,12 @@ class _GatherShards(torch.autograd.Function):
         blocks = [_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)]
         widths = [c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)]
         if ctx.reached:  # whether this rank reached each tensor, in every rank's block: the sum says how many
-            reached = [g is not None for g in given]
-            blocks.append(
-                torch.tensor(reached, dtype=grads[0].dtype, device=grads[0].device).expand(size, -1)
-            )
+            blocks.append(_reached_flags(given, grads[0]).expand(size, -1))
             widths.append(len(grads))
         out = _reduce_scattered(torch.cat(blocks, dim=1), ctx.group, ctx.recorder, ctx.name, "backward")
         pieces = out.split(widths)
         local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, ctx.chunks, ctx.local_rows)]
-        if ctx.reached:
-            local = [g if anywhere else None for g, anywhere in zip(local, (pieces[-1] > 0).tolist())]
-        return (None, None, None, None, *local)
+        return (None, None, None, None, *(_kept_where_reached(local, pieces[-1]) if ctx.reached else local))
 
 
 def all_gather_shards(

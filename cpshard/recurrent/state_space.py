@@ -196,8 +196,8 @@ class ChannelSplit(Slot):
         if channels % size:
             raise ValueError(
                 f"{self.path}: Mamba1's selective scan is served by a split of its {channels} channels over "
-                f"cp={size} ranks, which cp must divide; cp sizes that work: "
-                f"{', '.join(str(c) for c in range(1, channels + 1) if channels % c == 0)}"
+                f"cp={size} ranks, which cp must divide; cp sizes up to 128 that work: "
+                f"{', '.join(str(c) for c in range(1, min(channels, 128) + 1) if channels % c == 0)}"
             )
         if kwargs.pop("return_last_state", False):
             raise ValueError(f"{self.path}: a cp call hands on its state only to cp decode (cp_prefill)")

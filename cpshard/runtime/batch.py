@@ -292,19 +292,29 @@ def _differs_message(differing: list[int], first: int, rows: dict[int, torch.Ten
 
 
 def _described(entries: torch.Tensor) -> str:
-    """One key's fingerprint entries as what the message says of it: absent, or its shape."""
+    """One key's fingerprint entries as what the message says of it: absent (or not a tensor), or its shape
+    (its first dims: :data:`_FINGERPRINT_DIMS`)."""
     if entries[0] == 0:
-        return "absent"
+        return "absent (or not a tensor)"
     dims = int(entries[1])
-    shape = [int(size) for size in entries[2 : 2 + min(dims, _FINGERPRINT_DIMS)]]
-    return f"shape {shape + ['...'] * (dims > _FINGERPRINT_DIMS)}"
+    shape = [str(int(size)) for size in entries[2 : 2 + min(dims, _FINGERPRINT_DIMS)]]
+    return f"shape [{', '.join(shape + ['...'] * (dims > _FINGERPRINT_DIMS))}]"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Fingerprint entries alike bit for bit (a NaN is its own equal), as :func:`differing_ranks` compares."""
+    return torch.equal(a.view(torch.int64), b.view(torch.int64))
 
 
 def fingerprint_differences(rows: dict[int, torch.Tensor], first: int, other: int) -> str:
-    """What differs between two ranks' batches, as their fingerprints (:func:`fingerprint`) tell it: each
-    key that one lacks or holds in another shape, each rank's ("input_ids: shape [2, 37] on rank 0, shape
-    [2, 36] on rank 1"), else the keys whose values differ."""
-    mine, theirs = rows[first], rows[other]
+    """What differs between two ranks' batches, as their fingerprints (:func:`fingerprint`, as
+    :func:`check_batch` gathers them) tell it: each key that one lacks or holds in another shape, each rank's
+    ("input_ids: shape [2, 37] on rank 0, shape [2, 36] on rank 1"), a gradient wanted on one rank only, and
+    the keys whose values differ."""
+    mine, theirs = rows[first].to(torch.float64), rows[other].to(torch.float64)
+    failed = [rank for rank, row in ((first, mine), (other, theirs)) if row[0] == _CHECKS_FAILED]
+    if failed:
+        return f"ranks {failed} failed their checks of the call's model and params"
     counts = [int(row[0]) if row[0] >= 0 else int(-1 - row[0]) for row in (mine, theirs)]  # see check_batch
     said = (
         [f"keys: {counts[0]} on rank {first}, {counts[1]} on rank {other}"] if counts[0] != counts[1] else []
@@ -313,17 +323,20 @@ def fingerprint_differences(rows: dict[int, torch.Tensor], first: int, other: in
     for index, key in enumerate(BATCH_KEYS):
         part = slice(1 + index * _FINGERPRINT_ENTRIES, 1 + (index + 1) * _FINGERPRINT_ENTRIES)
         a, b = mine[part], theirs[part]
-        if torch.equal(a, b):
-            continue
-        if (a[0] == 0) != (b[0] == 0) or not torch.equal(a[1:-2], b[1:-2]):
+        if (a[0] == 0) != (b[0] == 0) or not _same(a[1:-2], b[1:-2]):
             said.append(f"{key}: {_described(a)} on rank {first}, {_described(b)} on rank {other}")
-        elif a[0] != b[0]:
+            continue
+        if a[0] != b[0]:
             said.append(f"{key}: requires a gradient on rank {first if a[0] > b[0] else other} only")
-        else:
+        if not _same(a[-2:], b[-2:]):
             values.append(key)
     if values:
         said.append(f"other values of {', '.join(values)}")
     return "; ".join(said) or "other keys"
+
+
+#: a fingerprint's key count where the rank's checks of the call's model and params failed
+_CHECKS_FAILED = float("-inf")
 
 
 def _dp_groups(mesh) -> list[list[int]]:
@@ -333,10 +346,6 @@ def _dp_groups(mesh) -> list[list[int]]:
     other = [i for i in range(len(names)) if i not in same]
     width = math.prod(mesh.mesh.shape[i] for i in same)
     return mesh.mesh.permute(*other, *same).reshape(-1, width).tolist()
-
-
-#: a fingerprint's key count where the rank's checks of the call's model and params failed
-_CHECKS_FAILED = float("-inf")
 
 
 def failed_elsewhere(failing: list[int]) -> ValueError:
