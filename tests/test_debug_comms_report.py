@@ -111,7 +111,7 @@ def traced_backward(rows: int, length: int) -> tuple[bool, dict, int]:
 
 
 def test_backward_s_gradients_carry_which_ranks_reached_each_parameter(ranks2):
-    """One element per parameter rides with the gradients (cpshard.comm.collectives.reached_sums), so that a
+    """One element per parameter rides with the gradients (cpshard.comm.collectives._reached_sums), so that a
     parameter no rank reached keeps no gradient, as in one process; the optimum counts them."""
     for matches, gradients, count in ranks2.run(traced_backward, 2, 13):
         assert matches, gradients

@@ -85,7 +85,7 @@ def _all_reduce_buckets(tensors: list[torch.Tensor], group, recorder, name: str)
 
 class _SumManyGradsOverGroup(torch.autograd.Function):
     """The identity on many tensors; the backward sums their gradients over the group, a bucket per dtype
-    (with ``reached``, none to a tensor that no rank's backward reached: :func:`reached_sums`)."""
+    (with ``reached``, none to a tensor that no rank's backward reached: :func:`_reached_sums`)."""
 
     @staticmethod
     def forward(ctx, group, name, reached, *xs):
@@ -100,7 +100,7 @@ class _SumManyGradsOverGroup(torch.autograd.Function):
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
         given, like = [grads[i] for i in wanted], [ctx.like[i] for i in wanted]
         if ctx.reached:
-            summed = reached_sums(given, like, ctx.group, ctx.recorder, ctx.name)
+            summed = _reached_sums(given, like, ctx.group, ctx.recorder, ctx.name)
         else:
             summed = _all_reduce_buckets(_filled(given, like), ctx.group, ctx.recorder, ctx.name)
         by_index = dict(zip(wanted, summed))
@@ -127,7 +127,7 @@ def _kept_where_reached(summed: list[torch.Tensor], counts: torch.Tensor) -> lis
     return [total if anywhere else None for total, anywhere in zip(summed, (counts != 0).tolist())]
 
 
-def reached_sums(grads: list, like: list[tuple], group, recorder, name: str) -> list:
+def _reached_sums(grads: list, like: list[tuple], group, recorder, name: str) -> list:
     """``grads`` summed over the group (None where this rank's backward did not reach a tensor: zeros of its
     ``like``, a shape, dtype and device, in the sum), and None where no rank's reached it: one process's
     autograd leaves such a parameter's ``.grad`` None (DeepSeek-V3.2's indexer, reached by no loss), and an
@@ -145,7 +145,7 @@ def sum_many_grads_over_group(
 ) -> list[torch.Tensor]:
     """``xs`` as they are; their gradients summed over the group in one all-reduce per dtype, once every
     gradient is in (the backward of :func:`sum_grads_over_group` for many tensors at once). ``reached``
-    (parameters): none to a tensor that no rank's backward reached (:func:`reached_sums`), else zeros."""
+    (parameters): none to a tensor that no rank's backward reached (:func:`_reached_sums`), else zeros."""
     return list(_SumManyGradsOverGroup.apply(group, name, reached, *xs))
 
 
@@ -198,7 +198,7 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 class _GatherShards(torch.autograd.Function):
     """All-gather of dim-0 shards into whole tensors; backward: the reduce-scatter of their gradients (with
-    ``reached``, none to a tensor that no rank's backward reached, as :func:`reached_sums` decides it)."""
+    ``reached``, none to a tensor that no rank's backward reached, as :func:`_reached_sums` decides it)."""
 
     @staticmethod
     def forward(ctx, group, name, reached, rows, *shards):
@@ -242,7 +242,7 @@ def all_gather_shards(
 ) -> list[torch.Tensor]:
     """Whole tensors from each rank's dim-0 shard (``rows``: their whole dim-0 sizes), in one all-gather;
     the gradients come back reduce-scattered, each rank's rows summed over the group. One dtype only.
-    ``reached`` (parameters): none to a tensor that no rank's backward reached, as :func:`reached_sums`
+    ``reached`` (parameters): none to a tensor that no rank's backward reached, as :func:`_reached_sums`
     decides it (one element per tensor in each rank's block), else zeros."""
     if len({s.dtype for s in shards}) > 1:
         raise ValueError(

@@ -66,7 +66,7 @@ class _Run:
     #: the parameters' dtypes
     dtypes: frozenset = frozenset()
     #: what rides with the gradients reduced in ``backward()``: whether each rank reached each parameter,
-    #: one element of the first one's dtype each (:func:`cpshard.comm.collectives.reached_sums`)
+    #: one element of the first one's dtype each (:func:`cpshard.comm.collectives._reached_sums`)
     reached_bytes: int = 0
 
     @classmethod
