@@ -82,6 +82,15 @@ def _each(ranks: list[int], values: torch.Tensor) -> str:
     return ", ".join(f"rank {rank}: {value}" for rank, value in zip(ranks, values.tolist()))
 
 
+def _row(parts: dict[str, list[int]]) -> tuple[torch.Tensor, dict[str, slice]]:
+    """The agreement row, ``parts``' integers one after another, and each part's columns in it."""
+    columns, start = {}, 0
+    for name, values in parts.items():
+        columns[name] = slice(start, start + len(values))
+        start += len(values)
+    return torch.tensor([value for values in parts.values() for value in values]), columns
+
+
 def check_agreement(
     description: str,
     aliases: list[tuple[str, ...]],
@@ -111,14 +120,22 @@ def check_agreement(
     structure = _hashed(repr(kinds))
     placed = [placement(params[name]) for name in names]
     placements = [sum(where is not None for where in placed), _hashed(repr(placed))]
-    checks = [zlib.crc32(description.encode()), len(aliases), structure, _hashed(config), *placements]
-    row = torch.tensor([*checks, _hashed(repr(digests))])
+    row, columns = _row(
+        {
+            "made": [zlib.crc32(description.encode())],
+            "built": [len(aliases), structure],
+            "configured": [_hashed(config)],
+            "placed": placements,
+            "values": [_hashed(repr(digests))],
+        }
+    )
     with serving("other"):
         every, failing = gather_checked(row, group, "cp forward agreement", failed, _FAILED)
     if failing:
         raise failed_elsewhere(failing)
     ranks = dist.get_process_group_ranks(group)
-    made_otherwise = differing_ranks(every[:, :1], ranks)
+    seen = {part: every[:, where] for part, where in columns.items()}
+    made_otherwise = differing_ranks(seen["made"], ranks)
     if made_otherwise:
         with serving("other"):
             texts = gather_texts(description, group, "cp forward options")
@@ -128,15 +145,15 @@ def check_agreement(
             f"other options than rank {ranks[0]} ({made}); every rank makes the same cp forward (each "
             "rank's options choose the collectives it waits in)"
         )
-    built_otherwise = differing_ranks(every[:, 1:3], ranks)
+    built_otherwise = differing_ranks(seen["built"], ranks)
     if built_otherwise:
         raise ValueError(
             f"the model differs across the mesh: ranks {built_otherwise} built a model whose parameters "
             f"differ in name, shape or dtype from rank {ranks[0]}'s (parameters: "
-            f"{_each(ranks, every[:, 1])}); every rank builds the same model from the same config, in the "
-            "same dtype"
+            f"{_each(ranks, seen['built'][:, 0])}); every rank builds the same model from the same config, "
+            "in the same dtype"
         )
-    configured_otherwise = differing_ranks(every[:, 3:4], ranks)
+    configured_otherwise = differing_ranks(seen["configured"], ranks)
     if configured_otherwise:
         with serving("other"):
             texts = gather_texts(config, group, "model configs")
@@ -145,15 +162,16 @@ def check_agreement(
             f"another config than rank {ranks[0]}'s ({what_differs(texts, ranks, configured_otherwise[0])}); "
             "every rank builds the same model from the same config"
         )
-    placed_otherwise = differing_ranks(every[:, 4:6], ranks)
+    placed_otherwise = differing_ranks(seen["placed"], ranks)
     if placed_otherwise:
         raise ValueError(
             f"the params are placed otherwise across the mesh: ranks {placed_otherwise} pass parameters "
-            f"placed otherwise than rank {ranks[0]}'s (DTensors among them: {_each(ranks, every[:, 4])}); "
-            "every rank passes the same kind of params: plain ones on every rank, or "
+            f"placed otherwise than rank {ranks[0]}'s (DTensors among them: "
+            f"{_each(ranks, seen['placed'][:, 0])}); every rank passes the same kind of params: plain ones "
+            "on every rank, or "
             "cpshard.params_of(cpshard.parallelize(model, mesh)) on every rank"
         )
-    if differing_ranks(every[:, 6:], ranks):
+    if differing_ranks(seen["values"], ranks):
         with serving("other"):
             weights = all_gather_rows(torch.tensor(digests, dtype=torch.int64), group, "cp forward weights")
         weights = weights.reshape(len(ranks), len(names), -1)

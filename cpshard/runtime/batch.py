@@ -31,6 +31,8 @@ BATCH_KEYS = INPUT_KEYS + TOKEN_KEYS + WHOLE_KEYS + (COUNT_KEY,)
 _FINGERPRINT_DIMS = 3
 #: per key: present, rank, the first dims' sizes and two weighted sums of the values
 _FINGERPRINT_ENTRIES = _FINGERPRINT_DIMS + 4
+#: a fingerprint's key count where the rank's checks of the call's model and params failed
+_CHECKS_FAILED = float("-inf")
 
 
 class BatchError(ValueError):
@@ -333,10 +335,6 @@ def fingerprint_differences(rows: dict[int, torch.Tensor], first: int, other: in
     if values:
         said.append(f"other values of {', '.join(values)}")
     return "; ".join(said) or "other keys"
-
-
-#: a fingerprint's key count where the rank's checks of the call's model and params failed
-_CHECKS_FAILED = float("-inf")
 
 
 def _dp_groups(mesh) -> list[list[int]]:
