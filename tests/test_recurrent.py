@@ -181,6 +181,15 @@ def test_recurrent_layers_are_exact_at_cp4(ranks4, name, length):
         assert result["failing"] == [], result
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "kimi_linear", "minimax", "nemotron_h"])
+def test_state_passing_over_many_chunks_a_rank_is_exact(ranks4, name):
+    """A long sequence, left-padded: 8 chunks a rank at cp=4. Each rank's summary folds many chunks and
+    the states pass through three ranks: an error that builds up along the sequence or across ranks
+    would show here, not at a chunk or two a rank."""
+    for result in ranks4.run(failing_against_own_code, name, 4 * 8 * CHUNK, "left", "state_passing"):
+        assert result["failing"] == [] and result["state gathers"] >= 2, result
+
+
 def _rows(loss, logits, grads) -> dict:
     rows = {"loss": loss, "logits": logits}
     for name, grad in grads.items():
