@@ -94,10 +94,12 @@ def test_llama_cp2_bytes_by_hand(ranks2):
         assert lines[-1].split() == ["total", str(LAYERS * 8 + 3), f"{total:,}"]
 
 
-def traced_backward(rows: int, length: int) -> tuple[bool, dict, int]:
+def traced_backward(rows: int, length: int, frozen: bool = False) -> tuple[bool, dict, int]:
     """A step by ``cp_forward(...).loss.backward()`` (the loss reduced in the forward): whether it meets the
-    optimum, its gradients' group, and the model's count of parameters."""
+    optimum, its gradients' group, and the model's count of parameters that require a gradient (``frozen``:
+    all but the embeddings)."""
     model = tiny_model("llama")
+    model.model.embed_tokens.weight.requires_grad_(not frozen)
     forward, mesh = cpshard.make_cp_forward(model), cpshard.make_mesh(cp=dist.get_world_size())
 
     def step(params, batch, mesh):
@@ -107,7 +109,7 @@ def traced_backward(rows: int, length: int) -> tuple[bool, dict, int]:
         step, cpshard.params_of(model), tiny_batch(model.config.vocab_size, rows, length), mesh
     )
     gradients = next(g for g in report.as_dict()["groups"] if g["module"] == "gradients")
-    return report.matches_optimum, gradients, len(list(model.parameters()))
+    return report.matches_optimum, gradients, sum(p.requires_grad for p in model.parameters())
 
 
 def test_backward_s_gradients_carry_which_ranks_reached_each_parameter(ranks2):
@@ -116,6 +118,17 @@ def test_backward_s_gradients_carry_which_ranks_reached_each_parameter(ranks2):
     for matches, gradients, count in ranks2.run(traced_backward, 2, 13):
         assert matches, gradients
         assert (gradients["count"], gradients["nbytes"]) == (1, llama_param_count() * F32 + count * F32)
+
+
+def test_backward_s_optimum_counts_the_parameters_that_require_a_gradient(ranks2):
+    """A frozen parameter (the embeddings here; most of a model under LoRA) has no gradient to sum:
+    ``backward()`` reduces the others and their flags, and the optimum counts those (it counted every
+    parameter, so a frozen model's trace said DIFFERS)."""
+    for matches, gradients, count in ranks2.run(traced_backward, 2, 13, frozen=True):
+        assert matches, gradients
+        trained = llama_param_count() - V * D
+        assert (gradients["count"], gradients["nbytes"]) == (1, trained * F32 + count * F32)
+        assert gradients["nbytes"] == gradients["optimum_bytes"], gradients
 
 
 def traced_forward_with_extra():

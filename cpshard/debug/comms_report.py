@@ -65,8 +65,11 @@ class _Run:
     buckets: int | None
     #: the parameters' dtypes
     dtypes: frozenset = frozenset()
-    #: what rides with the gradients reduced in ``backward()``: whether each rank reached each parameter,
-    #: one element of the first one's dtype each (:func:`cpshard.comm.collectives._reached_sums`)
+    #: what ``backward()`` reduces: the parameters that require a gradient (a frozen one has none to sum),
+    #: their bytes, their buckets (one per dtype), and whether each rank reached each of them, one element
+    #: of the first one's dtype each (:func:`cpshard.comm.collectives._reached_sums`)
+    trained_bytes: int = 0
+    trained_buckets: int = 0
     reached_bytes: int = 0
 
     @classmethod
@@ -97,8 +100,12 @@ class _Run:
         paths = [
             path for path in attention_paths(model, layout) if not gathers_keys(model.get_submodule(path))
         ]
-        reached = len(params) * params[0].element_size() if params else 0
-        return cls(tuple(paths), optimum, buckets, dtypes, reached)
+        trained = [p for p in params if p.requires_grad]
+        trained_bytes = sum(p.numel() * p.element_size() for p in trained)
+        reached = len(trained) * trained[0].element_size() if trained else 0
+        return cls(
+            tuple(paths), optimum, buckets, dtypes, trained_bytes, len({p.dtype for p in trained}), reached
+        )
 
 
 def split_name(name: str, modules: set[str]) -> tuple[str, str]:
@@ -138,8 +145,8 @@ def optimum(runs: list[_Run], declared: list[Expected], groups: set[tuple]) -> d
             if loss_apart:
                 add(
                     (GRADIENTS, "all_reduce", "backward"),
-                    run.buckets,
-                    run.optimum.gradients + run.reached_bytes,
+                    run.trained_buckets,
+                    run.trained_bytes + run.reached_bytes,
                 )
             else:  # value_and_grad sums the fp32 loss with the gradients
                 count = len(run.dtypes | {torch.float32})
