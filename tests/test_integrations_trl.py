@@ -184,20 +184,29 @@ def test_a_trl_trainer_under_cp_is_the_same_trainer_on_one_process(
     _compare(results, reference, SFT_METRICS if kind == "sft" else DPO_METRICS)
 
 
+PEFT_CASES = ("peft model", "peft_config")
+
+
 def run_refused(case: str, folder: str) -> str:
+    from peft import LoraConfig, get_peft_model
     from trl import GRPOTrainer, SFTTrainer
 
     from cpshard.integrations.transformers import CPTrainer
-    from cpshard.integrations.trl import CPDPOTrainer
+    from cpshard.integrations.trl import CPDPOTrainer, CPSFTTrainer
 
     mesh, model = cpshard.make_mesh(cp=2), tiny_model("llama", vocab_size=VOCAB)
     trainers = {
         "sft mixin": type("Mixed", (CPTrainer, SFTTrainer), {}),
         "grpo mixin": type("Mixed", (CPTrainer, GRPOTrainer), {}),
     }
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     try:
         if case in trainers:
             trainers[case](model, _config("sft", folder, MICRO), mesh=mesh)
+        elif case == "peft model":
+            CPSFTTrainer(get_peft_model(model, lora), _config("sft", folder, MICRO), mesh=mesh)
+        elif case == "peft_config":
+            CPSFTTrainer(model, _config("sft", folder, MICRO), mesh=mesh, peft_config=lora)
         else:
             config = _config("dpo", folder, MICRO, precompute_ref_log_probs=True)
             CPDPOTrainer(model, mesh=mesh, **_trainer("dpo", model, config))
@@ -215,6 +224,7 @@ def run_refused(case: str, folder: str) -> str:
         ),
         ("grpo mixin", "TRL's other trainers (GRPO, RLOO, KTO, ...) are not served yet"),
         ("precompute", "precompute_ref_log_probs=True reads the data with a loader that splits its rows"),
+        *((case, "a PEFT model (or peft_config) is not served by cpshard's trainers") for case in PEFT_CASES),
     ],
 )
 def test_what_is_not_served_is_refused_on_every_rank(ranks2, tmp_path, case, message):

@@ -65,8 +65,12 @@ class _CPTRLTrainer(CPTrainer):
     serves_trl = True
 
     def __init__(self, model, args=None, **kwargs):
-        if hasattr(model, "peft_config"):
-            raise ValueError(f"{type(self).__name__}: a PEFT model is not served under cp yet; train whole")
+        if hasattr(model, "peft_config") or kwargs.get("peft_config") is not None:
+            raise ValueError(
+                f"{type(self).__name__}: a PEFT model (or peft_config) is not served by cpshard's trainers "
+                "yet; train whole, or train the adapters in a loop of your own: cpshard.make_cp_forward("
+                "peft_model.get_base_model()) serves the model with its adapters in place"
+            )
         super().__init__(model, args, **kwargs)
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(

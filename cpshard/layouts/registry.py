@@ -86,9 +86,23 @@ def _check_language_model(model) -> None:
         )
 
 
+def _check_not_peft(model) -> None:
+    """A :class:`LayoutError` where ``model`` is PEFT's wrapper (a ``PeftModel``): its parameters are named
+    under its own prefix and its forward is not the model's, while the model it wraps carries the adapters
+    in its own modules and runs under cp as any model does."""
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        inner = type(model.get_base_model()).__name__
+        raise LayoutError(
+            f"{type(model).__name__} is PEFT's wrapper around a {inner}: pass model.get_base_model() (the "
+            f"{inner} with its adapters in place) to make_cp_forward and cpshard.params_of; the adapters "
+            "train, and the frozen weights keep no gradient under backward(), as in one process"
+        )
+
+
 def resolve_layout(model: nn.Module, layout: Layout | str = "auto") -> Layout:
     """The layout for ``model``: the one given, the one registered for its type, else one derived from it
     (a model whose code cpshard rewrites is checked first: it must be the code its rewrite was made for)."""
+    _check_not_peft(model)
     _check_language_model(model)
     check_unchanged(model)
     model_type = model_type_of(model)
