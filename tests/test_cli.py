@@ -1,5 +1,6 @@
 """The command line: the demo through ``python -m cpshard``, and one-line usage errors with exit 2."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -35,13 +36,21 @@ def test_an_interrupted_command_says_so_in_one_line_and_ends_its_ranks():
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # a group of its own, as a terminal's job is: ^C reaches every process in it
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread's stack
     )
     for line in demo.stdout:  # until the ranks train
         if "training" in line:
             break
     ranks = children_of(demo.pid)
     os.killpg(demo.pid, signal.SIGINT)  # a terminal's ^C: the launcher and its ranks
-    _, err = demo.communicate(timeout=60)
+    try:
+        _, err = demo.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # where the launcher waits, for whoever reads the failure
+        os.kill(demo.pid, signal.SIGABRT)
+        _, err = demo.communicate(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(demo.pid, signal.SIGKILL)
+        pytest.fail(f"the demo did not end within 60 s of ^C; its launcher's threads:\n{err}")
     assert demo.returncode == 130, err
     assert err.strip().splitlines()[-1] == "cpshard demo: interrupted" and "Traceback" not in err, err
     deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends after its launcher
