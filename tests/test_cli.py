@@ -30,14 +30,20 @@ def test_python_m_cpshard_demo_runs_and_reports_parity():
 @pytest.mark.ranks
 def test_an_interrupted_command_says_so_in_one_line_and_ends_its_ranks():
     """^C in the middle of a demo's training: exit 130, one line, no traceback, no rank left running."""
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "cpshard", "demo", "--seq", "256", "--steps", "100000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a group of its own, as a terminal's job is: ^C reaches every process in it
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread's stack
-    )
+    # as a terminal's foreground job starts: SIGINT not ignored. A shell ignores it in the jobs it puts in
+    # the background, and a test session started so would pass that on (a caught signal is reset at exec)
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "cpshard", "demo", "--seq", "256", "--steps", "100000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a group of its own, as a terminal's job is: ^C reaches all of it
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread's stack
+        )
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     for line in demo.stdout:  # until the ranks train
         if "training" in line:
             break
