@@ -18,22 +18,29 @@ def _lora(model_type: str):
     return get_peft_model(tiny_model(model_type), config)
 
 
-def lora_step(model_type: str, implementation: str) -> dict:
-    """One ``loss.backward()`` under cp on the wrapped model and one in this process alone: the losses,
-    which parameters have a gradient in each, and the largest difference of the adapters' gradients
-    relative to their scale."""
-    torch.manual_seed(0)
-    peft_model = _lora(model_type)
-    model = peft_model.get_base_model()
+def lora_step(model_type: str, implementation: str, fsdp: bool) -> dict:
+    """One ``loss.backward()`` under cp on the wrapped model (``fsdp``: sharded by ``parallelize`` over two
+    dp groups that hold the same batch, cp 1) and one in this process alone on a copy: the losses, which
+    parameters have a gradient in each, and the largest difference of the adapters' gradients relative to
+    their scale."""
+    torch.manual_seed(0)  # the adapters' draws alike on every rank
+    own, model = (_lora(model_type).get_base_model() for _ in range(2))
+    model.load_state_dict(own.state_dict())
     forward = cpshard.make_cp_forward(model, implementation=implementation)
+    mesh = cpshard.make_mesh(**({"fsdp": 2, "cp": 1} if fsdp else {"cp": dist.get_world_size()}))
+    if fsdp:
+        cpshard.parallelize(model, mesh)
     batch = tiny_batch(model.config.vocab_size, 2, 23, pad="left")
-    loss = forward(cpshard.params_of(model), batch, cpshard.make_mesh(cp=dist.get_world_size())).loss
+    loss = forward(cpshard.params_of(model), batch, mesh).loss
     loss.backward()
-    under_cp = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    own_loss = model(**batch).loss
+    under_cp = {
+        name: p.grad.full_tensor() if fsdp else p.grad
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+    own_loss = own(**batch).loss
     own_loss.backward()
-    own = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    own = {name: p.grad for name, p in own.named_parameters() if p.grad is not None}
     return {
         "losses": (loss.item(), own_loss.item()),
         "with gradient": (sorted(under_cp), sorted(own)),
@@ -42,10 +49,16 @@ def lora_step(model_type: str, implementation: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "model_type, implementation", [("llama", "ulysses"), ("llama", "ring"), ("qwen3_next", "auto")]
+    "model_type, implementation, fsdp",
+    [
+        ("llama", "ulysses", False),
+        ("llama", "ring", False),
+        ("qwen3_next", "auto", False),
+        ("llama", "auto", True),
+    ],
 )
-def test_lora_adapters_train_as_in_one_process(ranks2, model_type, implementation):
-    for result in ranks2.run(lora_step, model_type, implementation):
+def test_lora_adapters_train_as_in_one_process(ranks2, model_type, implementation, fsdp):
+    for result in ranks2.run(lora_step, model_type, implementation, fsdp):
         cp_loss, own_loss = result["losses"]
         assert abs(cp_loss - own_loss) <= 1e-5 * abs(own_loss), result
         under_cp, own = result["with gradient"]
