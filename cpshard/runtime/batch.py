@@ -35,6 +35,12 @@ _FINGERPRINT_ENTRIES = _FINGERPRINT_DIMS + 4
 _CHECKS_FAILED = float("-inf")
 
 
+def _marked_invalid(count: float) -> float:
+    """A fingerprint's key count marked as a batch that is not valid (below 0, never :data:`_CHECKS_FAILED`),
+    and a marked count back: its own inverse."""
+    return -1.0 - count
+
+
 class BatchError(ValueError):
     """A batch that cpshard cannot run, with what to change."""
 
@@ -317,7 +323,7 @@ def fingerprint_differences(rows: dict[int, torch.Tensor], first: int, other: in
     failed = [rank for rank, row in ((first, mine), (other, theirs)) if row[0] == _CHECKS_FAILED]
     if failed:
         return f"ranks {failed} failed their checks of the call's model and params"
-    counts = [int(row[0]) if row[0] >= 0 else int(-1 - row[0]) for row in (mine, theirs)]  # see check_batch
+    counts = [int(row[0] if row[0] >= 0 else _marked_invalid(row[0])) for row in (mine, theirs)]
     said = (
         [f"keys: {counts[0]} on rank {first}, {counts[1]} on rank {other}"] if counts[0] != counts[1] else []
     )
@@ -387,7 +393,7 @@ def check_batch(
         return shape
     row = fingerprint(batch)
     if error is not None:  # a key count below 0 (not -inf: that is a failed rank's), so no byte is added
-        row[0] = -1.0 - row[0]
+        row[0] = _marked_invalid(row[0])
     with serving("other"):
         every, failing = gather_checked(row, group, "batch fingerprint", failed, _CHECKS_FAILED)
     ranks = dist.get_process_group_ranks(group)
