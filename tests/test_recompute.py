@@ -11,7 +11,7 @@ import cpshard
 from cpshard.attention.ulysses import attend_in_blocks, block_rows, check_blocked
 from cpshard.layouts.family_eager import eager_for
 from cpshard.runtime.recompute import checkpointing_modules
-from cpshard.tools.parity import check_parity, reference
+from cpshard.tools.parity import check_parity, failing_rows, reference
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
 TOLERANCE = 1e-5
@@ -39,7 +39,7 @@ def test_checkpointed_layers_recompute_inside_the_call(ranks2, implementation, l
     for (parity, layers, unchanged), (baseline, _, _) in zip(checkpointed, plain):
         assert layers >= 3, "checkpointing was not enabled on the decoder layers, so nothing was recomputed"
         assert unchanged, "the checkpoint functions were left changed after the call"
-        assert parity.worst <= TOLERANCE, parity.diffs
+        assert not failing_rows([parity]), (parity.diffs, parity.scales)
         assert parity.comm_bytes > baseline.comm_bytes, (
             "the backward did not re-run the forward's collectives"
         )
@@ -59,7 +59,7 @@ def test_checkpoints_nested_in_a_checkpointed_layer_recompute_as_they_ran(ranks2
     Mamba layer's checkpoint unwrapped, without the parameters it took as inputs in the forward: torch
     refused ("a different number of tensors was saved", 48 and 39). The recompute wraps them again."""
     for parity in ranks2.run(parity_of_nested_checkpoints):
-        assert parity.worst <= TOLERANCE, parity.diffs
+        assert not failing_rows([parity]), (parity.diffs, parity.scales)
 
 
 def gradients_of_other_params() -> float:
