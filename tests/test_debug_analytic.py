@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cpshard.debug.analytic import attention_paths, attention_steps, cut_steps, step
+from cpshard.debug.analytic import attention_paths, attention_steps, collectives, cut_steps, step
 from cpshard.debug.table import table, table_of
 from cpshard.layouts.decoder import LAYOUT as DECODER
 from cpshard.layouts.derive import derive_layout
@@ -26,6 +26,7 @@ def test_attention_bytes_per_token_with_kv_heads_repeated():
         ("out", 1, 8 * 32 * 2),
     ]
     assert q.describe() == "all_to_all over cp"
+    assert collectives((q, k, v, out)) == 2  # q, k and v in one all-to-all
     with pytest.raises(ValueError, match="not divisible by cp=3"):
         attention_steps(CONFIG, LAYOUT, {"cp": 3}, torch.float32)
 

@@ -61,7 +61,8 @@ def test_llama_cp2_bytes_by_hand(ranks2):
         assert all_grads and loss > 0
         checks = fingerprint_bytes + agreement  # the batch's fingerprint, the agreement's seven integers
         assert total == as_dict["total_bytes"] == LAYERS * 2 * per_module + grads + F32 + checks
-        assert as_dict["by_op"]["all_to_all"] == {"count": LAYERS * 2 * 4, "bytes": LAYERS * 2 * per_module}
+        # per layer and direction: q, k and v in one all-to-all, the output in another
+        assert as_dict["by_op"]["all_to_all"] == {"count": LAYERS * 2 * 2, "bytes": LAYERS * 2 * per_module}
         # value_and_grad: the loss rides with the gradients, one all-reduce after the backward
         assert as_dict["by_module"]["gradients"] == {"count": 1, "bytes": grads + F32}
         assert "loss" not in as_dict["by_module"]
@@ -74,7 +75,7 @@ def test_llama_cp2_bytes_by_hand(ranks2):
             assert (
                 (group["count"], group["nbytes"])
                 == (group["optimum_count"], group["optimum_bytes"])
-                == (4, per_module)
+                == (2, per_module)
             )
         lines = text.splitlines()
         row = next(
@@ -84,14 +85,14 @@ def test_llama_cp2_bytes_by_hand(ranks2):
             "model.layers.1.self_attn",
             "all_to_all",
             "backward",
-            "4",
+            "2",
             f"{per_module:,}",
-            "4",
+            "2",
             f"{per_module:,}",
             "ok",
         ]
         # + the agreement, the batch fingerprint, the gradients
-        assert lines[-1].split() == ["total", str(LAYERS * 8 + 3), f"{total:,}"]
+        assert lines[-1].split() == ["total", str(LAYERS * 4 + 3), f"{total:,}"]
 
 
 def traced_backward(rows: int, length: int, frozen: bool = False) -> tuple[bool, dict, int]:
@@ -158,8 +159,8 @@ def test_kv_replication_and_an_extra_collective(ranks4):
     for groups, matches in ranks4.run(traced_forward_with_extra):
         attention = {g[0]: g[1:] for g in groups if g[0].startswith("model.layers.")}
         assert attention == {
-            "model.layers.0.self_attn": ("forward", 5, per_module + extra, 4, per_module, "DIFFERS"),
-            "model.layers.1.self_attn": ("forward", 4, per_module, 4, per_module, "ok"),
+            "model.layers.0.self_attn": ("forward", 3, per_module + extra, 2, per_module, "DIFFERS"),
+            "model.layers.1.self_attn": ("forward", 2, per_module, 2, per_module, "ok"),
         }, "no backward ran, so no backward optimum either"
         assert not matches
 
@@ -196,7 +197,7 @@ def test_tp_splits_the_heads_that_the_optimum_counts(ranks4, model_type, heads, 
     per_module = 2 * local * heads * HD * F32 + 2 * local * kv_heads * HD * F32
     for attention, matches in ranks4.run(traced_step_under_tp, model_type):
         assert attention == {
-            (f"model.layers.{i}.self_attn", phase): (4, per_module, "ok")
+            (f"model.layers.{i}.self_attn", phase): (2, per_module, "ok")
             for i in range(LAYERS)
             for phase in ("forward", "backward")
         }
@@ -258,4 +259,4 @@ def test_latent_attention_s_widths_are_in_its_optimum(ranks2):
     rope part alone), which the optimum counts as the exchanges move them."""
     for matches, attention, by_hand in ranks2.run(traced_latent_attention, "deepseek_v3"):
         assert matches and attention, attention
-        assert {(count, nbytes) for _, _, count, nbytes in attention} == {(4, by_hand)}, (attention, by_hand)
+        assert {(count, nbytes) for _, _, count, nbytes in attention} == {(2, by_hand)}, (attention, by_hand)

@@ -46,7 +46,10 @@ def test_llama_on_cp2(ranks2):
         assert (
             "registered for model type 'llama'" in text and "num_attention_heads=4 divides over cp=2" in text
         )
-        assert f"per attention module: 4 collectives, {per_module:,} bytes/token forward" in text
+        assert (
+            f"per attention module: 2 collectives (q, k and v in one), {per_module:,} bytes/token forward"
+            in text
+        )
         assert (
             f"over 2 modules: {2 * per_module:,} bytes/token forward, {4 * per_module:,} forward and backward"
             in text

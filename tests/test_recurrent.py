@@ -98,13 +98,13 @@ def failing_against_own_code(name: str, length: int, pad: str | None, recurrent:
         "state gathers": sum(n for key, n in names.items() if key.endswith(" state")),
         "halo sends": sum(n for key, n in names.items() if key.endswith(" halo")),
         "head exchanges": sum(
-            n for key, n in names.items() if " chunk_" in key and key.endswith((" q", " beta", " output"))
+            n for key, n in names.items() if " chunk_" in key and {"q", "output"} & set(key.split())
         ),
         "channel exchanges": sum(n for key, n in names.items() if " selective_scan_fn " in key),
         "ssd head exchanges": sum(
             n
             for key, n in names.items()
-            if " mamba_chunk_scan_combined " in key and key.endswith((" x", " output"))
+            if " mamba_chunk_scan_combined " in key and {"x", "output"} & set(key.split())
         ),
     }
 
@@ -117,8 +117,8 @@ def test_linear_attention_is_exact_at_cp2(ranks2, name, pad):
         # forward and backward, on every linear layer (one in the tiny models): the chain really ran
         assert result["state gathers"] >= (0 if name in STATELESS else 2), (rank, result)
         assert (result["halo sends"] >= 1) == (name not in NO_CONVOLUTION), (rank, result)
-        if name in SPLIT_OVER_CHANNELS:  # x, dt, z and the output, forward and backward
-            assert result["channel exchanges"] >= 8, (rank, result)
+        if name in SPLIT_OVER_CHANNELS:  # x, dt and z together, then the output, forward and backward
+            assert result["channel exchanges"] >= 4, (rank, result)
         else:
             assert result["head exchanges"] == 0, (rank, result)  # auto: state passing moves fewer bytes
 
@@ -137,7 +137,8 @@ def test_the_head_split_is_exact_at_cp2(ranks2, name, length):
     for recurrent in ("head_split", "auto") if length == 13 else ("head_split",):
         for rank, result in enumerate(ranks2.run(failing_against_own_code, name, length, "left", recurrent)):
             assert result["failing"] == [], (recurrent, rank, result)
-            assert result["head exchanges"] >= 6 and result["state gathers"] == 0, (recurrent, rank, result)
+            # the kernel's inputs together, then the output, forward and backward
+            assert result["head exchanges"] >= 4 and result["state gathers"] == 0, (recurrent, rank, result)
 
 
 @pytest.mark.parametrize("length", [2 * 2 * CHUNK + 3, 13])
@@ -717,7 +718,7 @@ def test_trace_comms_sets_each_linear_layer_beside_its_scheme_s_optimum(ranks2, 
 
 def traced_inkling(name: str) -> dict:
     """Whether trace_comms finds every group at its optimum, and the forward all-to-alls of the first layer's
-    attention (q, k, v, output, and the rows moved per query: the bias, and Inkling2's sinks)."""
+    attention (q, k and v in one, the output, the rows moved per query: the bias, and Inkling2's sinks)."""
     mesh = cpshard.make_mesh(cp=torch.distributed.get_world_size())
     model = _model(name)
     batch, params = tiny_batch(model.config.vocab_size, 2, 64, pad="left"), cpshard.params_of(model)
@@ -728,7 +729,7 @@ def traced_inkling(name: str) -> dict:
     return {"matches": report.matches_optimum, "all_to_alls": [g.count for g in attention]}
 
 
-@pytest.mark.parametrize("name, moved", [("inkling_text", 5), ("inkling2_text", 6)])
+@pytest.mark.parametrize("name, moved", [("inkling_text", 3), ("inkling2_text", 4)])
 def test_trace_comms_sets_inkling_s_halos_and_moved_rows_at_their_optimum(ranks2, name, moved):
     for result in ranks2.run(traced_inkling, name):
         assert result == {"matches": True, "all_to_alls": [moved]}, result

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.comm.record import recording
-from cpshard.comm.redistribute import Move, plan, redistribute
+from cpshard.comm.redistribute import Move, plan, redistribute, redistribute_together
 from cpshard.debug.optimum import moved_bytes
 from cpshard.spec.notation import Spec, SpecError
 from cpshard.spec.sequence import positions
@@ -166,3 +166,47 @@ def test_redistribute_over_one_axis_of_two(ranks4):
     for y, expected, events, nbytes in ranks4.run(_two_axis_case):
         torch.testing.assert_close(y, expected)
         assert events == [("all_to_all", 2, nbytes)]
+
+
+def _together_case():
+    """q, k and v of other head counts and widths, k not trained, moved together: each as ``redistribute``
+    moves it alone (the whole tensor's slice; the whole loss's gradient), in one all-to-all each way; of
+    two dtypes, one all-to-all for each dtype."""
+    mesh = cpshard.make_mesh(cp=dist.get_world_size())
+    cp, rank = mesh["cp"].size(), mesh.get_local_rank("cp")
+    wholes = [_whole(B, 4, S, 3), _whole(B, 8, S, 3, seed=1), _whole(B, 4, S, 5, seed=2)]
+    weights = [_whole(*w.shape, seed=3 + i) for i, w in enumerate(wholes)]
+    xs = [_block(w, 2, rank, cp).clone().requires_grad_(i != 1) for i, w in enumerate(wholes)]
+    with recording() as log:
+        ys = redistribute_together(tuple(xs), "b h s@cp d", "b h@cp s d", mesh, name="qkv")
+        sum((y.sin() * _block(w, 1, rank, cp)).sum() for y, w in zip(ys, weights)).backward()
+    outputs = [(y.detach(), _block(w, 1, rank, cp)) for y, w in zip(ys, wholes)]
+    grads = [
+        (x.grad, None if i == 1 else _block(w.cos() * weight, 2, rank, cp))
+        for i, (x, w, weight) in enumerate(zip(xs, wholes, weights))
+    ]
+    events = [(e.op, e.phase, e.nbytes) for e in log.events]
+    sizes = [x.numel() * x.element_size() for x in xs]
+    expected = [("all_to_all", "forward", sum(sizes)), ("all_to_all", "backward", sizes[0] + sizes[2])]
+    with recording() as mixed:  # k in fp32 between q and v in fp64: one all-to-all for q and v, one for k
+        moved = redistribute_together((xs[0], xs[1].float(), xs[2]), "b h s@cp d", "b h@cp s d", mesh)
+    outputs += [(y.detach(), _block(w, 1, rank, cp).to(y.dtype)) for y, w in zip(moved, wholes)]
+    return (
+        outputs,
+        grads,
+        (events, expected),
+        ([e.nbytes for e in mixed.events], [sizes[0] + sizes[2], sizes[1] // 2]),
+    )
+
+
+def test_redistribute_together_is_each_move_in_one_all_to_all(ranks2, ranks4):
+    for results in (ranks2.run(_together_case), ranks4.run(_together_case)):
+        for outputs, grads, *counts in results:
+            for actual, expected in outputs:
+                torch.testing.assert_close(actual, expected)
+            for actual, expected in grads:
+                assert (actual is None) == (expected is None)
+                if expected is not None:
+                    torch.testing.assert_close(actual, expected)
+            for actual, expected in counts:
+                assert actual == expected

@@ -3,7 +3,7 @@
 Registered in transformers' attention-function registry (and its mask registry, so the model
 still builds its mask) under ``cpshard_<inner>``. Inside a cp call, q, k and v arrive split
 over the sequence, and this module dispatches. Ulysses (:mod:`cpshard.attention.ulysses`): one
-all-to-all each makes them whole sequences over a share of the heads, the model's own function runs
+all-to-all for the three makes them whole sequences over a share of the heads, the model's own function runs
 with the model's own whole-sequence mask, and one all-to-all brings the output back. Ring (and hybrid,
 Ulysses inside groups first): k and v travel the ring (:mod:`cpshard.attention.ring`) with per-block
 masks cut from that same mask; its glue is here. A prefill also leaves each layer's k and v in the

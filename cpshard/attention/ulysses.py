@@ -1,5 +1,5 @@
 """Ulysses: sequence-split q, k and v become whole sequences over a share of the heads (one all-to-all
-each), the model's own attention function runs on them under the model's own whole-sequence mask, and
+for the three), the model's own attention function runs on them under the model's own whole-sequence mask, and
 one all-to-all brings the output back. The head checks, the exchanges (also Ulysses' half of hybrid, over
 a part of cp), the per-head masks and parameters, and the function over checkpointed blocks of queries
 (``make_cp_forward(attention_block_bytes=...)``, or sdpa where its float mask would be large); the
@@ -14,7 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from cpshard.comm.record import expect
-from cpshard.comm.redistribute import axis_size, redistribute
+from cpshard.comm.redistribute import axis_size, redistribute, redistribute_together
 from cpshard.interfaces import SeenAs
 from cpshard.precision import autocast_inputs
 from cpshard.spec.masks import additive_mask
@@ -56,10 +56,7 @@ def heads_for_sequences(module, query, key, value, kwargs: dict, layout, mesh, a
     if replicas > 1:
         key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
     seq_split, head_split = (spec.renamed("cp", axis) for spec in layout.qkv)
-    query, key, value = (
-        redistribute(x, seq_split, head_split, mesh, name=f"{path} {part}")
-        for part, x in (("q", query), ("k", key), ("v", value))
-    )
+    query, key, value = redistribute_together((query, key, value), seq_split, head_split, mesh, f"{path} qkv")
     if replicas > 1 or layout.per_head_params:
         names = tuple(n for n in layout.per_head_params if isinstance(getattr(module, n, None), torch.Tensor))
         per_head = _local_heads(module, names, query.shape[1], mesh.get_local_rank(axis))

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from cpshard.comm.exchange import all_to_all
+from cpshard.comm.exchange import all_to_all, all_to_all_together
 from cpshard.spec.notation import Dim, Spec, SpecError
 from cpshard.spec.sequence import chunks_per_rank, positions
 
@@ -78,26 +78,41 @@ def redistribute(
     """``x``, the local part of a tensor placed as ``src`` on ``mesh``, placed as ``dst``. Differentiable.
     ``donate``: the caller reads ``x`` no more, and an all-to-all's result may take its storage
     (:func:`cpshard.comm.exchange.all_to_all`)."""
-    src, dst = Spec(src), Spec(dst)
+
+    def exchange(xs, scatter_dim, gather_dim, group):
+        return (all_to_all(xs[0], scatter_dim, gather_dim, group, name=name, donate=donate),)
+
+    return _moved((x,), Spec(src), Spec(dst), mesh, name, exchange)[0]
+
+
+def redistribute_together(
+    xs: tuple[torch.Tensor, ...], src: Spec | str, dst: Spec | str, mesh, name: str = ""
+) -> tuple[torch.Tensor, ...]:
+    """:func:`redistribute` of several tensors placed alike (Ulysses' q, k and v), each all-to-all one
+    collective for all of them (:func:`cpshard.comm.exchange.all_to_all_together`)."""
+
+    def exchange(xs, scatter_dim, gather_dim, group):
+        return all_to_all_together(xs, scatter_dim, gather_dim, group, name=name)
+
+    return _moved(tuple(xs), Spec(src), Spec(dst), mesh, name, exchange)
+
+
+def _moved(xs: tuple, src: Spec, dst: Spec, mesh, name: str, exchange) -> tuple:
+    """``xs`` through the moves from ``src`` to ``dst``: ``exchange(xs, scatter_dim, gather_dim, group)``
+    for an all-to-all, a slice of each for a replicated dimension."""
     tensor = name or "tensor"
-    if x.dim() != len(src.dims):
-        raise SpecError(
-            f"{tensor}: spec {src} has {len(src.dims)} dimensions, "
-            f"the local tensor has shape {tuple(x.shape)}"
-        )
+    for x in xs:
+        if x.dim() != len(src.dims):
+            raise SpecError(
+                f"{tensor}: spec {src} has {len(src.dims)} dimensions, "
+                f"the local tensor has shape {tuple(x.shape)}"
+            )
     for move in plan(src, dst):
         if move.kind == "all_to_all":
-            x = all_to_all(
-                x,
-                scatter_dim=move.dst_dim,
-                gather_dim=move.src_dim,
-                group=mesh.get_group(move.axis),
-                name=name,
-                donate=donate,
-            )
-            continue
-        x = _slice(x, dst.dims[move.dst_dim], move, mesh, tensor)
-    return x
+            xs = exchange(xs, move.dst_dim, move.src_dim, mesh.get_group(move.axis))
+        else:
+            xs = tuple(_slice(x, dst.dims[move.dst_dim], move, mesh, tensor) for x in xs)
+    return xs
 
 
 def axis_size(mesh, axis: str) -> int:

@@ -73,6 +73,17 @@ def step(tensor: str, src: Spec, dst: Spec, dims: dict, layout: Layout, sizes: d
     return Step(tensor, src, dst, moves, count * per_token)
 
 
+#: the tensors that move in one collective where they share a dtype
+#: (:func:`cpshard.attention.ulysses.heads_for_sequences`)
+TOGETHER = ("q", "k", "v")
+
+
+def collectives(steps: tuple[Step, ...]) -> int:
+    """How many collectives ``steps`` launch: q, k and v in one for each move of theirs, the rest one each."""
+    together = [s.collectives for s in steps if s.tensor in TOGETHER]
+    return max(together, default=0) + sum(s.collectives for s in steps if s.tensor not in TOGETHER)
+
+
 def head_dim(config, layout: Layout) -> int:
     """q's and k's width per head: a latent-attention model's nope and rope parts together (its config's
     ``head_dim`` is the rope part alone: DeepSeek-V2/V3, MiniCPM3, LongCat-Flash), else the config's

@@ -3,8 +3,8 @@
 The collectives report themselves to :mod:`cpshard.comm.record`; this groups them by module path, op and
 phase. The optimum comes from :mod:`cpshard.debug.optimum`, not from what ran: each ``cp_forward`` the
 function makes is seen at its model's forward (batch size, padded length, dtype, parameters), and
-for a Ulysses call that says, per attention module, one all-to-all each of q, k, v and the output
-forward, the same backward when a backward ran; every gradient once (one bucket per dtype) when
+for a Ulysses call that says, per attention module, one all-to-all of q, k and v together and one of
+the output forward, the same backward when a backward ran; every gradient once (one bucket per dtype) when
 gradients are reduced (in ``backward()``'s, with one element per parameter saying which ranks reached it),
 and the fp32 loss once. Ring and hybrid calls get no optimum here. A
 linear-attention layer declares its own (:func:`cpshard.comm.record.expect`: the analytic bytes of the
@@ -136,10 +136,10 @@ def optimum(runs: list[_Run], declared: list[Expected], groups: set[tuple]) -> d
         per_phase = (
             run.optimum.all_to_all // 2
         )  # ulysses_optimum counts forward and backward, here of one layer
-        for path in run.attention_paths:
-            add((path, "all_to_all", "forward"), 4, per_phase)
+        for path in run.attention_paths:  # q, k and v in one all-to-all, the output in another
+            add((path, "all_to_all", "forward"), 2, per_phase)
             if backward:
-                add((path, "all_to_all", "backward"), 4, per_phase)
+                add((path, "all_to_all", "backward"), 2, per_phase)
         loss_apart = (LOSS, "all_reduce", "forward") in groups
         if run.buckets is not None and (GRADIENTS, "all_reduce", "backward") in groups:
             if loss_apart:

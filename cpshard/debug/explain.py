@@ -14,6 +14,7 @@ from cpshard.debug.analytic import (
     Step,
     attention_paths,
     attention_steps,
+    collectives,
     cut_steps,
     mesh_sizes,
 )
@@ -75,11 +76,12 @@ class Explanation:
         header = ("where", "tensor", "spec in", "spec out", "collective", "bytes/token")
         lines.append(table(rows, header, right=frozenset({5})))
         if self.attention:
-            count = sum(s.collectives for s in self.attention)
+            count = collectives(self.attention)
             per_module = sum(s.bytes_per_token or 0 for s in self.attention)
             lines += [
                 "",
-                f"per attention module: {count} collectives, {grouped(per_module)} bytes/token forward, "
+                f"per attention module: {count} collectives (q, k and v in one), {grouped(per_module)} "
+                "bytes/token forward, "
                 "the same backward",
                 f"over {len(self.attention_modules)} modules: "
                 f"{grouped(self.attention_bytes_per_token)} bytes/token forward, "

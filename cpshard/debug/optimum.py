@@ -57,8 +57,8 @@ def ulysses_optimum(
 ) -> CommOptimum:
     """Bytes per rank per Ulysses training step on a cp-only mesh (inputs of each collective).
 
-    Per decoder layer, forward and again backward: one all-to-all each of q, k, v and the
-    attention output, each of ``B * L/cp * heads * head_dim`` elements (k and v with the kv
+    Per decoder layer, forward and again backward: q, k and v (one all-to-all for the three) and the
+    attention output (one more), each of ``B * L/cp * heads * head_dim`` elements (k and v with the kv
     heads after replication; v and the output ``value_head_dim`` wide where it differs, as in
     latent attention). Then one all-reduce of every gradient and one of the fp32 loss.
     """

@@ -249,7 +249,7 @@ class Layout:
     #: the residual stream, cut once at the first decoder layer (a slice: no communication); in a looped
     #: layout, at its first entry only
     hidden: tuple[Spec, Spec]
-    #: q, k and v: sequence-split in, head-split out (one all-to-all each)
+    #: q, k and v: sequence-split in, head-split out (one all-to-all for the three)
     qkv: tuple[Spec, Spec]
     #: the attention output, as transformers' attention functions return it: back to sequence-split
     attn_output: tuple[Spec, Spec]

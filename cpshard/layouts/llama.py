@@ -2,9 +2,9 @@
 
 The sequence is cut once, before the first layer (the embeddings, the rotary pair and the causal
 mask are computed on the whole sequence first); each layer slices its rotary pair. Attention
-moves q, k and v by one all-to-all each from sequence-split to head-split, runs the model's own
-attention function on whole sequences, and one all-to-all brings its output back. The head is a
-plain projection. Tensor parallelism splits q/k/v and gate/up by columns, o and down by rows.
+moves q, k and v by one all-to-all (the three together) from sequence-split to head-split, runs
+the model's own attention function on whole sequences, and one all-to-all brings its output back.
+The head is a plain projection. Tensor parallelism splits q/k/v and gate/up by columns, o and down by rows.
 """
 
 from cpshard.layouts.layout import Layout, specs

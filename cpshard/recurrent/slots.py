@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpshard.call import split_call
-from cpshard.comm.exchange import all_to_all
+from cpshard.comm.exchange import all_to_all, all_to_all_together, collectives_together
 from cpshard.comm.record import expect
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import CUT_AT_ENTRY, FUSED_SLOTS, RECURRENT_KERNELS, Layout, Recurrent
@@ -134,9 +134,11 @@ class DeltaRule(Slot):
         if initial_state is not None or wants_final:
             raise ValueError(f"{self.path}: the head split carries no state in or out of the call")
         per_phase = head_split_bytes(inputs, tensor_bytes(inputs[2])) // 2
-        for phase in ("forward", "backward"):  # each input and the output, there and back
-            expect(self.module, "all_to_all", phase, len(_INPUTS) + 1, per_phase)
-        whole = [all_to_all(x, 2, 1, group, f"{self.path} {name}") for name, x in zip(_INPUTS, inputs)]
+        kernel_inputs = tuple(inputs[: len(_INPUTS)])
+        count = collectives_together(kernel_inputs) + 1  # the inputs together, the output, there and back
+        for phase in ("forward", "backward"):
+            expect(self.module, "all_to_all", phase, count, per_phase)
+        whole = all_to_all_together(kernel_inputs, 2, 1, group, f"{self.path} {' '.join(_INPUTS)}")
         outputs, _ = self.original(*whole[:3], g=whole[3], beta=whole[4], **kwargs)
         return all_to_all(outputs, 1, 2, group, f"{self.path} output"), None
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpshard.comm.collectives import all_gather_shards
-from cpshard.comm.exchange import all_to_all
+from cpshard.comm.exchange import all_to_all, all_to_all_together, collectives_together
 from cpshard.comm.record import expect
 from cpshard.recurrent.affine import correct_outputs, fold_states, outgoing_state, ssd_summary
 from cpshard.recurrent.exchange import gathered_summaries
@@ -86,15 +86,12 @@ class SSDScan(Slot):
         size, rank = group.size(), dist.get_rank(group)
         heads, groups = hidden_states.shape[2], B.shape[2]
         share = slice(rank * heads // size, (rank + 1) * heads // size)
-        whole = [
-            all_to_all(x, 2, 1, group, f"{self.path} {name}")
-            for name, x in (("x", hidden_states), ("dt", dt))
-        ]
-        if groups % size == 0:
-            whole_b, whole_c = (
-                all_to_all(x, 2, 1, group, f"{self.path} {name}") for name, x in (("B", B), ("C", C))
+        if groups % size == 0:  # B and C split over their groups, with x and dt
+            *whole, whole_b, whole_c = all_to_all_together(
+                (hidden_states, dt, B, C), 2, 1, group, f"{self.path} x dt B C"
             )
         else:  # every rank's heads lie in one group: B and C gathered whole, that group kept
+            whole = all_to_all_together((hidden_states, dt), 2, 1, group, f"{self.path} x dt")
             tokens = [x.transpose(0, 1).contiguous() for x in (B, C)]
             gathered = all_gather_shards(
                 tokens, [t.shape[0] * size for t in tokens], group, f"{self.path} B C"
@@ -118,10 +115,16 @@ class SSDScan(Slot):
             2 * tensor_bytes(B),
             tensor_bytes(hidden_states) + tensor_bytes(dt) + tensor_bytes(outputs),
         )
-        if B.shape[2] % size == 0:
-            expect(self.module, "all_to_all", phase, 5, moved + pair)
+        if B.shape[2] % size == 0:  # x, dt, B and C together, then the output
+            expect(
+                self.module,
+                "all_to_all",
+                phase,
+                collectives_together((hidden_states, dt, B)) + 1,
+                moved + pair,
+            )
             return
-        expect(self.module, "all_to_all", phase, 3, moved)
+        expect(self.module, "all_to_all", phase, collectives_together((hidden_states, dt)) + 1, moved)
         gather = "all_gather" if phase == "forward" else "reduce_scatter"
         expect(self.module, gather, phase, 1, pair * (1 if phase == "forward" else size))
 
@@ -202,10 +205,13 @@ class ChannelSplit(Slot):
         if kwargs.pop("return_last_state", False):
             raise ValueError(f"{self.path}: a cp call hands on its state only to cp decode (cp_prefill)")
         share = slice(rank * channels // size, (rank + 1) * channels // size)
-        split = [
-            None if x is None else all_to_all(x, 1, 2, group, f"{self.path} {name}")
-            for name, x in (("x", hidden_states), ("dt", dt), ("z", z))
-        ]
+        named = [(name, x) for name, x in (("x", hidden_states), ("dt", dt), ("z", z)) if x is not None]
+        moved = iter(
+            all_to_all_together(
+                tuple(x for _, x in named), 1, 2, group, f"{self.path} {' '.join(name for name, _ in named)}"
+            )
+        )
+        split = [None if x is None else next(moved) for x in (hidden_states, dt, z)]
         whole = [*split, *self.gathered((B, C), group)]
         own = [None if p is None else p[share] for p in (A, D, delta_bias)]
         prefill = call.state_sink is not None
@@ -232,7 +238,7 @@ class ChannelSplit(Slot):
         for phase, gather in (("forward", "all_gather"), ("backward", "reduce_scatter")):
             # each per-channel input and the output, there and back; B and C gathered, their gradients back
             nbytes = sum(tensor_bytes(x) for x in exchanged) + tensor_bytes(outputs)
-            expect(self.module, "all_to_all", phase, len(exchanged) + 1, nbytes)
+            expect(self.module, "all_to_all", phase, collectives_together(exchanged) + 1, nbytes)
             expect(
                 self.module,
                 gather,
