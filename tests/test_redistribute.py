@@ -1,6 +1,8 @@
 """Moves between specs: the plan is a pure choice of collective; running it on 2 and 4 gloo ranks equals
 slicing the whole tensor computed on one process, forward and backward, with the optimal bytes on the wire."""
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +32,22 @@ from cpshard.spec.sequence import positions
 def test_plan(src, dst, moves):
     assert list(plan(src, dst)) == moves
     assert plan(Spec(src), Spec(dst)) == plan(src, dst)
+
+
+def test_plan_under_compile_warns_of_no_skipped_cache():
+    """Dynamo traces through a cached function with a warning to the user of "potential silent
+    incorrectness"; under torch.compile plan asks no cache, and the graph holds the same moves."""
+    torch._dynamo.utils.warn_once_cache.clear()  # Dynamo gives each warning once a process
+
+    def moves(x):
+        return x * len(plan("a@x b", "a b@(y,x)"))
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(moves, backend="eager", fullgraph=True)(torch.ones(2))
+    assert torch.equal(compiled, moves(torch.ones(2)))
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
 
 
 @pytest.mark.parametrize(

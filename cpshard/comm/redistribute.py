@@ -8,12 +8,11 @@ with no communication; an unchanged axis is nothing at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from cpshard.comm.exchange import all_to_all, all_to_all_together
-from cpshard.spec.notation import Dim, Spec, SpecError
+from cpshard.spec.notation import Dim, Spec, SpecError, cached_outside_compile
 from cpshard.spec.sequence import chunks_per_rank, positions
 
 
@@ -37,7 +36,7 @@ def plan(src: Spec | str, dst: Spec | str) -> tuple[Move, ...]:
     return _moves(Spec(src), Spec(dst))
 
 
-@lru_cache(maxsize=1024)
+@cached_outside_compile
 def _moves(src: Spec, dst: Spec) -> tuple[Move, ...]:
     if src.names != dst.names:
         raise SpecError(f"cannot move {src} to {dst}: the dimensions differ ({src.names} vs {dst.names})")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, wraps
+
+import torch
 
 from cpshard.spec.sequence import ORDERS
 
@@ -64,7 +66,20 @@ def _parse_token(token: str, text: str) -> Dim:
     return Dim(match.group("name"), axes, order)
 
 
-@lru_cache(maxsize=1024)
+def cached_outside_compile(fn):
+    """``fn``'s results kept per arguments (a pure function of hashable values on the hot path), asked
+    only outside torch.compile: Dynamo traces the function itself into the graph, and would skip a
+    cache with a warning to the user of "potential silent incorrectness"."""
+    cached = lru_cache(maxsize=1024)(fn)
+
+    @wraps(fn)
+    def call(*args):
+        return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+    return call
+
+
+@cached_outside_compile
 def _parsed(text: str) -> tuple[Dim, ...]:
     """The dims of a spec's text, read once per text: specs are written once and read by every layer's
     exchanges, on the hot path."""
