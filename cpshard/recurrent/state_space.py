@@ -206,10 +206,9 @@ class ChannelSplit(Slot):
             raise ValueError(f"{self.path}: a cp call hands on its state only to cp decode (cp_prefill)")
         share = slice(rank * channels // size, (rank + 1) * channels // size)
         named = [(name, x) for name, x in (("x", hidden_states), ("dt", dt), ("z", z)) if x is not None]
+        exchanged = tuple(x for _, x in named)
         moved = iter(
-            all_to_all_together(
-                tuple(x for _, x in named), 1, 2, group, f"{self.path} {' '.join(name for name, _ in named)}"
-            )
+            all_to_all_together(exchanged, 1, 2, group, f"{self.path} {' '.join(name for name, _ in named)}")
         )
         split = [None if x is None else next(moved) for x in (hidden_states, dt, z)]
         whole = [*split, *self.gathered((B, C), group)]
@@ -234,7 +233,6 @@ class ChannelSplit(Slot):
             outputs, state = outputs
             self.sink(call, self.channels_gathered(state, group))
             outputs = F.pad(outputs, (0, hidden_states.shape[-1] * size - call.length))
-        exchanged = [x for x in (hidden_states, dt, z) if x is not None]
         for phase, gather in (("forward", "all_gather"), ("backward", "reduce_scatter")):
             # each per-channel input and the output, there and back; B and C gathered, their gradients back
             nbytes = sum(tensor_bytes(x) for x in exchanged) + tensor_bytes(outputs)
