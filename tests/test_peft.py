@@ -1,40 +1,48 @@
 """LoRA under cp: PEFT's adapters live in the modules of the model it wraps, so that model
 (``peft_model.get_base_model()``) runs under cp as any model does, its adapters trained and its frozen
-weights without a gradient, as in one process. PEFT's wrapper itself is refused, naming that way out."""
+weights without a gradient, as in one process; under tp each adapter splits with the layer it wraps
+(:mod:`cpshard.parallel.adapters`), and what tp cannot split so is refused before any collective. PEFT's
+wrapper itself is refused, naming that way out."""
+
+import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 
 import cpshard
 from cpshard.tools.tiny import tiny_batch, tiny_model
 
+#: the layers of the plan that LoRA wraps in the tp cases: column-wise (q, v, gate) and row-wise (o, down)
+SPLIT_TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
 
-def _lora(model_type: str):
-    """The tiny model with LoRA adapters on q and v (B drawn, not zeros: the adapters change the output)."""
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+def _lora(model_type: str, targets=("q_proj", "v_proj"), **options):
+    """The tiny model with LoRA adapters on ``targets`` (B drawn, not zeros: the adapters change the
+    output)."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), **options)
     config.init_lora_weights = False
     return get_peft_model(tiny_model(model_type), config)
 
 
-def lora_step(model_type: str, implementation: str, fsdp: bool) -> dict:
-    """One ``loss.backward()`` under cp on the wrapped model (``fsdp``: sharded by ``parallelize`` over two
-    dp groups that hold the same batch, cp 1) and one in this process alone on a copy: the losses, which
-    parameters have a gradient in each, and the largest difference of the adapters' gradients relative to
-    their scale."""
+def lora_step(model_type: str, implementation: str, sizes: dict, targets=("q_proj", "v_proj")) -> dict:
+    """One ``loss.backward()`` under cp on the wrapped model, on a mesh of ``sizes`` (with fsdp or tp:
+    sharded by ``parallelize``; fsdp's dp groups hold the same batch), and one in this process alone on a
+    copy: the losses, which parameters have a gradient in each, and the largest difference of the adapters'
+    gradients relative to their scale."""
     torch.manual_seed(0)  # the adapters' draws alike on every rank
-    own, model = (_lora(model_type).get_base_model() for _ in range(2))
+    own, model = (_lora(model_type, targets).get_base_model() for _ in range(2))
     model.load_state_dict(own.state_dict())
     forward = cpshard.make_cp_forward(model, implementation=implementation)
-    mesh = cpshard.make_mesh(**({"fsdp": 2, "cp": 1} if fsdp else {"cp": dist.get_world_size()}))
-    if fsdp:
+    mesh = cpshard.make_mesh(**sizes)
+    sharded = {"fsdp", "tp"} & set(sizes)
+    if sharded:
         cpshard.parallelize(model, mesh)
     batch = tiny_batch(model.config.vocab_size, 2, 23, pad="left")
     loss = forward(cpshard.params_of(model), batch, mesh).loss
     loss.backward()
     under_cp = {
-        name: p.grad.full_tensor() if fsdp else p.grad
+        name: p.grad.full_tensor() if sharded else p.grad
         for name, p in model.named_parameters()
         if p.grad is not None
     }
@@ -48,22 +56,59 @@ def lora_step(model_type: str, implementation: str, fsdp: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "model_type, implementation, fsdp",
-    [
-        ("llama", "ulysses", False),
-        ("llama", "ring", False),
-        ("qwen3_next", "auto", False),
-        ("llama", "auto", True),
-    ],
-)
-def test_lora_adapters_train_as_in_one_process(ranks2, model_type, implementation, fsdp):
-    for result in ranks2.run(lora_step, model_type, implementation, fsdp):
+def _assert_as_in_one_process(results: list) -> None:
+    for result in results:
         cp_loss, own_loss = result["losses"]
         assert abs(cp_loss - own_loss) <= 1e-5 * abs(own_loss), result
         under_cp, own = result["with gradient"]
         assert under_cp == own and own and all(".lora_" in name for name in own), result
         assert result["worst"] <= 1e-5, result
+
+
+@pytest.mark.parametrize(
+    "model_type, implementation, sizes, targets",
+    [
+        ("llama", "ulysses", dict(cp=2), ("q_proj", "v_proj")),
+        ("llama", "ring", dict(cp=2), ("q_proj", "v_proj")),
+        ("qwen3_next", "auto", dict(cp=2), ("q_proj", "v_proj")),
+        ("llama", "auto", dict(fsdp=2, cp=1), ("q_proj", "v_proj")),
+        ("llama", "auto", dict(cp=1, tp=2), SPLIT_TARGETS),
+    ],
+)
+def test_lora_adapters_train_as_in_one_process(ranks2, model_type, implementation, sizes, targets):
+    _assert_as_in_one_process(ranks2.run(lora_step, model_type, implementation, sizes, targets))
+
+
+@pytest.mark.parametrize("implementation", ["ulysses", "ring"])
+def test_lora_adapters_split_with_their_layers_beside_cp(ranks4, implementation):
+    _assert_as_in_one_process(ranks4.run(lora_step, "llama", implementation, dict(cp=2, tp=2), SPLIT_TARGETS))
+
+
+#: LoRA configurations tp cannot split as the layers they wrap, and what the refusal names
+UNSPLIT = {
+    "dora": (dict(use_dora=True), r"q_proj: is a LoRA layer with the variant \['default'\] \(as DoRA\)"),
+    "dropout": (dict(lora_dropout=0.1), r"q_proj: is a LoRA layer with dropout, .* set lora_dropout=0"),
+    "bias": (
+        dict(lora_bias=True),
+        r"o_proj: is a row-wise LoRA layer with lora_bias, .* set lora_bias=False",
+    ),
+}
+
+
+def refused_under_tp(options: dict) -> str:
+    """What ``parallelize`` raises on cp 1 x tp 2 for the LoRA of ``options`` on q and o."""
+    model = _lora("llama", ("q_proj", "o_proj"), **options).get_base_model()
+    with pytest.raises(ValueError) as raised:
+        cpshard.parallelize(model, cpshard.make_mesh(cp=1, tp=2))
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("case", sorted(UNSPLIT))
+def test_lora_that_tp_cannot_split_is_refused_on_every_rank(ranks2, case):
+    options, message = UNSPLIT[case]
+    for refusal in ranks2.run(refused_under_tp, options):
+        assert re.search(rf"model\.layers\.0\.self_attn\.{message}", refusal), refusal
+        assert "run this model with tp=1" in refusal, refusal
 
 
 def test_peft_s_wrapper_is_refused_naming_the_model_it_wraps():

@@ -9,6 +9,8 @@ replicated over ``dp_replicate`` (HSDP). Inside that, the layout's plan may spli
 - ``rowwise`` (o/down): dim 1 over ``tp``, dim 0 over ``fsdp_cp``;
 - ``per_head`` (Qwen3's and Gemma3's q/k norms): placed as ``shard``, replicated over ``tp``; each
   tp rank applies it to its own heads, so :func:`cpshard.parallel.fsdp.gather_params` sums its gradient;
+- a LoRA adapter on a ``colwise`` or ``rowwise`` layer: its parts as :mod:`cpshard.parallel.adapters`
+  styles them (the wrapped layer as the layer, one adapter matrix split with it, the other ``per_head``);
 - ``expert`` (MoE experts): dim 0 over ``ep``, the ranks of ``fsdp x cp`` regrouped as
   ``(efsdp, ep)`` with ep innermost, and the FSDP split over ``efsdp`` on this rank's experts.
 
@@ -27,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from cpshard.layouts.layout import Layout
+from cpshard.parallel.adapters import part_style
 from cpshard.parallel.mesh import expert_degree, mesh_size
 
 
@@ -86,7 +89,16 @@ def style_of(name: str, layout: Layout | None) -> str:
     module = match.group(1)
     if module in layout.experts:
         return "expert"
-    return layout.tensor_parallel.get(module, "shard")
+    if module in layout.tensor_parallel:
+        return layout.tensor_parallel[module]
+    return next(
+        (
+            part_style(module[len(path) + 1 :], style) or "shard"
+            for path, style in layout.tensor_parallel.items()
+            if module.startswith(f"{path}.")
+        ),
+        "shard",
+    )
 
 
 def placed(style: str, mesh: DeviceMesh) -> Placed:
