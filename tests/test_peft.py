@@ -73,6 +73,7 @@ def _assert_as_in_one_process(results: list) -> None:
         ("qwen3_next", "auto", dict(cp=2), ("q_proj", "v_proj")),
         ("llama", "auto", dict(fsdp=2, cp=1), ("q_proj", "v_proj")),
         ("llama", "auto", dict(cp=1, tp=2), SPLIT_TARGETS),
+        ("qwen3_moe", "auto", dict(cp=2), ("q_proj", "down_proj")),  # down_proj: PEFT wraps the experts too
     ],
 )
 def test_lora_adapters_train_as_in_one_process(ranks2, model_type, implementation, sizes, targets):
@@ -116,3 +117,21 @@ def test_peft_s_wrapper_is_refused_naming_the_model_it_wraps():
         cpshard.LayoutError, match=r"PeftModel is PEFT's wrapper around a LlamaForCausalLM: pass "
     ):
         cpshard.make_cp_forward(_lora("llama"))
+
+
+def refused_under_ep() -> str:
+    """What ``parallelize`` raises on cp 2 x ep 2 for Qwen3-MoE with LoRA on its experts' down_proj."""
+    model = _lora("qwen3_moe", ("down_proj",)).get_base_model()
+    with pytest.raises(ValueError) as raised:
+        cpshard.parallelize(model, cpshard.make_mesh(cp=2, ep=2))
+    return str(raised.value)
+
+
+def test_lora_on_experts_is_refused_under_ep_on_every_rank(ranks2):
+    for refusal in ranks2.run(refused_under_ep):
+        assert re.search(
+            r"model\.layers\.\d+\.mlp\.experts is a ParamWrapper with parameters below it \(.*lora_A.*; "
+            r"PEFT's LoRA on the experts\): ep=2 splits the experts' own weights alone; build the mesh "
+            r"with ep=1",
+            refusal,
+        ), refusal

@@ -43,6 +43,7 @@ from cpshard.comm.collectives import gather_shares, share_rows, sum_grads_over_g
 from cpshard.comm.exchange import all_to_all, all_to_all_rows
 from cpshard.comm.record import serving
 from cpshard.interfaces import SeenAs, register_wrapper
+from cpshard.layouts.structure import submodule, text_config
 
 PREFIX = "cpshard_ep_"
 #: how the experts layer runs under ep (see the module docstring); "auto" picks "all_reduce" where it can
@@ -318,11 +319,32 @@ def check_experts(config, ep: int) -> None:
         )
 
 
-def check_expert_parallel(config, layout, ep: int, tp: int = 1) -> None:
+def _check_experts_hold_their_weights(model, layout, ep: int) -> None:
+    """Each experts module holds its one slice per expert itself: ep splits those weights on dim 0 and
+    nothing below them (PEFT's LoRA on the experts wraps them, its adapters beside them, which ep would
+    leave whole): a clear error before any collective, where the first forward would fail on the
+    experts' count."""
+    for i, layer in enumerate(submodule(model, layout.decoder_layers) or ()):
+        for path in layout.experts:
+            module = submodule(layer, path)
+            nested = [name for name, _ in (module.named_parameters() if module else ()) if "." in name]
+            if nested:
+                where, kind = f"{layout.decoder_layers}.{i}.{path}", type(module).__name__
+                raise ValueError(
+                    f"{where} is a {kind} with parameters below it ({', '.join(nested)}; PEFT's LoRA on the "
+                    f"experts): ep={ep} splits the experts' own weights alone; build the mesh with ep=1 (cp "
+                    "and fsdp serve it), or leave the experts out of the adapter's targets"
+                )
+
+
+def check_expert_parallel(model, layout, ep: int, tp: int = 1) -> None:
     """The layout's experts can serve ``ep`` beside ``tp`` (a model without experts only ep=1); see
-    :func:`check_experts`."""
+    :func:`check_experts` and :func:`_check_experts_hold_their_weights`."""
+    config = text_config(model)
     if layout.experts:
         check_experts(config, ep)
+        if ep > 1:
+            _check_experts_hold_their_weights(model, layout, ep)
         if tp > 1 and ep == 1:
             raise NotImplementedError(
                 f"tensor parallelism (tp={tp}) for the mixture-of-experts layout {layout.name!r} needs "

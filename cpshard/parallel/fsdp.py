@@ -19,7 +19,6 @@ from cpshard.comm.collectives import all_gather_shards, sum_grads_over_group
 from cpshard.comm.record import serving
 from cpshard.layouts.layout import Layout
 from cpshard.layouts.registry import resolve_layout
-from cpshard.layouts.structure import text_config
 from cpshard.parallel.experts import check_expert_parallel
 from cpshard.parallel.mesh import MESH_AXES, expert_degree, mesh_size
 from cpshard.parallel.placement import Placed, placed, placement_problem, style_of
@@ -61,7 +60,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout | str = "auto
     if max(mesh_size(mesh, "tp"), expert_degree(mesh)) > 1:  # only then does the layout's plan matter
         layout = resolve_layout(model, layout)
         check_tensor_parallel(model, layout, mesh_size(mesh, "tp"))
-        check_expert_parallel(text_config(model), layout, expert_degree(mesh), mesh_size(mesh, "tp"))
+        check_expert_parallel(model, layout, expert_degree(mesh), mesh_size(mesh, "tp"))
     else:
         layout = None
     named = dict(model.named_parameters())

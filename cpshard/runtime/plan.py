@@ -101,7 +101,7 @@ def check_block_bytes(block_bytes, compile) -> None:
 def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dict) -> tuple[str, int]:
     """``(implementation, Ulysses degree)`` for this mesh, after the checks of tp, ep and compile."""
     cp, tp, ep = cp_size(mesh), mesh_size(mesh, "tp"), expert_degree(mesh)
-    check_expert_parallel(text_config(model), layout, ep, tp)
+    check_expert_parallel(model, layout, ep, tp)
     if layout.recurrent:  # before tp's: what recurrent layers refuse says more than a module tp would cut
         check_recurrent_parallelism(layout, options, tp, ep)
     if layout.cut_at_entry and (max(tp, ep) > 1 or options.compile):
