@@ -135,3 +135,27 @@ def test_lora_on_experts_is_refused_under_ep_on_every_rank(ranks2):
             r"with ep=1",
             refusal,
         ), refusal
+
+
+def adapters_after_parallelize() -> str:
+    """What the first cp call raises where LoRA's adapters were added to a model already parallelized over
+    cp 1 x tp 2 (its base weights DTensors, the adapters plain tensors no tp rank splits)."""
+    model, mesh = tiny_model("llama"), cpshard.make_mesh(cp=1, tp=2)
+    cpshard.parallelize(model, mesh)
+    torch.manual_seed(0)  # the adapters' draws alike on every rank
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])).get_base_model()
+    batch = tiny_batch(model.config.vocab_size, 2, 8)
+    with pytest.raises(ValueError) as raised:
+        cpshard.make_cp_forward(model)(cpshard.params_of(model), batch, mesh)
+    return str(raised.value)
+
+
+def test_adapters_added_after_parallelize_are_named_on_every_rank(ranks2):
+    for refusal in ranks2.run(adapters_after_parallelize):
+        assert (
+            "cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize(model, mesh)) (plain: "
+            "model.layers.0.self_attn.q_proj.lora_A.default.weight, "
+            "model.layers.0.self_attn.q_proj.lora_B.default.weight, "
+            "model.layers.1.self_attn.q_proj.lora_A.default.weight, ...)" in refusal
+        ), refusal
+        assert "parallelize the model after adding any module, as LoRA's adapters" in refusal, refusal
