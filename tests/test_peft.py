@@ -137,10 +137,10 @@ def test_lora_on_experts_is_refused_under_ep_on_every_rank(ranks2):
         ), refusal
 
 
-def adapters_after_parallelize() -> str:
-    """What the first cp call raises where LoRA's adapters were added to a model already parallelized over
-    cp 1 x tp 2 (its base weights DTensors, the adapters plain tensors no tp rank splits)."""
-    model, mesh = tiny_model("llama"), cpshard.make_mesh(cp=1, tp=2)
+def adapters_after_parallelize(sizes: dict) -> str:
+    """What the first cp call raises where LoRA's adapters were added to a model already parallelized over a
+    mesh of ``sizes`` (its base weights DTensors, the adapters plain tensors that no rank splits or sums)."""
+    model, mesh = tiny_model("llama"), cpshard.make_mesh(**sizes)
     cpshard.parallelize(model, mesh)
     torch.manual_seed(0)  # the adapters' draws alike on every rank
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])).get_base_model()
@@ -150,11 +150,18 @@ def adapters_after_parallelize() -> str:
     return str(raised.value)
 
 
-def test_adapters_added_after_parallelize_are_named_on_every_rank(ranks2):
-    for refusal in ranks2.run(adapters_after_parallelize):
+@pytest.mark.parametrize(
+    "sizes, where",
+    [
+        (dict(cp=1, tp=2), "on a mesh with tp=2 and ep=1"),
+        (dict(fsdp=2, cp=1), "beside parallelize's DTensors"),
+    ],
+)
+def test_adapters_added_after_parallelize_are_named_on_every_rank(ranks2, sizes, where):
+    for refusal in ranks2.run(adapters_after_parallelize, sizes):
         assert (
-            "cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize(model, mesh)) (plain: "
-            "model.layers.0.self_attn.q_proj.lora_A.default.weight, "
+            f"{where} cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize(model, mesh)) "
+            "(plain: model.layers.0.self_attn.q_proj.lora_A.default.weight, "
             "model.layers.0.self_attn.q_proj.lora_B.default.weight, "
             "model.layers.1.self_attn.q_proj.lora_A.default.weight, ...)" in refusal
         ), refusal

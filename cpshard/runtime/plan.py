@@ -120,13 +120,14 @@ def choose_strategy(model, layout: Layout, options: CPOptions, mesh, params: dic
             f"{layout.sparse_attention} (keys gathered whole) with cp alone (and fsdp), eagerly, yet"
         )
     plain = [name for name, value in params.items() if not isinstance(value, DTensor)]
-    if max(tp, ep) > 1 and plain:
+    if plain and (max(tp, ep) > 1 or len(plain) < len(params)):
+        where = f"on a mesh with tp={tp} and ep={ep}" if max(tp, ep) > 1 else "beside parallelize's DTensors"
         named = ", ".join(plain[:3]) + ", ..." * (len(plain) > 3)
         some = "" if len(plain) == len(params) else f" (plain: {named})"
         raise ValueError(
-            f"on a mesh with tp={tp} and ep={ep} cp_forward needs the parameters of "
-            f"cpshard.params_of(cpshard.parallelize(model, mesh)){some}: each rank computes with its "
-            "own tp and ep blocks (parallelize the model after adding any module, as LoRA's adapters)"
+            f"{where} cp_forward needs the parameters of cpshard.params_of(cpshard.parallelize(model, mesh))"
+            f"{some}: each rank computes with its own blocks of them (parallelize the model after adding any "
+            "module, as LoRA's adapters)"
         )
     return implementation_for(text_config(model), layout, options, cp, tp)
 
