@@ -1,7 +1,7 @@
 """CPTrainer against one process's plain Trainer on the same data: the logged training losses, the eval
 loss, the input tokens seen and the final weights (saved with save_pretrained) after a few steps of gradient
 accumulation 2, under cp=2 (2 ranks) and fsdp2 x cp2 (4 ranks); Llama, and Qwen3-Next (a Gated DeltaNet
-layer beside an attention layer) at cp=2."""
+layer beside an attention layer) at cp=2; LoRA's adapters on Llama at cp=2 and tp=2."""
 
 import importlib
 import importlib.util
@@ -136,6 +136,53 @@ def test_cp_trainer_is_one_process_trainer_cp2(ranks2, one_process, tmp_path, mo
 @needs_accelerate
 def test_cp_trainer_is_one_process_trainer_fsdp2xcp2(ranks4, one_process, tmp_path):
     _compare(ranks4.run(run_cp_trainer, dict(fsdp=2, cp=2), str(tmp_path)), one_process(2), tmp_path)
+
+
+def _lora_llama():
+    """The tiny Llama with LoRA on q, v and down (B drawn, not zeros: the adapters change the output), alike
+    on every rank."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    config.init_lora_weights = False
+    return get_peft_model(tiny_model("llama", vocab_size=VOCAB), config).get_base_model()
+
+
+def _trained_adapters(trainer) -> tuple[list, dict]:
+    """The logged training losses and the adapters' weights (whole) after ``trainer.train()``."""
+    trainer.train()
+    weights = {
+        n: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        for n, p in trainer.model.named_parameters()
+        if p.requires_grad
+    }
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], weights
+
+
+def cp_trained_lora(sizes: dict, folder: str) -> tuple[list, dict]:
+    mesh, model = cpshard.make_mesh(**sizes), _lora_llama()
+    if set(sizes) != {"cp"}:
+        cpshard.parallelize(model, mesh)
+    from cpshard.integrations.transformers import CPTrainer
+
+    trainer = CPTrainer(model, _arguments(folder, MICRO), mesh=mesh, train_dataset=Rows(1, ROWS))
+    return _trained_adapters(trainer)
+
+
+@needs_accelerate
+@pytest.mark.parametrize("sizes", [dict(cp=2), dict(cp=1, tp=2)])
+def test_cp_trainer_trains_lora_adapters_as_one_process_trainer(ranks2, tmp_path, sizes):
+    own = Trainer(_lora_llama(), _arguments(tmp_path / "one", MICRO), train_dataset=Rows(1, ROWS))
+    own_losses, own_weights = _trained_adapters(own)
+    initial = dict(_lora_llama().named_parameters())
+    assert min((own_weights[n] - initial[n]).abs().max().item() for n in own_weights) > 1e-4  # it trained
+    assert own_weights and all(".lora_" in n for n in own_weights), sorted(own_weights)
+    for losses, weights in ranks2.run(cp_trained_lora, sizes, str(tmp_path / "cp")):
+        assert len(losses) == len(own_losses) == STEPS, (losses, own_losses)
+        assert max(abs(a - b) for a, b in zip(losses, own_losses)) <= 1e-5, (losses, own_losses)
+        assert sorted(weights) == sorted(own_weights)
+        assert max((weights[n] - own_weights[n]).abs().max().item() for n in weights) <= 1e-5
 
 
 def _one_epoch(folder, batch_size: int) -> TrainingArguments:

@@ -322,8 +322,8 @@ def check_experts(config, ep: int) -> None:
 def _check_experts_hold_their_weights(model, layout, ep: int) -> None:
     """Each experts module holds its one slice per expert itself: ep splits those weights on dim 0 and
     nothing below them (PEFT's LoRA on the experts wraps them, its adapters beside them, which ep would
-    leave whole): a clear error before any collective, where the first forward would fail on the
-    experts' count."""
+    leave whole): a clear error from parallelize and the cp call's checks, where the first forward would
+    fail on the experts' count."""
     for i, layer in enumerate(submodule(model, layout.decoder_layers) or ()):
         for path in layout.experts:
             module = submodule(layer, path)
