@@ -166,6 +166,19 @@ def _reductions_case(group):
     grads = torch.autograd.grad(used.sum(), shards, allow_unused=True)
     checks["gathered, reached"] = (grads[0], torch.full((1, 2), float(size), dtype=torch.float64))
     checks["gathered, reached nowhere"] = (grads[1] is None, True)
+    # a frozen shard (LoRA's base weights) gathers whole without a gradient: the backward reduce-scatters the
+    # trained ones' gradients (and their flags) alone, and none is computed for the frozen one
+    trained, frozen = _data(300, 1, 4).requires_grad_(True), _data(301, 1, 2)
+    with recording() as log:
+        used, fixed = all_gather_shards([trained, frozen], [size, size], group, "parameters", reached=True)
+        (grad,) = torch.autograd.grad((used * fixed.sum()).sum(), [trained])
+    checks["gathered, frozen"] = ((used.requires_grad, fixed.requires_grad), (True, False))
+    frozen_sum = size * _data(301, 1, 2).sum()  # of the frozen whole: every rank's shard alike
+    checks["gathered, trained"] = (grad, (size * frozen_sum).expand(1, 4))  # each rank's row gradient, summed
+    checks["gathered, frozen events"] = (
+        [(e.op, e.phase, e.nbytes) for e in log.events],
+        [("all_gather", "forward", 8 * 6), ("reduce_scatter", "backward", 8 * size * (4 + 1))],
+    )
 
     # scatter_sums: this rank's block of the sum over the group; the backward gathers the blocks' gradients
     whole = _data(2000 + rank, 2 * size, 3).requires_grad_(True)

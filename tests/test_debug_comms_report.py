@@ -178,7 +178,10 @@ def traced_step_under_tp(model_type: str):
     attention = {
         (g.module, g.phase): (g.count, g.nbytes, g.verdict) for g in report.groups if g.op == "all_to_all"
     }
-    return attention, report.matches_optimum
+    tp = {  # the sums over tp
+        (g.module, g.phase): (g.count, g.nbytes, g.verdict) for g in report.groups if g.module[:3] == "tp "
+    }
+    return attention, tp, report.matches_optimum
 
 
 @pytest.mark.parametrize(
@@ -192,16 +195,24 @@ def traced_step_under_tp(model_type: str):
 )
 def test_tp_splits_the_heads_that_the_optimum_counts(ranks4, model_type, heads, kv_heads):
     """The optimum counted every head of the model, and a correct llama step under tp was reported as
-    differing."""
+    differing; the sums over tp are counted too (before, listed without an optimum)."""
     local = 12 // 2
     per_module = 2 * local * heads * HD * F32 + 2 * local * kv_heads * HD * F32
-    for attention, matches in ranks4.run(traced_step_under_tp, model_type):
+    stream = local * D * F32  # one sum over tp of this rank's tokens of the residual stream
+    for attention, tp, matches in ranks4.run(traced_step_under_tp, model_type):
         assert attention == {
             (f"model.layers.{i}.self_attn", phase): (2, per_module, "ok")
             for i in range(LAYERS)
             for phase in ("forward", "backward")
         }
         assert matches
+        if model_type == "llama":  # the row-wise layers' outputs and the split blocks' input gradients
+            assert tp == {
+                ("tp self_attn.o_proj", "forward"): (LAYERS, LAYERS * stream, "ok"),
+                ("tp mlp.down_proj", "forward"): (LAYERS, LAYERS * stream, "ok"),
+                ("tp input", "backward"): (2 * LAYERS, 2 * LAYERS * stream, "ok"),
+            }
+        assert all(verdict == "ok" for _, _, verdict in tp.values()), tp  # phi3's derived plan splits none
 
 
 def test_split_name_and_nothing_launched():

@@ -198,7 +198,9 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 class _GatherShards(torch.autograd.Function):
     """All-gather of dim-0 shards into whole tensors; backward: the reduce-scatter of their gradients (with
-    ``reached``, none to a tensor that no rank's backward reached, as :func:`_reached_sums` decides it)."""
+    ``reached``, none to a tensor that no rank's backward reached, as :func:`_reached_sums` decides it). A
+    shard that takes no gradient (a frozen weight: LoRA's base model) gives a whole tensor that takes none
+    either, so the backward neither computes its gradient nor reduce-scatters it."""
 
     @staticmethod
     def forward(ctx, group, name, reached, rows, *shards):
@@ -214,27 +216,35 @@ class _GatherShards(torch.autograd.Function):
         ctx.group, ctx.name, ctx.recorder, ctx.chunks = group, name, active_recorder(), chunks
         ctx.local_rows, ctx.reached = [shard.shape[0] for shard in shards], reached
         ctx.like = [((n, *s.shape[1:]), s.dtype, s.device) for s, n in zip(shards, rows)]
+        ctx.trained = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
         flat = torch.cat([_padded(shard, chunk).reshape(-1) for shard, chunk in zip(shards, chunks)])
         out = _all_gathered(flat, group, ctx.recorder, name, "forward")
         pieces = out.view(size, -1).split([c * math.prod(s.shape[1:]) for c, s in zip(chunks, shards)], dim=1)
-        return tuple(
+        whole = tuple(
             torch.cat([piece[r].view(c, *s.shape[1:])[: _rows_of(r, n, c)] for r in range(size)])
             for piece, s, n, c in zip(pieces, shards, rows, chunks)
         )
+        ctx.mark_non_differentiable(*(w for i, w in enumerate(whole) if i not in ctx.trained))
+        return whole
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *given):
-        size, grads = dist.get_world_size(ctx.group), _filled(given, ctx.like)
-        blocks = [_padded(g, size * c).view(size, -1) for g, c in zip(grads, ctx.chunks)]
-        widths = [c * math.prod(g.shape[1:]) for c, g in zip(ctx.chunks, grads)]
+        trained = ctx.trained  # the gradients of the others are None: they take none
+        given, like = [given[i] for i in trained], [ctx.like[i] for i in trained]
+        chunks, local_rows = [ctx.chunks[i] for i in trained], [ctx.local_rows[i] for i in trained]
+        size, grads = dist.get_world_size(ctx.group), _filled(given, like)
+        blocks = [_padded(g, size * c).view(size, -1) for g, c in zip(grads, chunks)]
+        widths = [c * math.prod(g.shape[1:]) for c, g in zip(chunks, grads)]
         if ctx.reached:  # whether this rank reached each tensor, in every rank's block: the sum says how many
             blocks.append(_reached_flags(given, grads[0]).expand(size, -1))
             widths.append(len(grads))
         out = _reduce_scattered(torch.cat(blocks, dim=1), ctx.group, ctx.recorder, ctx.name, "backward")
         pieces = out.split(widths)
-        local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, ctx.chunks, ctx.local_rows)]
-        return (None, None, None, None, *(_kept_where_reached(local, pieces[-1]) if ctx.reached else local))
+        local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, chunks, local_rows)]
+        summed = iter(_kept_where_reached(local, pieces[-1]) if ctx.reached else local)
+        every = (next(summed) if i in trained else None for i in range(len(ctx.like)))
+        return (None, None, None, None, *every)
 
 
 def all_gather_shards(

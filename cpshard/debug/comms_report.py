@@ -22,11 +22,13 @@ from torch.distributed.tensor import DTensor
 from cpshard.call import CallPlan
 from cpshard.comm.record import CommEvent, Expected, recording
 from cpshard.debug.analytic import attention_paths, head_dim, value_head_dim
-from cpshard.debug.optimum import CommOptimum, ulysses_optimum
+from cpshard.debug.optimum import CommOptimum, tp_sums_optimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
 from cpshard.layouts.layout import gathers_keys
 from cpshard.layouts.structure import text_config
 from cpshard.parallel.mesh import mesh_size
+from cpshard.parallel.placement import style_of
+from cpshard.parallel.tensor import tensor_parallel_sums
 
 PHASES = ("forward", "backward")
 #: the names cpshard's forward and :func:`cpshard.value_and_grad` give their reductions
@@ -71,6 +73,9 @@ class _Run:
     trained_bytes: int = 0
     trained_buckets: int = 0
     reached_bytes: int = 0
+    #: ``((event name, phase), (count, bytes))`` of the sums over tp (tp > 1): of the residual stream, and of
+    #: each trained per-head weight's gradient
+    tp_sums: tuple = ()
 
     @classmethod
     def of(cls, call: CallPlan, model, kwargs: dict) -> _Run | None:
@@ -82,7 +87,9 @@ class _Run:
             return None
         params, config, layout = list(model.parameters()), text_config(model), call.layout
         floating = [p for p in params if p.is_floating_point()]
-        heads, kv_heads = layout.tp_rank_head_counts(config, mesh_size(call.mesh, "tp"))
+        tp = mesh_size(call.mesh, "tp")
+        heads, kv_heads = layout.tp_rank_head_counts(config, tp)
+        itemsize = floating[0].element_size() if floating else 4
         optimum = ulysses_optimum(
             batch=inputs.shape[0],
             length=inputs.shape[1],
@@ -93,7 +100,7 @@ class _Run:
             head_dim=head_dim(config, layout),
             value_head_dim=value_head_dim(config, layout),
             param_bytes=sum(p.numel() * p.element_size() for p in params),
-            itemsize=floating[0].element_size() if floating else 4,
+            itemsize=itemsize,
         )
         buckets = None if any(isinstance(p, DTensor) for p in params) else len({p.dtype for p in params})
         dtypes = frozenset(p.dtype for p in params)
@@ -103,9 +110,45 @@ class _Run:
         trained = [p for p in params if p.requires_grad]
         trained_bytes = sum(p.numel() * p.element_size() for p in trained)
         reached = len(trained) * trained[0].element_size() if trained else 0
-        return cls(
-            tuple(paths), optimum, buckets, dtypes, trained_bytes, len({p.dtype for p in trained}), reached
+        # with frozen weights autograd skips the input gradients' sums upstream of every trained one, which
+        # the optimum does not work out: it counts them where every parameter trains
+        every_trains = all(p.requires_grad for p in params)
+        sums = [
+            (name, phase)
+            for name, phase, _ in tensor_parallel_sums(_layers(model, layout), layout)
+            if phase == "forward" or every_trains
+        ]
+        tp_sums = tp_sums_optimum(
+            sums if tp > 1 else [],
+            batch=inputs.shape[0],
+            length=inputs.shape[1],
+            cp=call.cp_size,
+            hidden=config.hidden_size,
+            itemsize=itemsize,
         )
+        per_head = {  # a weight each tp rank applies to its own heads: its gradient summed over tp, whole
+            (f"tp {name}", "backward"): (1, p.numel() * p.element_size())
+            for name, p in model.named_parameters()
+            if tp > 1 and p.requires_grad and style_of(name, layout) == "per_head"
+        }
+        return cls(
+            tuple(paths),
+            optimum,
+            buckets,
+            dtypes,
+            trained_bytes,
+            len({p.dtype for p in trained}),
+            reached,
+            tuple({**tp_sums, **per_head}.items()),
+        )
+
+
+def _layers(model, layout) -> list:
+    """The model's decoder layers (none where the layout names no list)."""
+    try:
+        return list(model.get_submodule(layout.decoder_layers))
+    except AttributeError:
+        return []
 
 
 def split_name(name: str, modules: set[str]) -> tuple[str, str]:
@@ -153,6 +196,9 @@ def optimum(runs: list[_Run], declared: list[Expected], groups: set[tuple]) -> d
                 add((GRADIENTS, "all_reduce", "backward"), count, run.optimum.gradients + run.optimum.loss)
         if loss_apart:
             add((LOSS, "all_reduce", "forward"), 1, run.optimum.loss)
+        for (name, phase), (count, nbytes) in run.tp_sums:
+            if backward or phase != "backward":
+                add((name, "all_reduce", phase), count, nbytes)
     return dict(expected)
 
 

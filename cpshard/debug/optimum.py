@@ -71,6 +71,19 @@ def ulysses_optimum(
     return CommOptimum(all_to_all=2 * layers * per_layer, gradients=param_bytes, loss=4)
 
 
+def tp_sums_optimum(
+    sums: list[tuple[str, str]], *, batch: int, length: int, cp: int, hidden: int, itemsize: int = 4
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """``(event name, phase) -> (count, bytes)`` of the all-reduces over tp of the residual stream, each
+    ``(event name, phase)`` of ``sums`` one (:func:`cpshard.parallel.tensor.tensor_parallel_sums`): each
+    moves this rank's tokens of the stream, ``B * L/cp * hidden`` elements."""
+    one = batch * padded_length_for(length, cp) // cp * hidden * itemsize
+    counts: dict[tuple[str, str], int] = {}
+    for key in sums:
+        counts[key] = counts.get(key, 0) + 1
+    return {key: (count, count * one) for key, count in counts.items()}
+
+
 def ring_optimum(
     *,
     batch: int,

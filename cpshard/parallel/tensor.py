@@ -25,6 +25,9 @@ from cpshard.layouts.layout import TP_STYLES, Layout, config_field
 from cpshard.layouts.structure import submodule, text_config
 from cpshard.parallel.adapters import lora_problem, part_style
 
+#: the event name of the sums of the tp entry blocks' input gradients
+TP_INPUT = "tp input"
+
 
 def check_tensor_parallel(model: nn.Module, layout: Layout, tp: int) -> None:
     """The plan names known styles, every count it splits divides by ``tp``, and every block it splits
@@ -206,8 +209,8 @@ def _sum_input_grads(module, args, kwargs):
     if group is None:
         return None
     if args:
-        return (sum_grads_over_group(args[0], group, "tp input"), *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": sum_grads_over_group(kwargs["hidden_states"], group, "tp input")}
+        return (sum_grads_over_group(args[0], group, TP_INPUT), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": sum_grads_over_group(kwargs["hidden_states"], group, TP_INPUT)}
 
 
 @serving("tp")
@@ -243,11 +246,12 @@ def holds_experts(layer: nn.Module, path: str, layout: Layout) -> bool:
     return _holds_any(layer, path, layout.experts)
 
 
-def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
-    """Each decoder layer's tp entry modules (their input gradients sum over tp; MoE blocks aside) and
-    row-wise layers (their outputs sum over tp)."""
+def tensor_parallel_sums(layers: nn.ModuleList, layout: Layout) -> list[tuple[str, str, nn.Module]]:
+    """``(event name, phase, module)`` for every sum over tp of the residual stream a call makes: each
+    decoder layer's tp entry modules' input gradients in the backward (MoE blocks aside) and its
+    row-wise layers' outputs in the forward. The hooks sum there; the communication optimum counts them."""
     rowwise = [path for path, style in layout.tensor_parallel.items() if style == "rowwise"]
-    hooks = []
+    sums = []
     for layer in layers:
         for path in layout.tensor_parallel_inputs:
             module = submodule(layer, path)
@@ -256,9 +260,20 @@ def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
                 and holds_colwise(layer, path, layout)
                 and not holds_experts(layer, path, layout)
             ):
-                hooks.append(Hook(module, _sum_input_grads, pre=True))
+                sums.append((TP_INPUT, "backward", module))
         for path in rowwise:
             module = submodule(layer, path)
             if module is not None:
-                hooks.append(Hook(module, partial(_sum_outputs, f"tp {path}"), pre=False))
-    return hooks
+                sums.append((f"tp {path}", "forward", module))
+    return sums
+
+
+def tensor_parallel_hooks(layers: nn.ModuleList, layout: Layout) -> list[Hook]:
+    """The hooks of :func:`tensor_parallel_sums`: input gradients summed before an entry module, outputs
+    summed after a row-wise layer."""
+    return [
+        Hook(module, _sum_input_grads, pre=True)
+        if phase == "backward"
+        else Hook(module, partial(_sum_outputs, name), pre=False)
+        for name, phase, module in tensor_parallel_sums(layers, layout)
+    ]
