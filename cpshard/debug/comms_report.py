@@ -25,7 +25,7 @@ from cpshard.debug.analytic import attention_paths, head_dim, value_head_dim
 from cpshard.debug.optimum import CommOptimum, tp_sums_optimum, ulysses_optimum
 from cpshard.debug.table import grouped, table
 from cpshard.layouts.layout import gathers_keys
-from cpshard.layouts.structure import text_config
+from cpshard.layouts.structure import submodule, text_config
 from cpshard.parallel.mesh import mesh_size
 from cpshard.parallel.placement import style_of
 from cpshard.parallel.tensor import tensor_parallel_sums
@@ -110,27 +110,7 @@ class _Run:
         trained = [p for p in params if p.requires_grad]
         trained_bytes = sum(p.numel() * p.element_size() for p in trained)
         reached = len(trained) * trained[0].element_size() if trained else 0
-        # with frozen weights autograd skips the input gradients' sums upstream of every trained one, which
-        # the optimum does not work out: it counts them where every parameter trains
-        every_trains = all(p.requires_grad for p in params)
-        sums = [
-            (name, phase)
-            for name, phase, _ in tensor_parallel_sums(_layers(model, layout), layout)
-            if phase == "forward" or every_trains
-        ]
-        tp_sums = tp_sums_optimum(
-            sums if tp > 1 else [],
-            batch=inputs.shape[0],
-            length=inputs.shape[1],
-            cp=call.cp_size,
-            hidden=config.hidden_size,
-            itemsize=itemsize,
-        )
-        per_head = {  # a weight each tp rank applies to its own heads: its gradient summed over tp, whole
-            (f"tp {name}", "backward"): (1, p.numel() * p.element_size())
-            for name, p in model.named_parameters()
-            if tp > 1 and p.requires_grad and style_of(name, layout) == "per_head"
-        }
+        tp_sums = _tp_sums(model, layout, inputs.shape, call.cp_size, itemsize) if tp > 1 else {}
         return cls(
             tuple(paths),
             optimum,
@@ -139,16 +119,31 @@ class _Run:
             trained_bytes,
             len({p.dtype for p in trained}),
             reached,
-            tuple({**tp_sums, **per_head}.items()),
+            tuple(tp_sums.items()),
         )
 
 
-def _layers(model, layout) -> list:
-    """The model's decoder layers (none where the layout names no list)."""
-    try:
-        return list(model.get_submodule(layout.decoder_layers))
-    except AttributeError:
-        return []
+def _tp_sums(model, layout, shape: tuple, cp: int, itemsize: int) -> dict[tuple[str, str], tuple[int, int]]:
+    """``(event name, phase) -> (count, bytes)`` of the sums over tp a call of inputs of ``shape`` makes: the
+    residual stream's (:func:`tensor_parallel_sums`), and each trained per-head weight's gradient, whole.
+    With frozen weights autograd skips the input gradients' sums upstream of every trained one, which this
+    does not work out: those are counted where every parameter trains."""
+    every_trains = all(p.requires_grad for p in model.parameters())
+    hidden = getattr(text_config(model), "hidden_size", None)  # the stream's width; without it, no optimum
+    layers = submodule(model, layout.decoder_layers) if hidden else None
+    sums = [
+        (name, phase)
+        for name, phase, _ in tensor_parallel_sums(layers or (), layout)
+        if phase == "forward" or every_trains
+    ]
+    batch, length = shape[:2]
+    stream = tp_sums_optimum(sums, batch=batch, length=length, cp=cp, hidden=hidden or 0, itemsize=itemsize)
+    per_head = {
+        (f"tp {name}", "backward"): (1, p.numel() * p.element_size())
+        for name, p in model.named_parameters()
+        if p.requires_grad and style_of(name, layout) == "per_head"
+    }
+    return {**stream, **per_head}
 
 
 def split_name(name: str, modules: set[str]) -> tuple[str, str]:
