@@ -216,7 +216,7 @@ class _GatherShards(torch.autograd.Function):
         ctx.group, ctx.name, ctx.recorder, ctx.chunks = group, name, active_recorder(), chunks
         ctx.local_rows, ctx.reached = [shard.shape[0] for shard in shards], reached
         ctx.like = [((n, *s.shape[1:]), s.dtype, s.device) for s, n in zip(shards, rows)]
-        ctx.trained = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        ctx.trained = ctx.needs_input_grad[4:]
         flat = torch.cat([_padded(shard, chunk).reshape(-1) for shard, chunk in zip(shards, chunks)])
         out = _all_gathered(flat, group, ctx.recorder, name, "forward")
         pieces = out.view(size, -1).split([c * math.prod(s.shape[1:]) for c, s in zip(chunks, shards)], dim=1)
@@ -224,13 +224,13 @@ class _GatherShards(torch.autograd.Function):
             torch.cat([piece[r].view(c, *s.shape[1:])[: _rows_of(r, n, c)] for r in range(size)])
             for piece, s, n, c in zip(pieces, shards, rows, chunks)
         )
-        ctx.mark_non_differentiable(*(w for i, w in enumerate(whole) if i not in ctx.trained))
+        ctx.mark_non_differentiable(*(w for w, trained in zip(whole, ctx.trained) if not trained))
         return whole
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *given):
-        trained = ctx.trained  # the gradients of the others are None: they take none
+        trained = [i for i, need in enumerate(ctx.trained) if need]  # the others' gradients are None
         given, like = [given[i] for i in trained], [ctx.like[i] for i in trained]
         chunks, local_rows = [ctx.chunks[i] for i in trained], [ctx.local_rows[i] for i in trained]
         size, grads = dist.get_world_size(ctx.group), _filled(given, like)
@@ -243,7 +243,7 @@ class _GatherShards(torch.autograd.Function):
         pieces = out.split(widths)
         local = [p.view(c, *g.shape[1:])[:n] for p, g, c, n in zip(pieces, grads, chunks, local_rows)]
         summed = iter(_kept_where_reached(local, pieces[-1]) if ctx.reached else local)
-        every = (next(summed) if i in trained else None for i in range(len(ctx.like)))
+        every = (next(summed) if need else None for need in ctx.trained)
         return (None, None, None, None, *every)
 
 

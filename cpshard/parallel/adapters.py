@@ -14,6 +14,8 @@ LoRA wraps a layer ``W`` of the plan as ``W.base_layer`` (the layer itself) besi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 
 #: a LoRA part's style, by the style of the layer of the plan it sits in
@@ -30,6 +32,20 @@ def part_style(part: str, style: str) -> str | None:
     name, _, adapter = part.partition(".")
     named = not adapter if name == "base_layer" else bool(adapter) and "." not in adapter
     return _PART_STYLES[name].get(style) if name in _PART_STYLES and named else None
+
+
+def style_in_plan(module: str, plan: Mapping[str, str]) -> str | None:
+    """The ``plan``'s style of the module at ``module`` (paths as the plan writes them), or of the LoRA part
+    it is of a layer of the plan; None where the plan places it nowhere."""
+    if module in plan:
+        return plan[module]
+    below = (p for p in plan if module.startswith(f"{p}."))
+    return next((part_style(module[len(p) + 1 :], plan[p]) for p in below), None)
+
+
+def parameters_below(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that sit in modules below it (an adapter's, a wrapper's)."""
+    return [name for name, _ in module.named_parameters() if "." in name]
 
 
 def lora_problem(module: nn.Module, style: str) -> str | None:

@@ -44,6 +44,7 @@ from cpshard.comm.exchange import all_to_all, all_to_all_rows
 from cpshard.comm.record import serving
 from cpshard.interfaces import SeenAs, register_wrapper
 from cpshard.layouts.structure import submodule, text_config
+from cpshard.parallel.adapters import parameters_below
 
 PREFIX = "cpshard_ep_"
 #: how the experts layer runs under ep (see the module docstring); "auto" picks "all_reduce" where it can
@@ -327,7 +328,7 @@ def _check_experts_hold_their_weights(model, layout, ep: int) -> None:
     for i, layer in enumerate(submodule(model, layout.decoder_layers) or ()):
         for path in layout.experts:
             module = submodule(layer, path)
-            nested = [name for name, _ in (module.named_parameters() if module else ()) if "." in name]
+            nested = parameters_below(module) if module is not None else []
             if nested:
                 where, kind = f"{layout.decoder_layers}.{i}.{path}", type(module).__name__
                 raise ValueError(

@@ -29,7 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from cpshard.layouts.layout import Layout
-from cpshard.parallel.adapters import part_style
+from cpshard.parallel.adapters import style_in_plan
 from cpshard.parallel.mesh import expert_degree, mesh_size
 
 
@@ -89,16 +89,7 @@ def style_of(name: str, layout: Layout | None) -> str:
     module = match.group(1)
     if module in layout.experts:
         return "expert"
-    if module in layout.tensor_parallel:
-        return layout.tensor_parallel[module]
-    return next(
-        (
-            part_style(module[len(path) + 1 :], style) or "shard"
-            for path, style in layout.tensor_parallel.items()
-            if module.startswith(f"{path}.")
-        ),
-        "shard",
-    )
+    return style_in_plan(module, layout.tensor_parallel) or "shard"
 
 
 def placed(style: str, mesh: DeviceMesh) -> Placed:

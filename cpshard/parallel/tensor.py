@@ -23,7 +23,7 @@ from cpshard.comm.record import serving
 from cpshard.interfaces import Hook
 from cpshard.layouts.layout import TP_STYLES, Layout, config_field
 from cpshard.layouts.structure import submodule, text_config
-from cpshard.parallel.adapters import lora_problem, part_style
+from cpshard.parallel.adapters import lora_problem, parameters_below, style_in_plan
 
 #: the event name of the sums of the tp entry blocks' input gradients
 TP_INPUT = "tp input"
@@ -166,14 +166,13 @@ def _block_problems(block: nn.Module, path: str, layout: Layout) -> list[tuple[s
     problems = [
         (f"{path}.{p}", why)
         for p, style in styles.items()
-        if _holds_parameters_below(block, p) and (why := lora_problem(submodule(block, p), style))
+        if (module := submodule(block, p)) is not None
+        and parameters_below(module)
+        and (why := lora_problem(module, style))
     ]
     for name, param in block.named_parameters():
         owner, _, own = name.rpartition(".")
-        if owner in styles or any(
-            owner.startswith(f"{p}.") and part_style(owner[len(p) + 1 :], style)
-            for p, style in styles.items()
-        ):
+        if style_in_plan(owner, styles):
             continue
         # a vector as wide as a split output: a norm over every head's width (its statistic needs them all)
         spans = next((split[n] for n in param.shape if n in split), None) if param.dim() == 1 else None
@@ -190,12 +189,6 @@ def _block_problems(block: nn.Module, path: str, layout: Layout) -> list[tuple[s
         why = f"its forward reshapes by {count}, the whole model's head count, where a tp rank holds a share"
         problems.append((path, why))
     return problems
-
-
-def _holds_parameters_below(block: nn.Module, path: str) -> bool:
-    """The module at ``path`` in ``block`` has parameters in modules below it (an adapter's)."""
-    module = submodule(block, path)
-    return module is not None and any("." in name for name, _ in module.named_parameters())
 
 
 def _tp_group():
